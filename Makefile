@@ -1,0 +1,36 @@
+# The two commands a new user runs: `make demo` and `make test`. Both create/refresh .venv first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+BUILD  ?= build
+
+.PHONY: venv demo test test-fast bench docker clean
+
+venv: $(STAMP)
+
+# Re-install only when the project's declared dependencies change.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PY) -m pip install -q -e '.[dev]' 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PY) -c "import dalifeed, nvidia.dali, webdataset, torch, torchvision, sklearn, skimage"
+	touch $(STAMP)
+
+demo: venv
+	$(PY) -m dalifeed.demo --workdir $(BUILD)/demo
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: venv
+	$(PY) -m dalifeed.bench.make_bench --workdir $(BUILD)/bench --doc docs/benchmarks.md
+
+docker:
+	docker build -f docker/Dockerfile -t dalifeed:latest .
+
+clean:
+	rm -rf $(BUILD) .pytest_cache

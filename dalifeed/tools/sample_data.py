@@ -1,0 +1,139 @@
+"""Small real datasets built from images that ship inside installed packages (nothing is downloaded).
+
+- `make_digits_imagefolder`: scikit-learn's 1,797 handwritten digits (8x8, 17 grey levels), upscaled
+  and written as RGB JPEG, ImageFolder `train/` + `val/`, classes "0".."9". The demo trains on it.
+- `make_photos_imagefolder`: ImageNet-like photos (about 500x375, JPEG quality 90) cut from the colour
+  sample photos of scikit-image and scikit-learn; one class per source photo. The benchmark reads it.
+
+Run `python -m dalifeed.tools.sample_data digits OUT` or `... photos OUT --per-class 50`.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import click
+import numpy as np
+from PIL import Image
+
+
+def make_digits_imagefolder(out: Path, size: int = 32, seed: int = 0, val_fraction: float = 0.2) -> Path:
+    """Write the digits as `out/{train,val}/<digit>/<index>.jpg`; a seeded stratified split."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    out = Path(out)
+    _reset(out)
+    rng = np.random.default_rng(seed)
+    for label in range(10):
+        indices = np.flatnonzero(digits.target == label)
+        rng.shuffle(indices)
+        n_val = int(round(len(indices) * val_fraction))
+        for split, chosen in (("val", indices[:n_val]), ("train", indices[n_val:])):
+            folder = out / split / str(label)
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in sorted(chosen):
+                grey = (digits.images[i] * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
+                img = Image.fromarray(grey, "L").resize((size, size), Image.BICUBIC).convert("RGB")
+                img.save(folder / f"{i:04d}.jpg", quality=95)
+    return out
+
+
+def _photo_sources() -> dict[str, np.ndarray]:
+    """Colour photographs (H, W, 3 uint8) that ship inside scikit-image and scikit-learn."""
+    import skimage.data
+    from sklearn.datasets import load_sample_images
+
+    photos = {}
+    for name in ("astronaut", "chelsea", "coffee", "rocket", "retina", "motorcycle_left", "hubble_deep_field"):
+        loader = getattr(skimage.data, name, None)
+        if loader is None:
+            continue
+        try:
+            photo = loader()
+        except Exception:  # a photo that would need a download in this skimage version
+            continue
+        if isinstance(photo, tuple):
+            photo = photo[0]
+        if photo.ndim == 3 and photo.shape[2] >= 3:
+            photos[name] = np.ascontiguousarray(photo[:, :, :3])
+    for filename, photo in zip(load_sample_images().filenames, load_sample_images().images):
+        photos[Path(filename).stem] = photo
+    return photos
+
+
+def make_photos_imagefolder(out: Path, per_class: int = 50, seed: int = 0, val_fraction: float = 0.2,
+                            quality: int = 90) -> Path:
+    """Random crops of each photo, resized to 500x375 (or 375x500), lightly colour-jittered, saved as
+    JPEG: the size and compression of a typical ImageNet training image."""
+    out = Path(out)
+    _reset(out)
+    rng = np.random.default_rng(seed)
+    n_val = int(round(per_class * val_fraction))
+    for name, photo in sorted(_photo_sources().items()):
+        source = Image.fromarray(photo)
+        for i in range(per_class):
+            split = "val" if i < n_val else "train"
+            folder = out / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            _random_view(source, rng).save(folder / f"{name}_{i:05d}.jpg", quality=quality)
+    return out
+
+
+def _random_view(photo: Image.Image, rng: np.random.Generator) -> Image.Image:
+    width, height = photo.size
+    target = (500, 375) if rng.random() < 0.75 else (375, 500)
+    aspect = target[0] / target[1]
+    crop_w = min(width, int(width * rng.uniform(0.5, 1.0)))
+    crop_h = min(height, int(crop_w / aspect))
+    crop_w = int(crop_h * aspect)
+    left = int(rng.integers(0, width - crop_w + 1))
+    top = int(rng.integers(0, height - crop_h + 1))
+    view = photo.crop((left, top, left + crop_w, top + crop_h)).resize(target, Image.BILINEAR)
+    if rng.random() < 0.5:
+        view = view.transpose(Image.FLIP_LEFT_RIGHT)
+    pixels = np.asarray(view, dtype=np.float32) * rng.uniform(0.8, 1.2, size=3) + rng.uniform(-20, 20)
+    return Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+
+
+def _reset(out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+
+
+def jpeg_bytes(img: Image.Image, quality: int = 95) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+@click.group()
+def main() -> None:
+    """Build small real ImageFolder datasets from images shipped in scikit-learn / scikit-image."""
+
+
+@main.command()
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--size", default=32, show_default=True, help="Side of the written square images.")
+@click.option("--seed", default=0, show_default=True)
+def digits(out: Path, size: int, seed: int) -> None:
+    """scikit-learn's handwritten digits as OUT/{train,val}/<digit>/*.jpg."""
+    make_digits_imagefolder(out, size=size, seed=seed)
+    click.echo(f"wrote digits ImageFolder to {out}")
+
+
+@main.command()
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--per-class", default=50, show_default=True, help="Images per class (one class per photo).")
+@click.option("--seed", default=0, show_default=True)
+def photos(out: Path, per_class: int, seed: int) -> None:
+    """ImageNet-like 500x375 JPEG q90 photos as OUT/{train,val}/<photo>/*.jpg."""
+    make_photos_imagefolder(out, per_class=per_class, seed=seed)
+    click.echo(f"wrote photos ImageFolder to {out}")
+
+
+if __name__ == "__main__":
+    main()
