@@ -1,0 +1,274 @@
+"""Bad input is reported and accounted for; interrupted runs resume to the same bytes; verify catches damage."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from click.testing import CliRunner
+from PIL import Image
+
+from dalifeed.tools import ConvertConfig, convert_imagefolder, verify_shards
+from dalifeed.tools.cli import main as cli
+
+from conftest import jpeg_bytes, random_image, write_imagefolder
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def png_bytes(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture
+def messy_folder(tmp_path: Path) -> Path:
+    """Good JPEGs plus every kind of trouble a scraped dataset has."""
+    src = write_imagefolder(tmp_path / "messy", {"a": 5, "b": 4})
+    rng = np.random.default_rng(7)
+    good = jpeg_bytes(random_image(rng, (40, 30)))
+    (src / "a" / "truncated.jpg").write_bytes(good[: len(good) // 2])
+    (src / "a" / "noise.jpg").write_bytes(rng.integers(0, 256, 3000, dtype=np.uint8).tobytes())
+    (src / "a" / "notes.txt").write_text("not an image")
+    (src / "b" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    (src / "b" / "png_named.jpg").write_bytes(png_bytes(Image.fromarray(random_image(rng, (20, 20)))))
+    (src / "b" / "jpeg_named.png").write_bytes(good)
+    Image.fromarray(random_image(rng, (20, 20))).convert("CMYK").save(src / "b" / "cmyk.jpg", format="JPEG")
+    Image.fromarray(random_image(rng, (20, 20))).convert("RGBA").save(src / "b" / "alpha.png")
+    Image.fromarray(random_image(rng, (20, 20))).convert("P").save(src / "b" / "palette.gif")
+    Image.fromarray(random_image(rng, (20, 20))[:, :, 0]).save(src / "b" / "grey.bmp")
+    Image.fromarray(random_image(rng, (20, 20))).save(src / "b" / "photo.webp")
+    Image.fromarray(random_image(rng, (20, 20))).save(src / "b" / "scan.tiff")
+    (src / "stray.jpg").write_bytes(good)
+    return src
+
+
+def test_every_file_is_converted_or_skipped_with_reason(messy_folder, tmp_path):
+    manifest = convert_imagefolder(ConvertConfig(src=messy_folder, out=tmp_path / "out", progress=False))
+    all_files = [p for p in messy_folder.rglob("*") if p.is_file()]
+    skipped = {s["path"]: s["reason"] for s in manifest.skipped}
+    assert manifest.found == len(all_files) == manifest.num_samples("train") + len(skipped)
+    assert set(skipped) == {"a/truncated.jpg", "a/noise.jpg", "a/notes.txt", "b/.DS_Store", "stray.jpg"}
+    assert "truncated" in skipped["a/truncated.jpg"]
+    assert skipped["a/notes.txt"].startswith("not an image")
+    assert skipped["stray.jpg"] == "outside any class folder"
+
+    metas = {}
+    for s in wds.WebDataset([str(p) for p in manifest.shard_paths("train")], shardshuffle=False):
+        meta = json.loads(s["json"])
+        metas[meta["path"]] = meta
+        img = Image.open(io.BytesIO(s["jpg"]))
+        assert img.format == "JPEG" and img.mode in ("RGB", "L")
+        if meta["reencoded"] is None:
+            assert s["jpg"] == (messy_folder / meta["path"]).read_bytes()
+    assert metas["b/jpeg_named.png"]["reencoded"] is None  # judged by content, not by name
+    assert metas["b/png_named.jpg"]["reencoded"] == "png"
+    assert metas["b/cmyk.jpg"]["reencoded"] == "cmyk-jpeg"
+    assert {metas[f"b/{n}"]["reencoded"] for n in ("alpha.png", "palette.gif", "grey.bmp", "photo.webp", "scan.tiff")} \
+        == {"png", "gif", "bmp", "webp", "tiff"}
+    assert manifest.reencoded["count"] == 7
+    assert verify_shards(manifest.root, decode=True).ok
+
+
+def test_alpha_is_composited_on_white(tmp_path):
+    src = tmp_path / "src" / "a"
+    src.mkdir(parents=True)
+    transparent = Image.new("RGBA", (16, 16), (0, 0, 0, 0))
+    transparent.save(src / "clear.png")
+    manifest = convert_imagefolder(ConvertConfig(src=src.parent, out=tmp_path / "out", progress=False))
+    sample = next(iter(wds.WebDataset([str(manifest.shard_paths("train")[0])], shardshuffle=False).decode("rgb8")))
+    assert sample["jpg"].min() > 240
+
+
+def test_max_side_shrinks_large_images(tmp_path):
+    src = write_imagefolder(tmp_path / "src", {"a": 3}, size=(90, 120))
+    manifest = convert_imagefolder(ConvertConfig(src=src, out=tmp_path / "out", max_side=60, progress=False))
+    for s in wds.WebDataset([str(p) for p in manifest.shard_paths("train")], shardshuffle=False):
+        assert Image.open(io.BytesIO(s["jpg"])).size == (60, 45)
+        assert json.loads(s["json"])["reencoded"] == "max_side"
+
+
+def test_on_error_fail_stops_naming_the_file(messy_folder, tmp_path):
+    result = run_cli("imagefolder", messy_folder, tmp_path / "out", "--on-error", "fail", "--workers", "1")
+    assert result.exit_code == 1
+    assert re.search(r"^Error: a/(truncated\.jpg|noise\.jpg|notes\.txt): ", result.output, re.M), result.output
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("missing", "does not exist"),
+    ("no_classes", "no class folders"),
+    ("empty_class", "class folder is empty"),
+])
+def test_bad_source_is_one_line_usage_error(tmp_path, layout, message):
+    src = tmp_path / "src"
+    if layout != "missing":
+        src.mkdir()
+        (src / "loose.jpg").write_bytes(b"x")
+    if layout == "empty_class":
+        write_imagefolder(src, {"a": 2})
+        (src / "b").mkdir()
+    result = run_cli("imagefolder", src, tmp_path / "out")
+    assert result.exit_code == 2
+    assert message in result.output
+    assert len([line for line in result.output.splitlines() if line.startswith("Error")]) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--val-fraction", "1.5"], "--val-fraction must be in"),
+    (["--jpeg-quality", "0"], "--jpeg-quality must be in"),
+    (["--workers", "0"], "--workers must be >= 1"),
+    (["--max-shard-bytes", "lots"], "not a size"),
+])
+def test_bad_options_are_usage_errors(small_imagefolder, tmp_path, args, message):
+    result = run_cli("imagefolder", small_imagefolder, tmp_path / "out", *args)
+    assert result.exit_code == 2
+    assert message in result.output
+
+
+def test_out_made_with_other_options_is_refused_unless_overwrite(small_imagefolder, tmp_path):
+    out = tmp_path / "out"
+    assert run_cli("imagefolder", small_imagefolder, out, "--seed", "1").exit_code == 0
+    again = run_cli("imagefolder", small_imagefolder, out, "--seed", "1")
+    assert again.exit_code == 0 and "nothing to do" in again.output
+    refused = run_cli("imagefolder", small_imagefolder, out, "--seed", "2")
+    assert refused.exit_code == 2 and "--overwrite" in refused.output
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("mine")
+    assert run_cli("imagefolder", small_imagefolder, tmp_path / "other").exit_code == 2
+    assert run_cli("imagefolder", small_imagefolder, out, "--seed", "2", "--overwrite").exit_code == 0
+    assert json.loads((out / "manifest.json").read_text())["options"]["seed"] == 2
+
+
+class Interrupt(Exception):
+    pass
+
+
+def interrupt_after(n: int):
+    """A tqdm stand-in hook: raise after n items, as Ctrl-C or a crash would mid-run."""
+    count = 0
+
+    def hook(self, k=1):
+        nonlocal count
+        count += k
+        if count > n:
+            raise Interrupt()
+    return hook
+
+
+@pytest.mark.parametrize("stop_after", [0, 9, 17, 30])
+def test_interrupted_conversion_resumes_to_identical_bytes(small_imagefolder, tmp_path, monkeypatch, stop_after):
+    import tqdm
+
+    reference = convert_imagefolder(ConvertConfig(src=small_imagefolder, out=tmp_path / "ref", samples_per_shard=4,
+                                                  workers=1, progress=False))
+    out = tmp_path / "out"
+    cfg = ConvertConfig(src=small_imagefolder, out=out, samples_per_shard=4, workers=2, progress=False)
+    with monkeypatch.context() as m:
+        m.setattr(tqdm.tqdm, "update", interrupt_after(stop_after))
+        with pytest.raises(Interrupt):
+            convert_imagefolder(cfg)
+    assert not (out / "manifest.json").exists()
+    finished = {p.name: p.stat().st_mtime_ns for p in out.glob("*.tar")}
+    # a shard closes when the first sample of the next one arrives
+    assert len(finished) == max(0, (stop_after - 1) // 4)
+
+    resumed = convert_imagefolder(cfg)
+    assert resumed.summary.status == "resume"
+    for name, mtime in finished.items():
+        assert (out / name).stat().st_mtime_ns == mtime, f"{name} was rewritten"
+    for p in reference.root.iterdir():
+        if p.suffix in (".tar", ".idx") or p.name == "manifest.json":
+            assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+    assert not list(out.glob(".*.tmp")) and not (out / ".dalifeed-progress").exists()
+
+
+def test_kill_9_mid_conversion_then_rerun_gives_identical_bytes(tmp_path):
+    src = write_imagefolder(tmp_path / "src", {"a": 150, "b": 151}, size=(64, 64))
+    reference = convert_imagefolder(ConvertConfig(src=src, out=tmp_path / "ref", samples_per_shard=5, workers=1,
+                                                  progress=False))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "dalifeed.tools.cli", "imagefolder", str(src), str(out),
+               "--samples-per-shard", "5", "--workers", "2"]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("train-*.tar"))) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)  # the workers too, as an OOM kill or a node loss would
+    proc.wait()
+    killed_with = len(list(out.glob("train-*.tar")))
+    assert not (out / "manifest.json").exists(), "the run finished before it could be killed"
+
+    rerun = subprocess.run(command, capture_output=True, text=True)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resumed" in rerun.stdout
+    for p in reference.root.iterdir():
+        if p.suffix in (".tar", ".idx") or p.name == "manifest.json":
+            assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+    assert killed_with >= 3
+
+
+def test_a_crashing_worker_surfaces_instead_of_hanging(small_imagefolder, tmp_path):
+    from dalifeed.tools.shards import WorkerCrashed, ordered_map
+
+    with pytest.raises(WorkerCrashed, match="worker process died"):
+        list(ordered_map(os._exit, [0] * 40, workers=2))
+    with pytest.raises(ZeroDivisionError):
+        list(ordered_map(_divide_by_zero, range(40), workers=2))
+
+
+def _divide_by_zero(x):
+    return x / 0
+
+
+@pytest.fixture
+def shards(small_imagefolder, tmp_path) -> Path:
+    convert_imagefolder(ConvertConfig(src=small_imagefolder, out=tmp_path / "v", samples_per_shard=8, progress=False))
+    return tmp_path / "v"
+
+
+def test_verify_passes_a_sound_folder(shards):
+    result = run_cli("verify", shards, "--decode")
+    assert result.exit_code == 0, result.output
+
+
+def test_verify_catches_a_truncated_shard(shards):
+    tar = shards / "train-000001.tar"
+    tar.write_bytes(tar.read_bytes()[:3000])
+    result = run_cli("verify", shards)
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if "train-000001.tar" in line]
+    assert any("bytes, manifest says" in line for line in lines)
+    assert any("unreadable tar" in line or "samples, manifest says" in line for line in lines)
+
+
+def test_verify_catches_a_tampered_shard_and_index(shards):
+    tar = shards / "train-000002.tar"
+    data = bytearray(tar.read_bytes())
+    data[600] ^= 0xFF  # inside the first image's bytes: same size, different content
+    tar.write_bytes(bytes(data))
+    idx = shards / "train-000000.idx"
+    idx.write_text(idx.read_text().replace(" 512 ", " 1024 ", 1))
+    result = run_cli("verify", shards, "--json")
+    report = json.loads(result.output)
+    assert result.exit_code == 1 and not report["ok"]
+    assert any("train-000002.tar: sha256 differs" in p for p in report["problems"])
+    assert any("train-000000.idx: does not match" in p for p in report["problems"])
+
+
+def test_verify_missing_folder_is_usage_error(tmp_path):
+    result = run_cli("verify", tmp_path / "nope")
+    assert result.exit_code == 2 and "no such shard folder" in result.output
