@@ -276,7 +276,8 @@ def convert_imagefolder(cfg: ConvertConfig) -> ShardManifest:
     store.start(fingerprint)
     encode = functools.partial(encode_item, src=str(cfg.src), quality=cfg.jpeg_quality, max_side=cfg.max_side)
     splits, skipped, reencoded = {}, [], {}
-    bar = tqdm(total=plan.found, unit="img", desc="shard-convert", disable=not cfg.progress, dynamic_ncols=True)
+    bar = tqdm(total=plan.found, unit="img", desc="shard-convert", disable=not cfg.progress, dynamic_ncols=True,
+               mininterval=0.5)
     with bar:
         for split, items in plan.splits.items():
             bar.set_postfix_str(split)

@@ -9,8 +9,8 @@ fixed by the seed and results are consumed in plan order, the bytes are the same
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import io
 import json
 import os
 import re
@@ -84,71 +84,69 @@ def deterministic_tarinfo(name: str, size: int) -> tarfile.TarInfo:
     return info
 
 
-def tar_member_bytes(size: int) -> int:
-    """Bytes one member occupies in a USTAR tar: a header block plus its data padded to whole blocks."""
-    return TAR_BLOCK + -(-size // TAR_BLOCK) * TAR_BLOCK
+@dataclass
+class PackedSample:
+    """A sample already laid out as tar members (headers, data, padding), built in a worker so the writer
+    only appends bytes. USTAR headers do not depend on their position, so this is exact."""
+
+    blob: bytes
+    entries: list[tuple[str, int, int, str]]  # (ext, data offset inside blob, size, member name)
+    reencoded: str | None
 
 
-class _HashingFile(io.RawIOBase):
-    """Write-through file wrapper that hashes and counts the bytes tarfile writes."""
-
-    def __init__(self, f):
-        self._f, self.sha256, self.size = f, hashlib.sha256(), 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        self.sha256.update(b)
-        self.size += len(b)
-        return self._f.write(b)
-
-    def tell(self) -> int:
-        return self.size
+def pack_sample(key: str, sample: Sample) -> PackedSample:
+    parts, entries, offset = [], [], 0
+    for ext, payload in sample.members:
+        name = f"{key}.{ext}"
+        header = deterministic_tarinfo(name, len(payload)).tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+        padding = b"\0" * (-len(payload) % TAR_BLOCK)
+        entries.append((ext, offset + len(header), len(payload), name))
+        parts += [header, payload, padding]
+        offset += len(header) + len(payload) + len(padding)
+    return PackedSample(b"".join(parts), entries, sample.reencoded)
 
 
 class ShardFile:
-    """One tar being written under a temporary name, with its DALI index built from the offsets as they
-    are written (the same numbers `wds2idx` reads back with `tar --block-num`)."""
+    """One tar being written under a temporary name, hashed as it goes, with its DALI index built from the
+    offsets as they are written (the numbers `wds2idx` reads back with `tar --block-num`)."""
 
     def __init__(self, out_dir: Path, name: str):
         self.tar_path, self.idx_path = out_dir / f"{name}.tar", out_dir / f"{name}.idx"
         self._tmp_tar, self._tmp_idx = _tmp_name(self.tar_path), _tmp_name(self.idx_path)
-        self._raw = open(self._tmp_tar, "wb")
-        self._hashing = _HashingFile(self._raw)
-        self._tar = tarfile.open(fileobj=self._hashing, mode="w", format=tarfile.USTAR_FORMAT)
+        self._file = open(self._tmp_tar, "wb")
+        self._sha256 = hashlib.sha256()
         self._index_lines: list[str] = []
+        self.bytes_so_far = 0
         self.samples = 0
 
-    def add(self, key: str, members: Sequence[tuple[str, bytes]]) -> None:
-        components = []
-        for ext, payload in members:
-            name = f"{key}.{ext}"
-            components.append(f"{ext} {self._tar.offset + TAR_BLOCK} {len(payload)} {name}")
-            self._tar.addfile(deterministic_tarinfo(name, len(payload)), io.BytesIO(payload))
-        self._index_lines.append(" ".join(components))
+    def _write(self, data: bytes) -> None:
+        self._file.write(data)
+        self._sha256.update(data)
+        self.bytes_so_far += len(data)
+
+    def add(self, packed: PackedSample) -> None:
+        base = self.bytes_so_far
+        self._index_lines.append(" ".join(f"{ext} {base + off} {size} {name}" for ext, off, size, name in packed.entries))
+        self._write(packed.blob)
         self.samples += 1
 
-    @property
-    def bytes_so_far(self) -> int:
-        return self._tar.offset
-
     def finish(self) -> ShardInfo:
-        """Close the tar, fsync, and rename index then tar into place (a tar present means finished)."""
-        self._tar.close()
-        self._raw.flush()
-        os.fsync(self._raw.fileno())
-        self._raw.close()
+        """End the archive as tarfile does, fsync, and rename index then tar (a tar present means finished)."""
+        end = self.bytes_so_far + 2 * TAR_BLOCK
+        self._write(b"\0" * (2 * TAR_BLOCK + (-end % tarfile.RECORDSIZE)))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
         index = f"{INDEX_VERSION} {self.samples}\n" + "".join(line + "\n" for line in self._index_lines)
         with open(self._tmp_idx, "w") as f:
             f.write(index)
         os.replace(self._tmp_idx, self.idx_path)
         os.replace(self._tmp_tar, self.tar_path)
-        return ShardInfo(self.tar_path.name, self.idx_path.name, self.samples, self._hashing.size,
-                         self._hashing.sha256.hexdigest())
+        return ShardInfo(self.tar_path.name, self.idx_path.name, self.samples, self.bytes_so_far,
+                         self._sha256.hexdigest())
 
     def abandon(self) -> None:
-        self._raw.close()
+        self._file.close()
         for p in (self._tmp_tar, self._tmp_idx):
             p.unlink(missing_ok=True)
 
@@ -165,7 +163,7 @@ def ordered_map(fn: Callable, items: Sequence, workers: int, chunk: int = 16) ->
         yield from map(fn, items)
         return
     chunks = (items[i : i + chunk] for i in range(0, len(items), chunk))
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=_worker_context()) as pool:
         pending: deque = deque()
         try:
             for part in chunks:
@@ -179,6 +177,14 @@ def ordered_map(fn: Callable, items: Sequence, workers: int, chunk: int = 16) ->
         finally:
             for future in pending:
                 future.cancel()
+
+
+def _worker_context():
+    """fork where the OS has it: workers start in milliseconds and scripts need no `__main__` guard. The
+    workers only run PIL on bytes, never threads or CUDA state inherited from the parent."""
+    import multiprocessing
+
+    return get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 
 
 def _map_chunk(fn: Callable, part: Sequence) -> list:
@@ -281,7 +287,8 @@ def write_split(
         current, number, pending_skips, pending_reencoded = None, number + 1, [], {}
 
     try:
-        results = ordered_map(encode, plan[start:], workers)
+        work = [(position, plan[position]) for position in range(start, len(plan))]
+        results = ordered_map(functools.partial(_encode_and_pack, encode), work, workers)
         for position, result in enumerate(results, start=start):
             on_item()
             if isinstance(result, Skip):
@@ -289,12 +296,11 @@ def write_split(
                     raise ConversionFailed(f"{describe(plan[position])}: {result.reason}")
                 pending_skips.append({"path": describe(plan[position]), "reason": result.reason})
                 continue
-            size = sum(tar_member_bytes(len(payload)) for _, payload in result.members)
-            if current is not None and _shard_full(current, size, max_shard_bytes, samples_per_shard):
+            if current is not None and _shard_full(current, len(result.blob), max_shard_bytes, samples_per_shard):
                 close_shard(position)
             if current is None:
                 current = ShardFile(out_dir, shard_name(split, number))
-            current.add(sample_key(position), result.members)
+            current.add(result)
             if result.reencoded:
                 _add_counts(pending_reencoded, {result.reencoded: 1})
         if current is not None:
@@ -305,6 +311,12 @@ def write_split(
     # Skips after the last shard are not in any record: a resumed run simply re-derives them.
     skipped.extend(pending_skips)
     return SplitResult(shards, skipped, reencoded, len(done))
+
+
+def _encode_and_pack(encode: Callable, work: tuple[int, object]) -> PackedSample | Skip:
+    position, item = work
+    result = encode(item)
+    return result if isinstance(result, Skip) else pack_sample(sample_key(position), result)
 
 
 class ConversionFailed(Exception):
