@@ -284,7 +284,7 @@ def convert_imagefolder(cfg: ConvertConfig) -> ShardManifest:
             result = write_split(
                 cfg.out, split, items, encode, describe=lambda item: item.relpath, workers=cfg.workers,
                 max_shard_bytes=cfg.max_shard_bytes, samples_per_shard=cfg.samples_per_shard,
-                progress=store, on_error=cfg.on_error, on_item=lambda: bar.update(1),
+                progress=store, on_error=cfg.on_error, on_items=bar.update,
             )
             splits[split] = SplitInfo(result.shards)
             skipped += result.skipped

@@ -258,14 +258,13 @@ def write_split(
     samples_per_shard: int | None,
     progress: ProgressStore,
     on_error: str = "skip",
-    on_item: Callable[[], None] = lambda: None,
+    on_items: Callable[[int], None] = lambda n: None,
 ) -> SplitResult:
     """Encode `plan` in order and pack it into `out_dir/<split>-NNNNNN.tar` shards, resuming after the
     shards `progress` already records. `describe(item)` names an item in skip lists and errors."""
     done = progress.finished(split, out_dir)
     start = done[-1].next_position if done else 0
-    for _ in range(start):
-        on_item()
+    on_items(start)
     shards = [r.shard for r in done]
     skipped = [s for r in done for s in r.skipped]
     reencoded: dict[str, int] = {}
@@ -290,7 +289,7 @@ def write_split(
         work = [(position, plan[position]) for position in range(start, len(plan))]
         results = ordered_map(functools.partial(_encode_and_pack, encode), work, workers)
         for position, result in enumerate(results, start=start):
-            on_item()
+            on_items(1)
             if isinstance(result, Skip):
                 if on_error == "fail":
                     raise ConversionFailed(f"{describe(plan[position])}: {result.reason}")
