@@ -1,0 +1,38 @@
+"""The demo and bench datasets are built from images shipped in scikit-learn / scikit-image."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+from PIL import Image
+
+from dalifeed.tools.sample_data import make_digits_imagefolder, make_photos_imagefolder
+
+
+def test_digits_imagefolder_has_every_digit_once(tmp_path):
+    root = make_digits_imagefolder(tmp_path / "digits", size=32, seed=0)
+    files = sorted(root.rglob("*.jpg"))
+    assert len(files) == 1797
+    ids = Counter(f.stem for f in files)
+    assert max(ids.values()) == 1  # no image in both train and val
+    val = Counter(f.parent.name for f in (root / "val").rglob("*.jpg"))
+    train = Counter(f.parent.name for f in (root / "train").rglob("*.jpg"))
+    assert sorted(val) == sorted(train) == [str(d) for d in range(10)]
+    assert all(abs(val[d] / (val[d] + train[d]) - 0.2) < 0.01 for d in val)
+    img = Image.open(files[0])
+    assert img.size == (32, 32) and img.mode == "RGB"
+
+
+def test_photos_are_imagenet_like_jpegs(tmp_path):
+    root = make_photos_imagefolder(tmp_path / "photos", per_class=5, seed=0)
+    classes = sorted(p.name for p in (root / "train").iterdir())
+    assert len(classes) >= 6
+    files = sorted(root.rglob("*.jpg"))
+    assert len(files) == 5 * len(classes)
+    sizes = {Image.open(f).size for f in files}
+    assert sizes <= {(500, 375), (375, 500)}
+    pixels = np.asarray(Image.open(files[0]), dtype=np.float32)
+    assert pixels.std() > 10  # a photograph, not a flat fill
+    again = make_photos_imagefolder(tmp_path / "again", per_class=5, seed=0)
+    assert (again / files[0].relative_to(root)).read_bytes() == files[0].read_bytes()
