@@ -1,0 +1,111 @@
+"""DALI processing graphs as plain functions; `shard_pipeline` wires the webdataset reader to them.
+
+CPU and GPU differ only in device strings: `device="gpu"` decodes with nvJPEG (`"mixed"`) and runs the
+rest on the GPU; `device="cpu"` builds the same graph from CPU operators only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nvidia.dali import fn, pipeline_def, types
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# nvJPEG sizing hints for ImageNet-like data (most images < 4 Mpx): allocate once, not per batch.
+DEVICE_MEMORY_PADDING = 211025920
+HOST_MEMORY_PADDING = 140544512
+PREALLOCATE_WIDTH_HINT = 5980
+PREALLOCATE_HEIGHT_HINT = 6430
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """What the graphs do to an image. Defaults are the ImageNet recipe."""
+
+    image_size: int = 224
+    crop_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop(scale=...)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # RandomResizedCrop(ratio=...)
+    flip: bool = True
+    val_crop_fraction: float = 0.875  # resize the shorter side to image_size / 0.875, then centre crop
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    fp16: bool = False
+    channels_last: bool = False
+    hw_decoder_load: float = 0.65  # share of JPEGs sent to the A100/H100 hardware decoder
+
+    def __post_init__(self) -> None:
+        lo, hi = self.crop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"crop_scale must satisfy 0 < min <= max <= 1, got {self.crop_scale}")
+        if self.image_size < 8:
+            raise ValueError(f"image_size must be >= 8, got {self.image_size}")
+
+    @property
+    def val_resize(self) -> int:
+        return int(self.image_size / self.val_crop_fraction)
+
+
+def decoder_device(device: str) -> str:
+    return "mixed" if device == "gpu" else "cpu"
+
+
+def read_shards(paths: list[str], index_paths: list[str], *, shard_id: int, num_shards: int, shuffle: bool,
+                initial_fill: int):
+    """(jpegs, labels) from webdataset shards; labels are the int64 `.label` members, shape (1,)."""
+    jpegs, labels = fn.readers.webdataset(
+        paths=paths, index_paths=index_paths, ext=["jpg", "label"], dtypes=[types.UINT8, types.INT64],
+        missing_component_behavior="error", shard_id=shard_id, num_shards=num_shards,
+        random_shuffle=shuffle, initial_fill=initial_fill, pad_last_batch=True, name="Reader",
+    )
+    return jpegs, labels
+
+
+def train_augment(jpegs, cfg: AugmentConfig, device: str):
+    """RandomResizedCrop + RandomHorizontalFlip + Normalize. The crop is decided before decoding, so the
+    decoder only decodes the region it keeps (ROI decode)."""
+    gpu_hints = {}
+    if device == "gpu":
+        gpu_hints = dict(
+            hw_decoder_load=cfg.hw_decoder_load, device_memory_padding=DEVICE_MEMORY_PADDING,
+            host_memory_padding=HOST_MEMORY_PADDING, preallocate_width_hint=PREALLOCATE_WIDTH_HINT,
+            preallocate_height_hint=PREALLOCATE_HEIGHT_HINT,
+        )
+    images = fn.decoders.image_random_crop(
+        jpegs, device=decoder_device(device), output_type=types.RGB, random_area=list(cfg.crop_scale),
+        random_aspect_ratio=list(cfg.crop_ratio), num_attempts=10, **gpu_hints,
+    )
+    images = fn.resize(images, resize_x=cfg.image_size, resize_y=cfg.image_size,
+                       interp_type=types.INTERP_LINEAR, antialias=True)
+    mirror = fn.random.coin_flip(probability=0.5) if cfg.flip else 0
+    return normalize(images, cfg, mirror=mirror)
+
+
+def val_transform(jpegs, cfg: AugmentConfig, device: str):
+    """Resize(shorter side = image_size / 0.875) + CenterCrop(image_size) + Normalize, as torchvision."""
+    images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB)
+    images = fn.resize(images, resize_shorter=cfg.val_resize, interp_type=types.INTERP_LINEAR, antialias=True)
+    return normalize(images, cfg, crop=(cfg.image_size, cfg.image_size))
+
+
+def normalize(images, cfg: AugmentConfig, mirror=0, crop=None):
+    """(x / 255 - mean) / std in the output dtype and layout, fused with the crop and flip."""
+    crop_args = {"crop": crop, "crop_pos_x": 0.5, "crop_pos_y": 0.5} if crop else {}
+    return fn.crop_mirror_normalize(
+        images, dtype=types.FLOAT16 if cfg.fp16 else types.FLOAT,
+        output_layout="HWC" if cfg.channels_last else "CHW",
+        mean=[m * 255 for m in cfg.mean], std=[s * 255 for s in cfg.std], mirror=mirror, **crop_args,
+    )
+
+
+@pipeline_def(enable_conditionals=False)
+def shard_pipeline(paths: list[str], index_paths: list[str], cfg: AugmentConfig, train: bool, device: str,
+                   shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024):
+    """Reader -> train_augment or val_transform. Returns (images, labels)."""
+    jpegs, labels = read_shards(paths, index_paths, shard_id=shard_id, num_shards=num_shards, shuffle=train,
+                                initial_fill=initial_fill)
+    images = train_augment(jpegs, cfg, device) if train else val_transform(jpegs, cfg, device)
+    if device == "gpu":
+        labels = labels.gpu()
+    return images, labels

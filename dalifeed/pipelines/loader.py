@@ -1,0 +1,174 @@
+"""`make_loader`: shards -> DALI pipeline -> DALI's PyTorch iterator -> `(images, labels)` torch batches.
+
+Epoch semantics (what a trainer may rely on):
+
+- Validation (`train=False`): every sample of the split is yielded exactly once per epoch across all
+  ranks. Rank r reads DALI shard r (a contiguous 1/world of the samples); the last batch of a rank may be
+  partial; padding (`pad_last_batch`) is trimmed by `LastBatchPolicy.PARTIAL` and never counted.
+- Training (`train=True`): every rank yields exactly `len(loader)` = floor(floor(N / world) / batch) full
+  batches, so no DDP rank waits on another at the end of an epoch. DALI's per-rank shards differ in size
+  by one sample; a rank whose shard holds one more batch decodes it and drops it rather than hang the
+  others (`LastBatchPolicy.DROP`, at most one batch per epoch).
+- Shuffling: the epoch's order is a pure function of `(seed, epoch)`: the tar files are visited in a
+  seeded permutation (so each rank gets a different slice every epoch) and DALI shuffles samples within
+  a buffer of `initial_fill`. Iterating again starts the next epoch; `set_epoch(e)` jumps to epoch e, which
+  is how a resumed run replays exactly the order an uninterrupted one would have seen.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import torch
+from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+from dalifeed.tools.manifest import ShardManifest
+
+from .graphs import AugmentConfig, shard_pipeline
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'gpu' when both torch and DALI can use a CUDA device, else 'cpu'."""
+    if device not in ("auto", "cpu", "gpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
+    if device == "cuda":
+        device = "gpu"
+    if device == "auto":
+        return "gpu" if torch.cuda.is_available() and _dali_sees_gpu() else "cpu"
+    if device == "gpu" and not torch.cuda.is_available():
+        raise ValueError("device='gpu' but torch sees no CUDA device")
+    return device
+
+
+def _dali_sees_gpu() -> bool:
+    try:
+        from nvidia.dali.backend import GetCudaDeviceCount
+
+        return GetCudaDeviceCount() > 0
+    except Exception:
+        return False
+
+
+class DaliLoader:
+    """An iterable of `(images, labels)`: images float (B, 3, H, W) or (B, H, W, 3) normalised, labels int64
+    (B,), both on the GPU for device 'gpu' and on the CPU otherwise. See the module docstring for epochs."""
+
+    def __init__(self, manifest: ShardManifest, split: str, batch_size: int, *, train: bool, rank: int,
+                 world_size: int, seed: int, device: str, augment: AugmentConfig, num_threads: int,
+                 prefetch_queue_depth: int, initial_fill: int, device_id: int | None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.manifest, self.split, self.batch_size, self.train = manifest, split, batch_size, train
+        self.rank, self.world_size, self.seed, self.device, self.augment = rank, world_size, seed, device, augment
+        self.num_threads, self.prefetch_queue_depth, self.initial_fill = num_threads, prefetch_queue_depth, initial_fill
+        self.device_id = device_id
+        self._tars = [str(p) for p in manifest.shard_paths(split)]
+        self._indexes = [str(p) for p in manifest.index_paths(split)]
+        self.total_samples = manifest.num_samples(split)
+        if self.total_samples == 0:
+            raise ValueError(f"{manifest.root}: split {split!r} has no samples")
+        if train and self.total_samples // world_size < batch_size:
+            raise ValueError(f"split {split!r} has {self.total_samples} samples: too few for batch {batch_size} "
+                             f"on each of {world_size} ranks (training drops partial batches)")
+        self.epoch = 0
+        self._iterator = None
+        self._epoch_complete = False
+
+    # -- sizes -------------------------------------------------------------------------------------
+    def _shard_range(self, shard_id: int) -> tuple[int, int]:
+        # DALI's split of N samples into `world_size` contiguous shards
+        n, w = self.total_samples, self.world_size
+        return n * shard_id // w, n * (shard_id + 1) // w
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank yields per epoch (training: only those in full batches)."""
+        if self.train:
+            return len(self) * self.batch_size
+        start, end = self._shard_range(self.rank)
+        return end - start
+
+    def __len__(self) -> int:
+        if self.train:
+            return (self.total_samples // self.world_size) // self.batch_size
+        return -(-self.num_samples // self.batch_size)
+
+    # -- epochs ------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """The next iteration yields epoch `epoch` (its order depends only on seed and epoch)."""
+        self.epoch = epoch
+
+    def _epoch_files(self) -> tuple[list[str], list[str]]:
+        if not self.train:
+            return self._tars, self._indexes
+        order = list(range(len(self._tars)))
+        random.Random(f"{self.seed}:{self.epoch}").shuffle(order)  # same on every rank: a partition
+        return [self._tars[i] for i in order], [self._indexes[i] for i in order]
+
+    def _build_iterator(self) -> DALIGenericIterator:
+        tars, indexes = self._epoch_files()
+        pipe = shard_pipeline(
+            tars, indexes, self.augment, self.train, self.device, shard_id=self.rank, num_shards=self.world_size,
+            initial_fill=self.initial_fill, batch_size=self.batch_size, num_threads=self.num_threads,
+            device_id=self.device_id, seed=self._pipeline_seed(), prefetch_queue_depth=self.prefetch_queue_depth,
+        )
+        pipe.build()
+        policy = LastBatchPolicy.DROP if self.train else LastBatchPolicy.PARTIAL
+        return DALIGenericIterator([pipe], ["images", "labels"], reader_name="Reader", last_batch_policy=policy,
+                                   last_batch_padded=False, auto_reset=False)
+
+    def _pipeline_seed(self) -> int:
+        # distinct per rank (different augmentations) and per epoch; below 2**31 as DALI requires
+        return random.Random(f"{self.seed}:{self.epoch}:{self.rank}").randrange(2**31)
+
+    def __iter__(self):
+        if self.train or not self._epoch_complete:
+            # Training rebuilds per epoch so the order is a function of (seed, epoch); validation has one
+            # fixed order and reuses its pipeline once an epoch has run to the end.
+            self._iterator = None  # free the previous pipeline first
+            self._iterator = self._build_iterator()
+        self._epoch_complete = False
+        limit = len(self)
+        for i, batch in enumerate(self._iterator):
+            if i < limit:
+                yield self._to_torch(batch[0])
+        self._epoch_complete = True
+        self.epoch += 1
+
+    def _to_torch(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        images = batch["images"]
+        if self.augment.channels_last:
+            # DALI wrote NHWC; as a permuted view it is an NCHW tensor in channels_last memory format,
+            # which is what a channels_last model consumes, with no copy.
+            images = images.permute(0, 3, 1, 2)
+        return images, batch["labels"].view(-1)
+
+
+def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                seed: int = 0, device: str = "auto", image_size: int = 224, train: bool | None = None,
+                crop_scale: tuple[float, float] = (0.08, 1.0), flip: bool = True,
+                dtype: torch.dtype = torch.float32, channels_last: bool = False, num_threads: int | None = None,
+                prefetch_queue_depth: int = 2, initial_fill: int = 1024, device_id: int | None = None) -> DaliLoader:
+    """Batches of split `split` of the shard folder `shards_dir` for this rank; see the module docstring.
+
+    `device`: 'auto' (GPU when torch and DALI see one), 'gpu' or 'cpu'. `device_id` defaults to the current
+    CUDA device (set it from LOCAL_RANK under torchrun). `dtype` float32 or float16; `channels_last` gives
+    NHWC. `num_threads` defaults to the cores this process may use.
+    """
+    if dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
+    manifest = ShardManifest.load(Path(shards_dir))
+    resolved = resolve_device(device)
+    if resolved == "gpu" and device_id is None:
+        device_id = torch.cuda.current_device()
+    augment = AugmentConfig(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
+                            fp16=dtype == torch.float16, channels_last=channels_last)
+    threads = num_threads or len(os.sched_getaffinity(0))
+    return DaliLoader(manifest, split, batch_size, train=split == "train" if train is None else train, rank=rank,
+                      world_size=world_size, seed=seed, device=resolved, augment=augment, num_threads=threads,
+                      prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
+                      device_id=device_id if resolved == "gpu" else None)
