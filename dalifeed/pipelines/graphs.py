@@ -58,6 +58,9 @@ def read_shards(paths: list[str], index_paths: list[str], *, shard_id: int, num_
         paths=paths, index_paths=index_paths, ext=["jpg", "label"], dtypes=[types.UINT8, types.INT64],
         missing_component_behavior="error", shard_id=shard_id, num_shards=num_shards,
         random_shuffle=shuffle, initial_fill=initial_fill, pad_last_batch=True, name="Reader",
+        # DALI moves each rank to the next shard every epoch unless told to stick; the loader decides the
+        # slice itself (a fresh pipeline per training epoch), so every pipeline keeps its own shard.
+        stick_to_shard=True,
     )
     return jpegs, labels
 
