@@ -1,0 +1,1 @@
+"""dali-bench: the pipelines against a tuned torch DataLoader; and shard-convert's rate against bare decode."""
