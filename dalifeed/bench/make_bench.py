@@ -1,0 +1,105 @@
+"""`make bench`: build the ImageNet-like photo set, measure conversion and loaders, rewrite docs/benchmarks.md.
+
+    python -m dalifeed.bench.make_bench --workdir build/bench --doc docs/benchmarks.md
+
+The generated part of the document sits between the markers below; the text around it is kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import click
+
+from dalifeed.tools import ConvertConfig, convert_imagefolder
+from dalifeed.tools.sample_data import make_photos_imagefolder
+
+from . import convert_rate
+from .cli import BenchConfig, render_table, run_bench, plot
+
+BEGIN, END = "<!-- make-bench:begin -->", "<!-- make-bench:end -->"
+
+
+def build_data(workdir: Path, per_class: int) -> tuple[Path, Path]:
+    photos = make_photos_imagefolder(workdir / "photos", per_class=per_class, seed=0)
+    shards = workdir / "photos-shards"
+    if shards.exists():
+        shutil.rmtree(shards)
+    # small shards so the webdataset baseline can spread them over its workers
+    convert_imagefolder(ConvertConfig(src=photos, out=shards, samples_per_shard=64, progress=False))
+    return photos, shards
+
+
+def render(convert: dict, bench: dict, command: str) -> str:
+    env = bench["environment"]
+    cfg = bench["config"]
+    lines = [
+        BEGIN,
+        f"Measured {env['date']} with `{command}` on {env['cores']} cores ({env['cpu']}), "
+        f"GPU: {env['gpu'] or 'none'}; torch {env['torch']}, torchvision {env['torchvision']}, DALI {env['dali']}.",
+        "",
+        "### shard-convert against pure decode",
+        "",
+        convert_rate.render_markdown(convert),
+        "",
+        "### Loaders: same images, same augmentation, same cores",
+        "",
+        f"RandomResizedCrop({cfg['image_size']}) + flip + normalise to float batches, batch {cfg['batch_size']}, "
+        f"{cfg['workers']} DataLoader workers / DALI threads, {cfg['repeats']} timed runs of {cfg['seconds']} s "
+        f"after {cfg['warmup_batches']} warm-up batches; median and min-max.",
+        "",
+        render_table(bench),
+        "",
+        f"Pure decode of the same files on the same cores (PIL, full decode, no augmentation): "
+        f"{convert['decode_images_per_s']:.0f} images/s.",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def update_doc(doc: Path, section: str) -> None:
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n\n" + BEGIN + "\n" + END + "\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + section + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    doc.write_text(text)
+
+
+@click.command()
+@click.option("--workdir", type=click.Path(path_type=Path), default=Path("build/bench"), show_default=True)
+@click.option("--doc", type=click.Path(path_type=Path), default=Path("docs/benchmarks.md"), show_default=True)
+@click.option("--per-class", type=int, default=300, show_default=True, help="Photos per class (8 classes).")
+@click.option("--seconds", type=float, default=10.0, show_default=True)
+@click.option("--repeats", type=int, default=5, show_default=True)
+@click.option("--model", default=None, help="Also time training steps of this model (slow on a CPU).")
+def main(workdir: Path, doc: Path, per_class: int, seconds: float, repeats: int, model: str | None) -> None:
+    """Build the ImageNet-like photos, convert them, measure conversion and all loaders, update DOC."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    click.echo(f"building {per_class} photos per class in {workdir} ...", err=True)
+    photos, shards = build_data(workdir, per_class)
+    click.echo("measuring shard-convert against pure decode ...", err=True)
+    convert = convert_rate.measure(photos, workdir, repeats=repeats)
+    click.echo(convert_rate.render_markdown(convert))
+    cfg = BenchConfig(imagefolder=photos / "train", shards=shards, out=workdir / "loaders", seconds=seconds,
+                      repeats=repeats, model=model)
+    cfg.validate()
+    bench = run_bench(cfg, log=lambda msg: click.echo(msg, err=True))
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    (cfg.out / "bench.json").write_text(json.dumps(bench, indent=2) + "\n")
+    (workdir / "convert_rate.json").write_text(json.dumps(convert, indent=2) + "\n")
+    plot(bench, cfg.out / "bench.png")
+    click.echo(render_table(bench))
+    command = "make bench" if os.environ.get("MAKELEVEL") else "python -m dalifeed.bench.make_bench"
+    update_doc(doc, render(convert, bench, command))
+    click.echo(f"\nupdated {doc}; raw results in {workdir} ({time.time() - started:.0f} s)", err=True)
+
+
+if __name__ == "__main__":
+    main()

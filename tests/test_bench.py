@@ -1,0 +1,97 @@
+"""dali-bench end to end on tiny real data; the loaders it races agree on what they produce."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dalifeed.bench.cli import main as bench_cli
+from dalifeed.bench.convert_rate import measure, render_markdown
+from dalifeed.bench.loaders import build_loader
+from dalifeed.bench.make_bench import BEGIN, END, update_doc
+from dalifeed.tools import ConvertConfig, convert_imagefolder
+
+from conftest import write_imagefolder
+
+
+@pytest.fixture(scope="module")
+def bench_data(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("bench")
+    src = write_imagefolder(tmp / "src", {"a": 21, "b": 19, "c": 17}, size=(40, 52))
+    convert_imagefolder(ConvertConfig(src=src, out=tmp / "shards", samples_per_shard=8, progress=False))
+    return src, tmp / "shards"
+
+
+@pytest.mark.parametrize("name", ["baseline", "webdataset", "dali-cpu"])
+def test_every_loader_yields_the_same_kind_of_batch(bench_data, name):
+    src, shards = bench_data
+    loader = build_loader(name, imagefolder=src, shards=shards, split="train", batch_size=4, image_size=24, workers=0,
+                          device=torch.device("cpu"))
+    images, labels = next(iter(loader))
+    assert images.shape == (4, 3, 24, 24) and images.dtype == torch.float32
+    assert labels.shape == (4,) and labels.dtype == torch.int64 and int(labels.max()) < 3
+    # normalised with ImageNet statistics: the conftest images' channel means are known per class
+    assert -2.2 < float(images.min()) and float(images.max()) < 2.7
+    assert abs(float(images.mean())) < 1.5
+
+
+def test_dali_bench_cli_writes_table_json_and_plot(bench_data, tmp_path):
+    src, shards = bench_data
+    out = tmp_path / "out"
+    result = CliRunner().invoke(bench_cli, [
+        "--imagefolder", str(src), "--shards", str(shards), "--loaders", "baseline,dali-cpu,dali-gpu",
+        "--batch-size", "8", "--image-size", "32", "--epochs", "1", "--repeats", "2", "--warmup", "2",
+        "--model", "resnet18", "--model-steps", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    by_name = {r["loader"]: r for r in report["results"]}
+    assert set(by_name) == {"baseline", "dali-cpu"}  # dali-gpu skipped without a GPU
+    assert by_name["baseline"]["speedup_vs_baseline"] == 1.0
+    for r in by_name.values():
+        assert len(r["images_per_s_runs"]) == 2 and r["images_per_s"] > 0
+        assert r["output"] == "(8, 3, 32, 32) float32 cpu"
+        assert 0 < r["cpu_percent"] <= 100 and r["peak_rss_mb"] > 50
+        assert r["train_steps_per_s"] > 0 and 0 <= r["data_wait_share"] < 1
+    assert report["environment"]["cores"] >= 1 and report["synthetic"]["model"] == "resnet18"
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "config.json").read_text())["batch_size"] == 8
+    assert "| baseline |" in result.output and "| dali-cpu |" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--loaders", "baseline,turbo"], "unknown turbo"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+])
+def test_bad_usage_is_one_line_exit_2(bench_data, args, message):
+    src, shards = bench_data
+    result = CliRunner().invoke(bench_cli, ["--imagefolder", str(src), "--shards", str(shards), *args])
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_missing_shards_is_usage_error(bench_data, tmp_path):
+    src, _ = bench_data
+    result = CliRunner().invoke(bench_cli, ["--imagefolder", str(src), "--shards", str(tmp_path / "none")])
+    assert result.exit_code == 2 and "no such shard folder" in result.output
+
+
+def test_convert_rate_measures_both_rates(tmp_path):
+    src = write_imagefolder(tmp_path / "src", {"a": 30, "b": 25})
+    result = measure(src, tmp_path / "work", repeats=2, workers=2)
+    assert result["images"] == 55
+    assert result["decode_images_per_s"] > 0 and result["convert_images_per_s"] > 0
+    ratio = result["convert_images_per_s"] / result["decode_images_per_s"]
+    assert 0 < result["convert_over_decode"] < 5 and ratio > 0
+    assert "pure decode" in render_markdown(result)
+
+
+def test_update_doc_replaces_only_the_generated_section(tmp_path):
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"# Benchmarks\n\nhand-written intro\n\n{BEGIN}\nold numbers\n{END}\n\nhand-written notes\n")
+    update_doc(doc, f"{BEGIN}\nnew numbers\n{END}")
+    text = doc.read_text()
+    assert "old numbers" not in text and "new numbers" in text
+    assert "hand-written intro" in text and "hand-written notes" in text
