@@ -1,0 +1,79 @@
+"""`TrainConfig`: everything a `dali-train` run depends on; printed at start, saved as RUN/config.json."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+
+class ConfigError(Exception):
+    """A bad option or an unusable run folder/checkpoint: one line for the user, exit 2."""
+
+
+@dataclass
+class TrainConfig:
+    data: str
+    out: str
+    model: str = "resnet50"
+    epochs: int = 90
+    batch_size: int = 256  # per process (per GPU); the global batch is batch_size * world_size * accum_steps
+    lr: float = 0.1  # per 256 images of global batch: scaled linearly
+    optimizer: str = "sgd"  # sgd (momentum, nesterov) | adamw
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 5e-5
+    warmup_epochs: float = 5.0
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    label_smoothing: float = 0.1
+    accum_steps: int = 1
+    clip_grad: float | None = None
+    ema: float | None = None  # e.g. 0.9999: keep an exponential moving average of the weights
+    amp: str = "auto"  # auto | bf16 | fp16 | off; auto = bf16 on a GPU that has it, off on the CPU
+    channels_last: bool = False
+    compile: bool = False
+    image_size: int = 224
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    flip: bool = True
+    pretrained: str | None = None
+    seed: int = 0
+    max_bad_steps: int = 5  # abort after this many non-finite losses in a row
+    workers: int | None = None  # DALI threads per process; default: the cores this process may use
+    profile: int = 0  # write a torch profiler trace of this many steps (0: off)
+    device: str = "auto"  # auto | cpu | gpu
+
+    def validate(self) -> None:
+        checks = [
+            (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
+            (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.optimizer in ("sgd", "adamw"), f"--optimizer must be sgd or adamw, got {self.optimizer!r}"),
+            (self.amp in ("auto", "bf16", "fp16", "off"), f"--amp must be auto, bf16, fp16 or off, got {self.amp!r}"),
+            (self.accum_steps >= 1, f"--accum-steps must be >= 1, got {self.accum_steps}"),
+            (0 <= self.warmup_epochs <= self.epochs, f"--warmup-epochs must be in [0, epochs], got {self.warmup_epochs}"),
+            (0 <= self.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {self.label_smoothing}"),
+            (self.clip_grad is None or self.clip_grad > 0, f"--clip-grad must be > 0, got {self.clip_grad}"),
+            (self.ema is None or 0 < self.ema < 1, f"--ema must be in (0, 1), got {self.ema}"),
+            (0 < self.crop_scale[0] <= self.crop_scale[1] <= 1,
+             f"--crop-scale must be MIN,MAX with 0 < MIN <= MAX <= 1, got {self.crop_scale}"),
+            (self.image_size >= 8, f"--image-size must be >= 8, got {self.image_size}"),
+            (self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}"),
+            (self.device in ("auto", "cpu", "gpu"), f"--device must be auto, cpu or gpu, got {self.device!r}"),
+            (self.profile >= 0, f"--profile must be >= 0, got {self.profile}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        if not Path(self.data).is_dir():
+            raise ConfigError(f"--data {self.data}: no such shard folder")
+        if self.pretrained and not Path(self.pretrained).is_file():
+            raise ConfigError(f"--pretrained {self.pretrained}: no such file")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        cfg = cls(**{k: v for k, v in doc.items() if k in known})
+        cfg.crop_scale = tuple(cfg.crop_scale)
+        return cfg

@@ -1,0 +1,403 @@
+"""The reference training loop: dalifeed loader -> DDP model under AMP -> metrics and checkpoints.
+
+Read top to bottom: `main(cfg)` sets up, then for each epoch `train_one_epoch` and `evaluate`, then
+checkpoints. Only rank 0 prints and writes. Single process or under torchrun, CPU (gloo) or GPU (NCCL).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from dalifeed.pipelines import make_loader
+from dalifeed.tools import ManifestError, ShardManifest
+
+from . import checkpoint
+from .config import ConfigError, TrainConfig
+from .distributed import Dist, all_reduce_min, all_reduce_sum, setup, teardown
+
+
+class TrainingDiverged(Exception):
+    """The loss stayed non-finite for `max_bad_steps` optimizer steps in a row."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# set-up pieces
+
+
+def build_model(cfg: TrainConfig, num_classes: int) -> tuple[torch.nn.Module, list[str]]:
+    try:
+        model = torchvision.models.get_model(cfg.model, weights=None, num_classes=num_classes)
+    except ValueError:
+        names = ", ".join(n for n in torchvision.models.list_models(torchvision.models) if n.startswith("resnet"))
+        raise ConfigError(f"--model {cfg.model!r}: not a torchvision classification model (e.g. {names})") from None
+    replaced = checkpoint.load_pretrained(model, cfg.pretrained) if cfg.pretrained else []
+    return model, replaced
+
+
+def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """None means full precision."""
+    if cfg.amp == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[cfg.amp]
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and normalisation weights (every parameter with fewer than 2 dims)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
+    """LR multiplier per optimizer step: linear warm-up from ~0, then cosine down to `min_ratio`."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+# ----------------------------------------------------------------------------------------------------
+# one epoch
+
+
+@dataclass
+class EpochStats:
+    loss: float = 0.0
+    images: int = 0
+    seconds: float = 0.0
+    data_wait: float = 0.0
+    bad_steps: int = 0
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class TrainState:
+    """What moves between epochs and into checkpoints besides the modules."""
+
+    epoch: int = 0  # the next epoch to run
+    step: int = 0  # optimizer steps taken
+    best_top1: float = -1.0
+    bad_streak: int = 0
+
+
+def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: TrainConfig, dist: Dist,
+                    dtype: torch.dtype | None, state: TrainState, profiler=None) -> EpochStats:
+    model.train()
+    stats = EpochStats()
+    steps = len(loader) // cfg.accum_steps
+    # a bar only where a person watches; logs get the one line per epoch that main() prints
+    bar = tqdm(total=steps, desc=f"epoch {state.epoch}", unit="step", dynamic_ncols=True, leave=False,
+               disable=not (dist.is_main and sys.stderr.isatty()))
+    loss_sum = torch.zeros(2, device=dist.device)  # (sum of losses, count) for this step, kept on device
+    finite = torch.ones(1, device=dist.device)
+    start = wait_start = time.perf_counter()
+    for i, (images, labels) in enumerate(loader):
+        if i >= steps * cfg.accum_steps:
+            break  # an incomplete accumulation window at the end of the epoch is dropped
+        stats.data_wait += time.perf_counter() - wait_start
+        if cfg.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        last_micro = (i + 1) % cfg.accum_steps == 0
+        # DDP all-reduces gradients on every backward unless told not to: only the last micro-step syncs
+        sync = nullcontext() if last_micro or not dist.enabled else model.no_sync()
+        with sync:
+            with torch.autocast(dist.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = F.cross_entropy(model(images), labels, label_smoothing=cfg.label_smoothing)
+            scaler.scale(loss / cfg.accum_steps).backward()
+        finite *= torch.isfinite(loss.detach()).float()
+        loss_sum += torch.stack([loss.detach().float().nan_to_num(0.0), torch.ones((), device=dist.device)])
+        stats.images += labels.shape[0]
+        if last_micro:
+            if optimizer_step(model, ema, optimizer, scheduler, scaler, cfg, finite, state, stats, dist.is_main):
+                stats.loss += float(loss_sum[0] / loss_sum[1])
+            stats.steps += 1
+            bar.update(1)
+            if dist.is_main and stats.steps % 10 == 0:
+                elapsed = time.perf_counter() - start
+                bar.set_postfix(loss=f"{stats.loss / max(1, stats.steps - stats.bad_steps):.3f}",
+                                lr=f"{optimizer.param_groups[0]['lr']:.3g}",
+                                img_s=f"{stats.images * dist.world_size / elapsed:.0f}")
+            loss_sum.zero_()
+            finite.fill_(1.0)
+            if profiler is not None:
+                profiler.step()
+        wait_start = time.perf_counter()
+    bar.close()
+    if dist.device.type == "cuda":
+        torch.cuda.synchronize(dist.device)
+    stats.seconds = time.perf_counter() - start
+    stats.loss /= max(1, stats.steps - stats.bad_steps)  # mean over the steps that were taken
+    return stats
+
+
+def optimizer_step(model, ema, optimizer, scheduler, scaler, cfg: TrainConfig, finite: torch.Tensor,
+                   state: TrainState, stats: EpochStats, verbose: bool) -> bool:
+    """Step unless some rank saw a non-finite loss in this window (all ranks agree, so weights stay equal);
+    count skipped steps and abort after `max_bad_steps` in a row. Returns whether it stepped.
+    The check costs one host sync per optimizer step, the price of never applying a NaN update."""
+    if not bool(all_reduce_min(finite.clone()).item()):
+        optimizer.zero_grad(set_to_none=True)
+        stats.bad_steps += 1
+        state.bad_streak += 1
+        if verbose:
+            print(f"warning: non-finite loss at epoch {state.epoch} step {state.step}: step skipped "
+                  f"({state.bad_streak} in a row)", flush=True)
+        if state.bad_streak >= cfg.max_bad_steps:
+            raise TrainingDiverged(
+                f"loss was not finite for {state.bad_streak} steps in a row (epoch {state.epoch}, step {state.step}); "
+                f"lower --lr, add --clip-grad, or use --amp bf16/off")
+        state.step += 1
+        scheduler.step()  # the schedule follows steps taken or not, so a resumed run lines up
+        return False
+    state.bad_streak = 0
+    if cfg.clip_grad:
+        scaler.unscale_(optimizer)  # clip the true gradients, not the fp16-scaled ones
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    state.step += 1
+    if ema is not None:
+        ema.update_parameters(unwrap(model))
+    return True
+
+
+@torch.no_grad()
+def evaluate(model, loader, dist: Dist, dtype: torch.dtype | None, num_classes: int) -> dict:
+    """Loss, top-1 and top-5 over exactly the whole split: every rank counts its own samples, the sums are
+    all-reduced, and the loader never yields padding."""
+    model.eval()
+    k = min(5, num_classes)
+    totals = torch.zeros(4, device=dist.device, dtype=torch.float64)  # loss sum, top1, topk, count
+    for images, labels in loader:
+        with torch.autocast(dist.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            logits = model(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        topk = logits.topk(k, dim=1).indices
+        totals[1] += (topk[:, 0] == labels).sum()
+        totals[2] += (topk == labels[:, None]).any(dim=1).sum()
+        totals[3] += labels.shape[0]
+    loss, top1, top5, count = all_reduce_sum(totals).tolist()
+    return {"val_loss": loss / count, "top1": top1 / count, "top5": top5 / count, "val_samples": int(count)}
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    model = model.module if isinstance(model, DDP) else model
+    return getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+
+
+# ----------------------------------------------------------------------------------------------------
+# the run
+
+
+class RunLog:
+    """Rank 0's outputs: config.json, metrics.jsonl, TensorBoard events when tensorboard is installed."""
+
+    def __init__(self, out: Path, enabled: bool, resume_epoch: int | None):
+        self.out, self.enabled, self.tb = out, enabled, None
+        if not enabled:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        self.metrics = out / "metrics.jsonl"
+        if resume_epoch is not None and self.metrics.exists():
+            # epochs after the checkpoint are replayed: drop their lines so none is written twice
+            kept = [line for line in self.metrics.read_text().splitlines()
+                    if line.strip() and json.loads(line)["epoch"] < resume_epoch]
+            self.metrics.write_text("".join(line + "\n" for line in kept))
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(out / "tensorboard"))
+        except ImportError:
+            pass
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "epoch":
+                    self.tb.add_scalar(key, value, record["epoch"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb:
+            self.tb.close()
+
+
+def gpu_stats(device: torch.device) -> dict:
+    """Utilisation and memory of this process's GPU (nvidia-ml-py), empty on the CPU."""
+    if device.type != "cuda":
+        return {}
+    stats = {"gpu_max_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        stats["gpu_util_percent"] = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        stats["gpu_memory_used_gb"] = pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
+    except Exception:
+        pass
+    return stats
+
+
+def make_profiler(cfg: TrainConfig, out: Path, dist: Dist):
+    if not cfg.profile or not dist.is_main:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if dist.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities, schedule=torch.profiler.schedule(wait=1, warmup=1, active=cfg.profile, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(out / "profile_trace.json")),
+    )
+
+
+def load_manifest(cfg: TrainConfig) -> ShardManifest:
+    try:
+        manifest = ShardManifest.load(cfg.data)
+    except ManifestError as e:
+        raise ConfigError(str(e)) from None
+    if "train" not in manifest.splits:
+        raise ConfigError(f"--data {cfg.data}: has no 'train' split")
+    return manifest
+
+
+def main(cfg: TrainConfig, resume: dict | None = None) -> dict:
+    """Train `cfg`; `resume` is a loaded checkpoint to continue from. Returns the last epoch's metrics."""
+    cfg.validate()
+    dist = setup(cfg.device)
+    try:
+        return _run(cfg, dist, resume)
+    finally:
+        teardown()
+
+
+def _run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> dict:
+    out = Path(cfg.out)
+    manifest = load_manifest(cfg)
+    if resume is not None and resume["classes"] != manifest.classes:
+        raise ConfigError(f"{out}: checkpoint was trained on other classes than {cfg.data} holds")
+    if dist.is_main:
+        print(f"dali-train config: {json.dumps(cfg.to_json())}")
+        print(f"world size {dist.world_size}, device {dist.device}, {manifest.num_classes} classes, "
+              f"{manifest.num_samples('train')} train samples")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model, replaced = build_model(cfg, manifest.num_classes)
+    if replaced and dist.is_main:
+        print(f"--pretrained: re-initialised {', '.join(replaced)} (class count differs)")
+    model = model.to(dist.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True) if cfg.ema else None
+
+    loader_args = dict(rank=dist.rank, world_size=dist.world_size, device="gpu" if dist.device.type == "cuda" else "cpu",
+                       image_size=cfg.image_size, channels_last=cfg.channels_last, num_threads=cfg.workers,
+                       device_id=dist.local_rank if dist.device.type == "cuda" else None)
+    train_loader = make_loader(cfg.data, "train", cfg.batch_size, seed=cfg.seed, crop_scale=cfg.crop_scale,
+                               flip=cfg.flip, **loader_args)
+    val_loader = make_loader(cfg.data, "val", cfg.batch_size, seed=cfg.seed, train=False, **loader_args) \
+        if "val" in manifest.splits and manifest.num_samples("val") else None
+
+    global_batch = cfg.batch_size * dist.world_size * cfg.accum_steps
+    lr = cfg.lr * global_batch / 256
+    optimizer = build_optimizer(cfg, model, lr)
+    steps_per_epoch = len(train_loader) // cfg.accum_steps
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{len(train_loader)} batches per epoch is fewer than --accum-steps {cfg.accum_steps}")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(
+        cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch), cfg.min_lr_ratio))
+    dtype = amp_dtype(cfg, dist.device)
+    scaler = torch.amp.GradScaler(dist.device.type, enabled=dtype == torch.float16)
+
+    state = TrainState()
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        scheduler.load_state_dict(resume["scheduler"])
+        scaler.load_state_dict(resume["scaler"])
+        if ema is not None:
+            ema.load_state_dict(resume["ema"])
+        state = TrainState(**resume["state"])
+        checkpoint.restore_rng(resume["rng"])
+    train_model = DDP(model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None) \
+        if dist.enabled else model
+    if cfg.compile:
+        train_model = torch.compile(train_model)
+
+    log = RunLog(out, dist.is_main, state.epoch if resume is not None else None)
+    if dist.is_main:
+        print(f"global batch {global_batch} (lr {lr:.4g}), {steps_per_epoch} steps/epoch, "
+              f"amp {dtype or 'off'}, starting at epoch {state.epoch}")
+    profiler = make_profiler(cfg, out, dist)
+    record: dict = {}
+    with profiler or nullcontext():
+        for epoch in range(state.epoch, cfg.epochs):
+            state.epoch = epoch
+            train_loader.set_epoch(epoch)
+            stats = train_one_epoch(train_model, ema, train_loader, optimizer, scheduler, scaler, cfg, dist, dtype,
+                                    state, profiler)
+            record = {"epoch": epoch, "lr": optimizer.param_groups[0]["lr"], "train_loss": stats.loss,
+                      "images_per_s": stats.images * dist.world_size / stats.seconds, "epoch_seconds": stats.seconds,
+                      "data_wait_share": stats.data_wait / stats.seconds, "bad_steps": stats.bad_steps}
+            if val_loader is not None:
+                record.update(evaluate(train_model, val_loader, dist, dtype, manifest.num_classes))
+                if ema is not None:
+                    record.update({f"ema_{k}": v for k, v in
+                                   evaluate(ema.module, val_loader, dist, dtype, manifest.num_classes).items()
+                                   if k != "val_samples"})
+            record.update(gpu_stats(dist.device))
+            state.epoch = epoch + 1
+            finish_epoch(record, state, log, out, dist, cfg, manifest, model, optimizer, scheduler, scaler, ema)
+    log.close()
+    return record
+
+
+def finish_epoch(record, state: TrainState, log: RunLog, out: Path, dist: Dist, cfg: TrainConfig,
+                 manifest: ShardManifest, model, optimizer, scheduler, scaler, ema) -> None:
+    """Rank 0: metrics line first, then last.pt (and best.pt); a crash between them only replays the epoch."""
+    if not dist.is_main:
+        return
+    top1 = record.get("top1", -record["train_loss"])
+    is_best = top1 > state.best_top1
+    state.best_top1 = max(state.best_top1, top1)
+    log.write(record)
+    summary = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
+    print(summary, flush=True)
+    ckpt = {
+        "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(), "ema": ema.state_dict() if ema is not None else None,
+        "state": vars(state).copy(), "rng": checkpoint.rng_state(), "config": cfg.to_json(),
+        "classes": manifest.classes, "metrics": record,
+    }
+    checkpoint.save(out / checkpoint.LAST, ckpt)
+    if is_best:
+        checkpoint.save(out / checkpoint.BEST, ckpt)
