@@ -289,8 +289,14 @@ def load_manifest(cfg: TrainConfig) -> ShardManifest:
     return manifest
 
 
-def main(cfg: TrainConfig, resume: dict | None = None) -> dict:
-    """Train `cfg`; `resume` is a loaded checkpoint to continue from. Returns the last epoch's metrics."""
+@dataclass
+class TrainResult:
+    metrics: dict  # the last epoch's record, as in metrics.jsonl
+    model: torch.nn.Module  # this rank's trained model, unwrapped from DDP/compile
+
+
+def main(cfg: TrainConfig, resume: dict | None = None) -> TrainResult:
+    """Train `cfg`; `resume` is a loaded checkpoint to continue from."""
     cfg.validate()
     dist = setup(cfg.device)
     try:
@@ -299,7 +305,7 @@ def main(cfg: TrainConfig, resume: dict | None = None) -> dict:
         teardown()
 
 
-def _run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> dict:
+def _run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> TrainResult:
     out = Path(cfg.out)
     manifest = load_manifest(cfg)
     if resume is not None and resume["classes"] != manifest.classes:
@@ -378,7 +384,7 @@ def _run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> dict:
             state.epoch = epoch + 1
             finish_epoch(record, state, log, out, dist, cfg, manifest, model, optimizer, scheduler, scaler, ema)
     log.close()
-    return record
+    return TrainResult(record, unwrap(model))
 
 
 def finish_epoch(record, state: TrainState, log: RunLog, out: Path, dist: Dist, cfg: TrainConfig,
