@@ -272,3 +272,16 @@ def test_verify_catches_a_tampered_shard_and_index(shards):
 def test_verify_missing_folder_is_usage_error(tmp_path):
     result = run_cli("verify", tmp_path / "nope")
     assert result.exit_code == 2 and "no such shard folder" in result.output
+
+
+def test_a_source_changed_during_conversion_is_an_error_not_a_corrupt_shard(tmp_path):
+    from dalifeed.tools.shards import SourceChanged, SourceFile
+
+    path = tmp_path / "x.jpg"
+    path.write_bytes(b"12345")
+    assert SourceFile(str(path), 5).read() == b"12345"
+    with pytest.raises(SourceChanged, match="x.jpg: changed while being converted"):
+        SourceFile(str(path), 4).read()
+    path.unlink()
+    with pytest.raises(SourceChanged, match="x.jpg: vanished"):
+        SourceFile(str(path), 5).read()

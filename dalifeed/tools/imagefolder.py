@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from .images import ImageError, to_jpeg
 from .manifest import MANIFEST_NAME, ShardManifest, SplitInfo, write_json_atomic
-from .shards import PROGRESS_DIR, ProgressStore, Sample, Skip, remove_outputs, write_split
+from .shards import PROGRESS_DIR, ProgressStore, Sample, Skip, SourceFile, remove_outputs, write_split
 
 DEFAULT_MAX_SHARD_BYTES = 256 * 2**20
 
@@ -197,8 +197,9 @@ def stratified_split(items: list[Item], val_fraction: float, seed: int) -> dict[
 
 def encode_item(item: Item, src: str, quality: int, max_side: int | None) -> Sample | Skip:
     """Worker: read, decode-check and (if needed) re-encode one file; never raises for bad content."""
+    path = Path(src, item.relpath)
     try:
-        data = Path(src, item.relpath).read_bytes()
+        data = path.read_bytes()
     except OSError as e:
         return Skip(f"unreadable: {e.strerror or e}")
     if item.label < 0:
@@ -209,7 +210,7 @@ def encode_item(item: Item, src: str, quality: int, max_side: int | None) -> Sam
         return Skip(str(e))
     meta = {"path": item.relpath, "class": item.class_name, "label": item.label, "reencoded": image.reencoded}
     members = [
-        ("jpg", image.jpeg),
+        ("jpg", SourceFile(str(path), len(data)) if image.reencoded is None else image.jpeg),
         ("cls", str(item.label).encode()),
         ("label", struct.pack("<q", item.label)),
         ("json", json.dumps(meta, sort_keys=True).encode()),

@@ -35,10 +35,37 @@ class WorkerCrashed(Exception):
 
 
 @dataclass
+class SourceFile:
+    """A member whose bytes are a source file's, unchanged. Workers pass this instead of the bytes and the
+    writer reads the file itself (from the page cache): shipping every JPEG back through a pipe cost
+    conversion a fifth of its speed."""
+
+    path: str
+    size: int
+
+    def read(self) -> bytes:
+        try:
+            data = Path(self.path).read_bytes()
+        except OSError as e:
+            raise SourceChanged(f"{self.path}: vanished while being converted ({e.strerror})") from None
+        if len(data) != self.size:
+            raise SourceChanged(f"{self.path}: changed while being converted ({self.size} -> {len(data)} bytes)")
+        return data
+
+
+class ConversionFailed(Exception):
+    """The conversion cannot go on: `--on-error fail` met a bad file, or a source changed under it."""
+
+
+class SourceChanged(ConversionFailed):
+    pass
+
+
+@dataclass
 class Sample:
     """One encoded sample: members in the order they go into the tar, e.g. [("jpg", b"..."), ("cls", b"3")]."""
 
-    members: list[tuple[str, bytes]]
+    members: list[tuple[str, bytes | SourceFile]]
     reencoded: str | None = None
 
 
@@ -89,21 +116,26 @@ class PackedSample:
     """A sample already laid out as tar members (headers, data, padding), built in a worker so the writer
     only appends bytes. USTAR headers do not depend on their position, so this is exact."""
 
-    blob: bytes
-    entries: list[tuple[str, int, int, str]]  # (ext, data offset inside blob, size, member name)
+    parts: list[bytes | SourceFile]  # concatenated, they are the sample's tar bytes
+    entries: list[tuple[str, int, int, str]]  # (ext, data offset inside the sample, size, member name)
     reencoded: str | None
+
+    @property
+    def size(self) -> int:
+        return sum(p.size if isinstance(p, SourceFile) else len(p) for p in self.parts)
 
 
 def pack_sample(key: str, sample: Sample) -> PackedSample:
     parts, entries, offset = [], [], 0
     for ext, payload in sample.members:
         name = f"{key}.{ext}"
-        header = deterministic_tarinfo(name, len(payload)).tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
-        padding = b"\0" * (-len(payload) % TAR_BLOCK)
-        entries.append((ext, offset + len(header), len(payload), name))
+        size = payload.size if isinstance(payload, SourceFile) else len(payload)
+        header = deterministic_tarinfo(name, size).tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+        padding = b"\0" * (-size % TAR_BLOCK)
+        entries.append((ext, offset + len(header), size, name))
         parts += [header, payload, padding]
-        offset += len(header) + len(payload) + len(padding)
-    return PackedSample(b"".join(parts), entries, sample.reencoded)
+        offset += len(header) + size + len(padding)
+    return PackedSample(parts, entries, sample.reencoded)
 
 
 class ShardFile:
@@ -127,7 +159,8 @@ class ShardFile:
     def add(self, packed: PackedSample) -> None:
         base = self.bytes_so_far
         self._index_lines.append(" ".join(f"{ext} {base + off} {size} {name}" for ext, off, size, name in packed.entries))
-        self._write(packed.blob)
+        for part in packed.parts:
+            self._write(part.read() if isinstance(part, SourceFile) else part)
         self.samples += 1
 
     def finish(self) -> ShardInfo:
@@ -155,14 +188,14 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def ordered_map(fn: Callable, items: Sequence, workers: int, chunk: int = 16) -> Iterator:
+def ordered_map(fn: Callable, items: Sequence, workers: int, chunk: int = 64) -> Iterator:
     """`map(fn, items)` over `workers` processes, results in input order, at most a few chunks in flight
     (so memory stays flat on a million files). A worker's exception is re-raised here; a worker that dies
     raises `WorkerCrashed` instead of hanging."""
     if workers <= 1:
         yield from map(fn, items)
         return
-    chunks = (items[i : i + chunk] for i in range(0, len(items), chunk))
+    chunks = (items[i : i + chunk] for i in range(0, len(items), chunk))  # 64: measured best of 4..64
     with ProcessPoolExecutor(max_workers=workers, mp_context=_worker_context()) as pool:
         pending: deque = deque()
         try:
@@ -295,7 +328,7 @@ def write_split(
                     raise ConversionFailed(f"{describe(plan[position])}: {result.reason}")
                 pending_skips.append({"path": describe(plan[position]), "reason": result.reason})
                 continue
-            if current is not None and _shard_full(current, len(result.blob), max_shard_bytes, samples_per_shard):
+            if current is not None and _shard_full(current, result.size, max_shard_bytes, samples_per_shard):
                 close_shard(position)
             if current is None:
                 current = ShardFile(out_dir, shard_name(split, number))
@@ -316,10 +349,6 @@ def _encode_and_pack(encode: Callable, work: tuple[int, object]) -> PackedSample
     position, item = work
     result = encode(item)
     return result if isinstance(result, Skip) else pack_sample(sample_key(position), result)
-
-
-class ConversionFailed(Exception):
-    """`--on-error fail` met a file it could not convert."""
 
 
 def _shard_full(shard: ShardFile, next_size: int, max_bytes: int | None, max_samples: int | None) -> bool:
