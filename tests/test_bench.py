@@ -88,6 +88,17 @@ def test_convert_rate_measures_both_rates(tmp_path):
     assert "pure decode" in render_markdown(result)
 
 
+def test_stage_rates_fall_as_stages_are_added(bench_data):
+    from dalifeed.bench.stages import STAGES, render_markdown, stage_rates
+
+    _, shards = bench_data
+    rates = stage_rates(shards, batch_size=8, threads=2, image_size=32, batches=4)
+    assert list(rates) == list(STAGES)
+    assert rates["read"] > rates["decode (ROI)"] > 0  # reading bytes is always cheaper than decoding them
+    table = render_markdown(rates, baseline=rates["read"])
+    assert "| read |" in table and "| 1.00 |" in table
+
+
 def test_update_doc_replaces_only_the_generated_section(tmp_path):
     doc = tmp_path / "benchmarks.md"
     doc.write_text(f"# Benchmarks\n\nhand-written intro\n\n{BEGIN}\nold numbers\n{END}\n\nhand-written notes\n")

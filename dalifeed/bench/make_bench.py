@@ -18,7 +18,7 @@ import click
 from dalifeed.tools import ConvertConfig, convert_imagefolder
 from dalifeed.tools.sample_data import make_photos_imagefolder
 
-from . import convert_rate
+from . import convert_rate, stages
 from .cli import BenchConfig, render_table, run_bench, plot
 
 BEGIN, END = "<!-- make-bench:begin -->", "<!-- make-bench:end -->"
@@ -34,9 +34,10 @@ def build_data(workdir: Path, per_class: int) -> tuple[Path, Path]:
     return photos, shards
 
 
-def render(convert: dict, bench: dict, command: str) -> str:
+def render(convert: dict, bench: dict, stage: dict[str, float], command: str) -> str:
     env = bench["environment"]
     cfg = bench["config"]
+    baseline = next((r["images_per_s"] for r in bench["results"] if r["loader"] == "baseline"), None)
     lines = [
         BEGIN,
         f"Measured {env['date']} with `{command}` on {env['cores']} cores ({env['cpu']}), "
@@ -56,6 +57,12 @@ def render(convert: dict, bench: dict, command: str) -> str:
         "",
         f"Pure decode of the same files on the same cores (PIL, full decode, no augmentation): "
         f"{convert['decode_images_per_s']:.0f} images/s.",
+        "",
+        "### What limits dali-cpu",
+        "",
+        f"The same DALI graph cut after each stage, {cfg['workers']} threads, DALI alone (no PyTorch iterator):",
+        "",
+        stages.render_markdown(stage, baseline),
         END,
     ]
     return "\n".join(lines)
@@ -96,8 +103,12 @@ def main(workdir: Path, doc: Path, per_class: int, seconds: float, repeats: int,
     (workdir / "convert_rate.json").write_text(json.dumps(convert, indent=2) + "\n")
     plot(bench, cfg.out / "bench.png")
     click.echo(render_table(bench))
+    click.echo("measuring the DALI pipeline stage by stage ...", err=True)
+    stage = stages.stage_rates(shards, batch_size=cfg.batch_size, threads=cfg.workers, image_size=cfg.image_size,
+                               device="gpu" if bench["environment"]["gpu"] else "cpu")
+    (workdir / "stages.json").write_text(json.dumps(stage, indent=2) + "\n")
     command = "make bench" if os.environ.get("MAKELEVEL") else "python -m dalifeed.bench.make_bench"
-    update_doc(doc, render(convert, bench, command))
+    update_doc(doc, render(convert, bench, stage, command))
     click.echo(f"\nupdated {doc}; raw results in {workdir} ({time.time() - started:.0f} s)", err=True)
 
 
