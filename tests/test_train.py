@@ -18,7 +18,7 @@ from dalifeed.pipelines import make_loader
 from dalifeed.tools import ConvertConfig, convert_imagefolder
 from dalifeed.train import TrainConfig, main as train
 from dalifeed.train.cli import main as train_cli
-from dalifeed.train.trainer import EpochStats, TrainState, amp_dtype, train_one_epoch, warmup_cosine
+from dalifeed.train.trainer import TrainState, amp_dtype, train_one_epoch, warmup_cosine
 from dalifeed.train.distributed import Dist
 
 from conftest import write_imagefolder
@@ -157,13 +157,9 @@ def one_epoch(batches, accum_steps: int, clip: float | None = None, lr: float = 
     return model
 
 
-class Batches(list):
-    """Real DALI batches replayed: the same data for both sides of a comparison."""
-
-
 def test_accumulating_2_batches_of_b_equals_one_batch_of_2b(shards):
-    big = Batches(real_batches(shards, 8))
-    halves = Batches((x[i:i + 4], y[i:i + 4]) for x, y in big for i in (0, 4))
+    big = real_batches(shards, 8)  # real DALI batches replayed: the same data for both sides
+    halves = [(x[i:i + 4], y[i:i + 4]) for x, y in big for i in (0, 4)]
     a, b = one_epoch(big, accum_steps=1), one_epoch(halves, accum_steps=2)
     assert torch.allclose(a.fc.weight, b.fc.weight, atol=1e-6)
     no_accum = one_epoch(halves, accum_steps=1)  # twice the steps: must differ, or the test shows nothing
@@ -171,7 +167,7 @@ def test_accumulating_2_batches_of_b_equals_one_batch_of_2b(shards):
 
 
 def test_clip_grad_bounds_the_update(shards):
-    batches = Batches(real_batches(shards, 8)[:1])
+    batches = real_batches(shards, 8)[:1]
     start = Linear().fc.weight.detach().clone()
     clipped = one_epoch(batches, 1, clip=1e-3, lr=1.0).fc.weight.detach()
     free = one_epoch(batches, 1, clip=None, lr=1.0).fc.weight.detach()

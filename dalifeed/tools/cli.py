@@ -91,7 +91,7 @@ def imagefolder_cmd(src, out, val_fraction, seed, max_shard_bytes, samples_per_s
         click.echo(f"Error: {e}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        click.echo(f"\ninterrupted: finished shards are kept; run the same command again to resume", err=True)
+        click.echo("\ninterrupted: finished shards are kept; run the same command again to resume", err=True)
         sys.exit(130)
     click.echo(describe_result(manifest))
 

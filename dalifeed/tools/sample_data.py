@@ -10,7 +10,6 @@ Run `python -m dalifeed.tools.sample_data digits OUT` or `... photos OUT --per-c
 
 from __future__ import annotations
 
-import io
 import shutil
 from pathlib import Path
 
@@ -102,12 +101,6 @@ def _reset(out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-
-
-def jpeg_bytes(img: Image.Image, quality: int = 95) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=quality)
-    return buf.getvalue()
 
 
 @click.group()
