@@ -54,7 +54,8 @@ def test_dali_bench_cli_writes_table_json_and_plot(bench_data, tmp_path):
     for r in by_name.values():
         assert len(r["images_per_s_runs"]) == 2 and r["images_per_s"] > 0
         assert r["output"] == "(8, 3, 32, 32) float32 cpu"
-        assert 0 < r["cpu_percent"] <= 100 and r["peak_rss_mb"] > 50
+        # CPU clocks tick every 10 ms per process, so a window this short can read a little over 100%
+        assert 0 < r["cpu_percent"] < 150 and r["peak_rss_mb"] > 50
         assert r["train_steps_per_s"] > 0 and 0 <= r["data_wait_share"] < 1
     assert report["environment"]["cores"] >= 1 and report["synthetic"]["model"] == "resnet18"
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

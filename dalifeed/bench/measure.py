@@ -38,7 +38,10 @@ class ResourceMonitor:
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _cpu_seconds(self) -> float:
-        total = 0.0
+        # Workers that exited and were reaped inside the window (an epoch's non-persistent workers) are no
+        # longer in the tree; their time lives on in this process's children_* counters.
+        mine = psutil.Process().cpu_times()
+        total = mine.children_user + mine.children_system
         for p in process_tree():
             try:
                 t = p.cpu_times()
