@@ -18,7 +18,7 @@ from dalifeed.pipelines import make_loader
 from dalifeed.tools import ConvertConfig, convert_imagefolder
 from dalifeed.train import TrainConfig, main as train
 from dalifeed.train.cli import main as train_cli
-from dalifeed.train.trainer import TrainState, amp_dtype, train_one_epoch, warmup_cosine
+from dalifeed.train.trainer import RunLog, TrainState, amp_dtype, train_one_epoch, warmup_cosine
 from dalifeed.train.distributed import Dist
 
 from conftest import write_imagefolder
@@ -39,6 +39,14 @@ def shards(tmp_path_factory) -> Path:
 
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def tensorboard_scalars(run: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
 
 
 def deterministic(records: list[dict]) -> list[dict]:
@@ -85,9 +93,26 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(shards, tmp_path):
     assert resumed.exit_code == 0, resumed.output
     assert f"starting at epoch {done_before_kill}" in resumed.output
     assert deterministic(metrics(killed)) == deterministic(metrics(straight))
+    # TensorBoard shows each epoch once too: the replayed epochs' events from before the kill are purged
+    assert tensorboard_scalars(killed, "top1") == [(r["epoch"], pytest.approx(r["top1"])) for r in metrics(straight)]
     a = torch.load(straight / "last.pt", weights_only=False)["model"]
     b = torch.load(killed / "last.pt", weights_only=False)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resumed_log_replays_epochs_without_writing_them_twice(tmp_path):
+    """A crash between an epoch's metrics line and its checkpoint replays that epoch on resume: its first
+    metrics line and TensorBoard events must give way to the replay's."""
+    log = RunLog(tmp_path, enabled=True, resume_epoch=None)
+    for epoch in range(3):
+        log.write({"epoch": epoch, "top1": 0.1 * epoch})
+    log.close()
+    log = RunLog(tmp_path, enabled=True, resume_epoch=1)  # last.pt says: epochs 0 done
+    for epoch in (1, 2):
+        log.write({"epoch": epoch, "top1": 0.5 + 0.1 * epoch})
+    log.close()
+    assert [(r["epoch"], r["top1"]) for r in metrics(tmp_path)] == [(0, 0.0), (1, 0.6), (2, 0.7)]
+    assert tensorboard_scalars(tmp_path, "top1") == [(0, 0.0), (1, pytest.approx(0.6)), (2, pytest.approx(0.7))]
 
 
 def _ddp_rank(rank: int, world: int, port: int, cfg: TrainConfig, results: Path) -> None:

@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from dalifeed.pipelines import make_loader
 from dalifeed.tools import ManifestError, ShardManifest
+from dalifeed.tools.manifest import write_atomic
 
 from . import checkpoint
 from .config import ConfigError, TrainConfig
@@ -226,11 +227,12 @@ class RunLog:
             # epochs after the checkpoint are replayed: drop their lines so none is written twice
             kept = [line for line in self.metrics.read_text().splitlines()
                     if line.strip() and json.loads(line)["epoch"] < resume_epoch]
-            self.metrics.write_text("".join(line + "\n" for line in kept))
+            write_atomic(self.metrics, "".join(line + "\n" for line in kept).encode())
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(out / "tensorboard"))
+            # purge_step hides the replayed epochs' events, as the metrics lines above are dropped
+            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=resume_epoch)
         except ImportError:
             pass
 
