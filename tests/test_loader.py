@@ -93,3 +93,39 @@ def test_set_epoch_replays_an_epoch_exactly(unique_shards):
     assert len(third) == len(replay)
     for (x1, y1), (x2, y2) in zip(third, replay):
         assert torch.equal(y1, y2) and torch.equal(x1, x2)
+
+
+@pytest.mark.parametrize("rank, world_size", [(0, 1), (1, 2)])
+def test_a_loader_restored_mid_epoch_yields_exactly_the_rest_of_it(unique_shards, rank, world_size):
+    def loader():
+        return make_loader(unique_shards, "train", 4, rank=rank, world_size=world_size, seed=3, image_size=16,
+                           device="cpu", checkpointing=True)
+
+    straight = loader()
+    epoch0 = [(images.clone(), labels.clone()) for images, labels in straight]
+    epoch1 = [labels.tolist() for _, labels in straight]
+
+    first = loader()
+    batches = iter(first)
+    for _ in range(2):
+        next(batches)
+    state = first.state_dict()
+    assert state["epoch"] == 0 and state["batches_done"] == 2 and state["dali"]
+    del batches, first
+
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = [(images.clone(), labels.clone()) for images, labels in resumed]
+    assert len(rest) == len(epoch0) - 2  # the rank with a spare batch still drops it
+    for (a_images, a_labels), (b_images, b_labels) in zip(rest, epoch0[2:]):
+        assert torch.equal(a_labels, b_labels) and torch.equal(a_images, b_images)  # same samples, same crops
+    assert [labels.tolist() for _, labels in resumed] == epoch1  # and the next epoch is the usual one
+    assert resumed.state_dict() == {"epoch": 2, "batches_done": 0, "dali": None}
+
+
+def test_a_mid_epoch_state_needs_checkpointing(unique_shards):
+    loader = make_loader(unique_shards, "train", 4, image_size=16, device="cpu")
+    batches = iter(loader)
+    next(batches)
+    with pytest.raises(RuntimeError, match="checkpointing=True"):
+        loader.state_dict()

@@ -13,6 +13,10 @@ Epoch semantics (what a trainer may rely on):
   seeded permutation (so each rank gets a different slice every epoch) and DALI shuffles samples within
   a buffer of `initial_fill`. Iterating again starts the next epoch; `set_epoch(e)` jumps to epoch e, which
   is how a resumed run replays exactly the order an uninterrupted one would have seen.
+- Mid-epoch resume (`checkpointing=True`): `state_dict()` taken between batches holds DALI's checkpoint
+  of the reader and random generators after the last batch handed out; a fresh loader given it by
+  `load_state_dict` yields exactly the rest of that epoch, then carries on as usual. The reader
+  fast-forwards through the tar index without decoding what was already seen.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class DaliLoader:
 
     def __init__(self, manifest: ShardManifest, split: str, batch_size: int, *, train: bool, rank: int,
                  world_size: int, seed: int, device: str, augment: AugmentConfig, num_threads: int,
-                 prefetch_queue_depth: int, initial_fill: int, device_id: int | None):
+                 prefetch_queue_depth: int, initial_fill: int, device_id: int | None, checkpointing: bool = False):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
         if batch_size < 1:
@@ -65,7 +69,7 @@ class DaliLoader:
         self.manifest, self.split, self.batch_size, self.train = manifest, split, batch_size, train
         self.rank, self.world_size, self.seed, self.device, self.augment = rank, world_size, seed, device, augment
         self.num_threads, self.prefetch_queue_depth, self.initial_fill = num_threads, prefetch_queue_depth, initial_fill
-        self.device_id = device_id
+        self.device_id, self.checkpointing = device_id, checkpointing
         self._tars = [str(p) for p in manifest.shard_paths(split)]
         self._indexes = [str(p) for p in manifest.index_paths(split)]
         self.total_samples = manifest.num_samples(split)
@@ -77,6 +81,8 @@ class DaliLoader:
         self.epoch = 0
         self._iterator = None
         self._epoch_complete = False
+        self._batches_done = 0  # handed out in the current epoch
+        self._restore: str | None = None  # a DALI checkpoint the next iteration starts from
 
     # -- sizes -------------------------------------------------------------------------------------
     def _shard_range(self, shard_id: int) -> tuple[int, int]:
@@ -102,6 +108,22 @@ class DaliLoader:
         """The next iteration yields epoch `epoch` (its order depends only on seed and epoch)."""
         self.epoch = epoch
 
+    def state_dict(self) -> dict:
+        """This rank's place in the data: the epoch and, between two batches of an epoch, how many were handed
+        out and DALI's checkpoint after the last of them (only with `checkpointing=True`)."""
+        if self._iterator is None or self._epoch_complete or self._batches_done == 0:
+            return {"epoch": self.epoch, "batches_done": 0, "dali": None}
+        if not self.checkpointing:
+            raise RuntimeError("a mid-epoch loader state needs make_loader(..., checkpointing=True)")
+        return {"epoch": self.epoch, "batches_done": self._batches_done, "dali": self._iterator.checkpoints()[0]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The next iteration continues from `state` (from `state_dict()` of a loader with the same
+        arguments, possibly in another process)."""
+        if state["dali"] is not None and not self.checkpointing:
+            raise ValueError("restoring a mid-epoch loader state needs make_loader(..., checkpointing=True)")
+        self.epoch, self._batches_done, self._restore = state["epoch"], state["batches_done"], state["dali"]
+
     def _epoch_files(self) -> tuple[list[str], list[str]]:
         if not self.train:
             return self._tars, self._indexes
@@ -109,12 +131,13 @@ class DaliLoader:
         random.Random(f"{self.seed}:{self.epoch}").shuffle(order)  # same on every rank: a partition
         return [self._tars[i] for i in order], [self._indexes[i] for i in order]
 
-    def _build_iterator(self) -> DALIGenericIterator:
+    def _build_iterator(self, checkpoint: str | None = None) -> DALIGenericIterator:
         tars, indexes = self._epoch_files()
         pipe = shard_pipeline(
             tars, indexes, self.augment, self.train, self.device, shard_id=self.rank, num_shards=self.world_size,
             initial_fill=self.initial_fill, batch_size=self.batch_size, num_threads=self.num_threads,
             device_id=self.device_id, seed=self._pipeline_seed(), prefetch_queue_depth=self.prefetch_queue_depth,
+            enable_checkpointing=self.checkpointing, checkpoint=checkpoint,
         )
         pipe.build()
         policy = LastBatchPolicy.DROP if self.train else LastBatchPolicy.PARTIAL
@@ -126,15 +149,19 @@ class DaliLoader:
         return random.Random(f"{self.seed}:{self.epoch}:{self.rank}").randrange(2**31)
 
     def __iter__(self):
-        if self.train or not self._epoch_complete:
+        restore, self._restore = self._restore, None
+        if self.train or not self._epoch_complete or restore:
             # Training rebuilds per epoch so the order is a function of (seed, epoch); validation has one
             # fixed order and reuses its pipeline once an epoch has run to the end.
             self._iterator = None  # free the previous pipeline first
-            self._iterator = self._build_iterator()
+            self._iterator = self._build_iterator(restore)
+        if restore is None:
+            self._batches_done = 0
         self._epoch_complete = False
         limit = len(self)
-        for i, batch in enumerate(self._iterator):
-            if i < limit:
+        for batch in self._iterator:
+            if self._batches_done < limit:
+                self._batches_done += 1
                 yield self._to_torch(batch[0])
         self._epoch_complete = True
         self.epoch += 1
@@ -152,12 +179,14 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
                 seed: int = 0, device: str = "auto", image_size: int = 224, train: bool | None = None,
                 crop_scale: tuple[float, float] = (0.08, 1.0), flip: bool = True,
                 dtype: torch.dtype = torch.float32, channels_last: bool = False, num_threads: int | None = None,
-                prefetch_queue_depth: int = 2, initial_fill: int = 1024, device_id: int | None = None) -> DaliLoader:
+                prefetch_queue_depth: int = 2, initial_fill: int = 1024, device_id: int | None = None,
+                checkpointing: bool = False) -> DaliLoader:
     """Batches of split `split` of the shard folder `shards_dir` for this rank; see the module docstring.
 
     `device`: 'auto' (GPU when torch and DALI see one), 'gpu' or 'cpu'. `device_id` defaults to the current
     CUDA device (set it from LOCAL_RANK under torchrun). `dtype` float32 or float16; `channels_last` gives
-    NHWC. `num_threads` defaults to the cores this process may use.
+    NHWC. `num_threads` defaults to the cores this process may use. `checkpointing` enables DALI's
+    checkpointing so that `state_dict()` can be taken mid-epoch (see the module docstring).
     """
     if dtype not in (torch.float32, torch.float16):
         raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
@@ -171,4 +200,4 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     return DaliLoader(manifest, split, batch_size, train=split == "train" if train is None else train, rank=rank,
                       world_size=world_size, seed=seed, device=resolved, augment=augment, num_threads=threads,
                       prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
-                      device_id=device_id if resolved == "gpu" else None)
+                      device_id=device_id if resolved == "gpu" else None, checkpointing=checkpointing)

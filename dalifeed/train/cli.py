@@ -13,7 +13,7 @@ from .config import ConfigError, TrainConfig
 from .trainer import TrainingDiverged, main as train
 
 # Options that may differ from the checkpoint's config when resuming: they do not change the maths.
-RESUMABLE_OVERRIDES = {"epochs", "workers", "profile", "compile"}
+RESUMABLE_OVERRIDES = {"epochs", "workers", "profile", "compile", "checkpoint_every"}
 
 
 def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
@@ -65,6 +65,9 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 @click.option("--workers", type=int, default=None, help="DALI threads per process (default: available cores).")
 @click.option("--profile", type=int, default=0, show_default=True,
               help="Write RUN/profile_trace.json, a torch profiler trace of this many steps.")
+@click.option("--checkpoint-every", type=int, default=0, show_default=True, metavar="STEPS",
+              help="Also save last.pt every STEPS optimizer steps inside an epoch, with DALI's reader state, so "
+                   "a resume continues mid-epoch (0: at epoch ends only).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True)
 @click.pass_context
 def main(ctx: click.Context, resume_dir: Path | None, **options) -> None:
@@ -78,8 +81,9 @@ def main(ctx: click.Context, resume_dir: Path | None, **options) -> None:
     Resume after a crash or kill:  dali-train --resume runs/r50   (same command under torchrun)
 
     Every epoch: train, evaluate top-1/top-5 on the whole val split, append RUN/metrics.jsonl, save
-    RUN/last.pt (and RUN/best.pt on a new best top-1). Resuming continues at the epoch after the last
-    checkpoint and replays exactly what an uninterrupted run would have done. See docs/training.md.
+    RUN/last.pt (and RUN/best.pt on a new best top-1). Resuming continues where the last checkpoint was
+    taken (an epoch's end, or mid-epoch with --checkpoint-every) and replays exactly what an uninterrupted
+    run would have done. See docs/training.md.
     """
     try:
         options["crop_scale"] = tuple(options["crop_scale"])

@@ -39,6 +39,7 @@ class TrainConfig:
     max_bad_steps: int = 5  # abort after this many non-finite losses in a row
     workers: int | None = None  # DALI threads per process; default: the cores this process may use
     profile: int = 0  # write a torch profiler trace of this many steps (0: off)
+    checkpoint_every: int = 0  # also save last.pt every this many optimizer steps inside an epoch (0: off)
     device: str = "auto"  # auto | cpu | gpu
 
     def validate(self) -> None:
@@ -59,6 +60,7 @@ class TrainConfig:
             (self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}"),
             (self.device in ("auto", "cpu", "gpu"), f"--device must be auto, cpu or gpu, got {self.device!r}"),
             (self.profile >= 0, f"--profile must be >= 0, got {self.profile}"),
+            (self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -52,6 +52,15 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
+def gather_objects(obj) -> list:
+    """`obj` of every rank, in rank order, on every rank."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def all_reduce_min(values: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.MIN)

@@ -11,7 +11,7 @@ import math
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ from dalifeed.tools.manifest import write_atomic
 
 from . import checkpoint
 from .config import ConfigError, TrainConfig
-from .distributed import Dist, all_reduce_min, all_reduce_sum, setup, teardown
+from .distributed import Dist, all_reduce_min, all_reduce_sum, gather_objects, setup, teardown
 
 
 class TrainingDiverged(Exception):
@@ -89,8 +89,7 @@ class EpochStats:
     seconds: float = 0.0
     data_wait: float = 0.0
     bad_steps: int = 0
-    steps: int = 0
-    extra: dict = field(default_factory=dict)
+    steps: int = 0  # optimizer steps (taken or skipped)
 
 
 @dataclass
@@ -104,17 +103,21 @@ class TrainState:
 
 
 def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: TrainConfig, dist: Dist,
-                    dtype: torch.dtype | None, state: TrainState, profiler=None) -> EpochStats:
+                    dtype: torch.dtype | None, state: TrainState, profiler=None, stats: EpochStats | None = None,
+                    save_midway=None) -> EpochStats:
+    """One epoch, or the rest of one: resuming mid-epoch, `stats` are those of the part already run and the
+    loader yields the rest. `save_midway(stats)` runs every `cfg.checkpoint_every` optimizer steps."""
     model.train()
-    stats = EpochStats()
+    stats = stats or EpochStats()
     steps = len(loader) // cfg.accum_steps
     # a bar only where a person watches; logs get the one line per epoch that main() prints
-    bar = tqdm(total=steps, desc=f"epoch {state.epoch}", unit="step", dynamic_ncols=True, leave=False,
-               disable=not (dist.is_main and sys.stderr.isatty()))
+    bar = tqdm(total=steps, initial=stats.steps, desc=f"epoch {state.epoch}", unit="step", dynamic_ncols=True,
+               leave=False, disable=not (dist.is_main and sys.stderr.isatty()))
     loss_sum = torch.zeros(2, device=dist.device)  # (sum of losses, count) for this step, kept on device
     finite = torch.ones(1, device=dist.device)
+    seconds_before = stats.seconds
     start = wait_start = time.perf_counter()
-    for i, (images, labels) in enumerate(loader):
+    for i, (images, labels) in enumerate(loader, start=stats.steps * cfg.accum_steps):
         if i >= steps * cfg.accum_steps:
             break  # an incomplete accumulation window at the end of the epoch is dropped
         stats.data_wait += time.perf_counter() - wait_start
@@ -136,7 +139,7 @@ def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: Train
             stats.steps += 1
             bar.update(1)
             if dist.is_main and stats.steps % 10 == 0:
-                elapsed = time.perf_counter() - start
+                elapsed = seconds_before + time.perf_counter() - start
                 bar.set_postfix(loss=f"{stats.loss / max(1, stats.steps - stats.bad_steps):.3f}",
                                 lr=f"{optimizer.param_groups[0]['lr']:.3g}",
                                 img_s=f"{stats.images * dist.world_size / elapsed:.0f}")
@@ -144,11 +147,13 @@ def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: Train
             finite.fill_(1.0)
             if profiler is not None:
                 profiler.step()
+            if save_midway and cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and stats.steps < steps:
+                save_midway(replace(stats, seconds=seconds_before + time.perf_counter() - start))
         wait_start = time.perf_counter()
     bar.close()
     if dist.device.type == "cuda":
         torch.cuda.synchronize(dist.device)
-    stats.seconds = time.perf_counter() - start
+    stats.seconds = seconds_before + time.perf_counter() - start
     stats.loss /= max(1, stats.steps - stats.bad_steps)  # mean over the steps that were taken
     return stats
 
@@ -327,11 +332,16 @@ def _run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> TrainResult:
     ema = torch.optim.swa_utils.AveragedModel(
         model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True) if cfg.ema else None
 
+    midway = resume.get("midway") if resume is not None else None
+    if midway is not None and len(midway["loaders"]) != dist.world_size:
+        raise ConfigError(f"{out}: last.pt was saved mid-epoch by {len(midway['loaders'])} processes; "
+                          f"resume it with as many (not {dist.world_size})")
     loader_args = dict(rank=dist.rank, world_size=dist.world_size, device="gpu" if dist.device.type == "cuda" else "cpu",
                        image_size=cfg.image_size, channels_last=cfg.channels_last, num_threads=cfg.workers,
                        device_id=dist.local_rank if dist.device.type == "cuda" else None)
     train_loader = make_loader(cfg.data, "train", cfg.batch_size, seed=cfg.seed, crop_scale=cfg.crop_scale,
-                               flip=cfg.flip, **loader_args)
+                               flip=cfg.flip, checkpointing=cfg.checkpoint_every > 0 or midway is not None,
+                               **loader_args)
     val_loader = make_loader(cfg.data, "val", cfg.batch_size, seed=cfg.seed, train=False, **loader_args) \
         if "val" in manifest.splits and manifest.num_samples("val") else None
 
@@ -363,16 +373,31 @@ def _run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> TrainResult:
 
     log = RunLog(out, dist.is_main, state.epoch if resume is not None else None)
     if dist.is_main:
+        where = f", batch {midway['loaders'][0]['batches_done']} of {len(train_loader)}" if midway else ""
         print(f"global batch {global_batch} (lr {lr:.4g}), {steps_per_epoch} steps/epoch, "
-              f"amp {dtype or 'off'}, starting at epoch {state.epoch}")
+              f"amp {dtype or 'off'}, starting at epoch {state.epoch}{where}")
     profiler = make_profiler(cfg, out, dist)
+    modules = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, ema=ema)
+
+    def save_midway(stats: EpochStats) -> None:
+        loaders = gather_objects(train_loader.state_dict())  # every rank's reader position
+        if dist.is_main:
+            ckpt = checkpoint_payload(cfg, manifest, state, modules, metrics=None)
+            ckpt["midway"] = {"stats": asdict(stats), "loaders": loaders}
+            checkpoint.save(out / checkpoint.LAST, ckpt)
+
     record: dict = {}
     with profiler or nullcontext():
         for epoch in range(state.epoch, cfg.epochs):
             state.epoch = epoch
-            train_loader.set_epoch(epoch)
+            partial = None
+            if midway is not None:  # the rest of the epoch a mid-epoch checkpoint was taken in
+                train_loader.load_state_dict(midway["loaders"][dist.rank])
+                partial, midway = EpochStats(**midway["stats"]), None
+            else:
+                train_loader.set_epoch(epoch)
             stats = train_one_epoch(train_model, ema, train_loader, optimizer, scheduler, scaler, cfg, dist, dtype,
-                                    state, profiler)
+                                    state, profiler, partial, save_midway)
             record = {"epoch": epoch, "lr": optimizer.param_groups[0]["lr"], "train_loss": stats.loss,
                       "images_per_s": stats.images * dist.world_size / stats.seconds, "epoch_seconds": stats.seconds,
                       "data_wait_share": stats.data_wait / stats.seconds, "bad_steps": stats.bad_steps}
@@ -384,13 +409,25 @@ def _run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> TrainResult:
                                    if k != "val_samples"})
             record.update(gpu_stats(dist.device))
             state.epoch = epoch + 1
-            finish_epoch(record, state, log, out, dist, cfg, manifest, model, optimizer, scheduler, scaler, ema)
+            finish_epoch(record, state, log, out, dist, cfg, manifest, modules)
     log.close()
     return TrainResult(record, unwrap(model))
 
 
+def checkpoint_payload(cfg: TrainConfig, manifest: ShardManifest, state: TrainState, modules: dict,
+                       metrics: dict | None) -> dict:
+    """Everything a resume needs: weights, optimiser, schedule, scaler, EMA, counters, RNG states, config."""
+    ema = modules["ema"]
+    return {
+        "model": unwrap(modules["model"]).state_dict(), "optimizer": modules["optimizer"].state_dict(),
+        "scheduler": modules["scheduler"].state_dict(), "scaler": modules["scaler"].state_dict(),
+        "ema": ema.state_dict() if ema is not None else None, "state": vars(state).copy(),
+        "rng": checkpoint.rng_state(), "config": cfg.to_json(), "classes": manifest.classes, "metrics": metrics,
+    }
+
+
 def finish_epoch(record, state: TrainState, log: RunLog, out: Path, dist: Dist, cfg: TrainConfig,
-                 manifest: ShardManifest, model, optimizer, scheduler, scaler, ema) -> None:
+                 manifest: ShardManifest, modules: dict) -> None:
     """Rank 0: metrics line first, then last.pt (and best.pt); a crash between them only replays the epoch."""
     if not dist.is_main:
         return
@@ -400,12 +437,7 @@ def finish_epoch(record, state: TrainState, log: RunLog, out: Path, dist: Dist, 
     log.write(record)
     summary = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
     print(summary, flush=True)
-    ckpt = {
-        "model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(), "ema": ema.state_dict() if ema is not None else None,
-        "state": vars(state).copy(), "rng": checkpoint.rng_state(), "config": cfg.to_json(),
-        "classes": manifest.classes, "metrics": record,
-    }
+    ckpt = checkpoint_payload(cfg, manifest, state, modules, metrics=record)
     checkpoint.save(out / checkpoint.LAST, ckpt)
     if is_best:
         checkpoint.save(out / checkpoint.BEST, ckpt)
