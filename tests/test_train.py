@@ -250,6 +250,20 @@ def test_clip_grad_bounds_the_update(shards):
     assert (free - start).norm() > 10 * (clipped - start).norm()
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before")  # the skipped first step
+def test_a_finite_loss_with_a_non_finite_gradient_is_not_applied(shards):
+    batches = real_batches(shards, 8)[:1]
+    model = Linear()
+    start = model.fc.weight.detach().clone()
+    model.fc.weight.register_hook(lambda grad: grad * float("inf"))  # the loss stays finite, the gradient not
+    cfg = TrainConfig(data=".", out=".", label_smoothing=0.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    stats = train_one_epoch(model, None, batches, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False),
+                            cfg, Dist(0, 1, 0, torch.device("cpu")), None, TrainState())
+    assert stats.bad_steps == 1 and torch.equal(model.fc.weight, start)
+
+
 def test_amp_modes():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert amp_dtype(TrainConfig(data=".", out=".", amp="auto"), cpu) is None
@@ -259,9 +273,12 @@ def test_amp_modes():
 
 
 def test_bf16_autocast_trains_on_the_cpu(shards, tmp_path):
-    gentle = {**FAST, "lr": 0.4}  # bf16's 8-bit mantissa makes FAST's lr diverge now and then
+    # In about 1 of 6 full-suite runs (never alone) a bf16 run on this CPU aborted after 5 non-finite steps
+    # from its second step on, even at a small lr: a finite loss with inf/NaN gradients had been applied and
+    # poisoned the weights. Non-finite gradients are now skipped too; the test allows a few such steps.
+    gentle = {**FAST, "lr": 0.4, "max_bad_steps": 11}
     result = train(TrainConfig(data=str(shards), out=str(tmp_path / "bf16"), epochs=2, amp="bf16", **gentle))
-    assert torch.isfinite(torch.tensor(result.metrics["train_loss"]))
+    assert torch.isfinite(torch.tensor(result.metrics["train_loss"])) and result.metrics["bad_steps"] < 5
     full = train(TrainConfig(data=str(shards), out=str(tmp_path / "fp32"), epochs=2, amp="off", **gentle))
     assert result.metrics["train_loss"] != full.metrics["train_loss"]  # bf16 really ran
 
@@ -277,7 +294,7 @@ def test_non_finite_loss_skips_then_aborts(shards, tmp_path):
                                             "resnet18", "--image-size", "16", "--batch-size", "8", "--lr", "1e12",
                                             "--warmup-epochs", "0", "--epochs", "3", "--max-bad-steps", "2"])
     assert result.exit_code == 1
-    assert "training diverged: loss was not finite for 2 steps in a row" in result.output
+    assert "training diverged: loss or gradients were not finite for 2 steps in a row" in result.output
 
 
 def test_pretrained_weights_load_and_a_different_head_is_replaced(shards, tmp_path):

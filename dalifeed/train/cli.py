@@ -61,7 +61,7 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
               help="Local weights (state_dict or checkpoint). A head of another class count is re-initialised.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--max-bad-steps", type=int, default=5, show_default=True,
-              help="Abort after this many non-finite losses in a row (each is skipped and logged).")
+              help="Abort after this many non-finite losses or gradients in a row (each is skipped and logged).")
 @click.option("--workers", type=int, default=None, help="DALI threads per process (default: available cores).")
 @click.option("--profile", type=int, default=0, show_default=True,
               help="Write RUN/profile_trace.json, a torch profiler trace of this many steps.")

@@ -36,7 +36,7 @@ class TrainConfig:
     flip: bool = True
     pretrained: str | None = None
     seed: int = 0
-    max_bad_steps: int = 5  # abort after this many non-finite losses in a row
+    max_bad_steps: int = 5  # abort after this many non-finite losses or gradients in a row
     workers: int | None = None  # DALI threads per process; default: the cores this process may use
     profile: int = 0  # write a torch profiler trace of this many steps (0: off)
     checkpoint_every: int = 0  # also save last.pt every this many optimizer steps inside an epoch (0: off)

@@ -160,19 +160,23 @@ def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: Train
 
 def optimizer_step(model, ema, optimizer, scheduler, scaler, cfg: TrainConfig, finite: torch.Tensor,
                    state: TrainState, stats: EpochStats, verbose: bool) -> bool:
-    """Step unless some rank saw a non-finite loss in this window (all ranks agree, so weights stay equal);
-    count skipped steps and abort after `max_bad_steps` in a row. Returns whether it stepped.
+    """Step unless some rank saw a non-finite loss or gradient in this window (all ranks agree, so weights stay
+    equal); count skipped steps and abort after `max_bad_steps` in a row. Returns whether it stepped.
     The check costs one host sync per optimizer step, the price of never applying a NaN update."""
-    if not bool(all_reduce_min(finite.clone()).item()):
+    ok = finite.clone()
+    if not scaler.is_enabled():  # fp16's GradScaler skips non-finite gradients itself and lowers its scale
+        # a finite loss can still back-propagate inf/NaN gradients, and one such update poisons the weights
+        ok *= torch.isfinite(grad_norm(model)).float().to(ok.device)
+    if not bool(all_reduce_min(ok).item()):
         optimizer.zero_grad(set_to_none=True)
         stats.bad_steps += 1
         state.bad_streak += 1
         if verbose:
-            print(f"warning: non-finite loss at epoch {state.epoch} step {state.step}: step skipped "
+            print(f"warning: non-finite loss or gradient at epoch {state.epoch} step {state.step}: step skipped "
                   f"({state.bad_streak} in a row)", flush=True)
         if state.bad_streak >= cfg.max_bad_steps:
             raise TrainingDiverged(
-                f"loss was not finite for {state.bad_streak} steps in a row (epoch {state.epoch}, step {state.step}); "
+                f"loss or gradients were not finite for {state.bad_streak} steps in a row (epoch {state.epoch}, step {state.step}); "
                 f"lower --lr, add --clip-grad, or use --amp bf16/off")
         state.step += 1
         scheduler.step()  # the schedule follows steps taken or not, so a resumed run lines up
@@ -189,6 +193,13 @@ def optimizer_step(model, ema, optimizer, scheduler, scaler, cfg: TrainConfig, f
     if ema is not None:
         ema.update_parameters(unwrap(model))
     return True
+
+
+def grad_norm(model: torch.nn.Module) -> torch.Tensor:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
 
 @torch.no_grad()
