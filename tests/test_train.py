@@ -250,7 +250,7 @@ def test_clip_grad_bounds_the_update(shards):
     assert (free - start).norm() > 10 * (clipped - start).norm()
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step()` before")  # the skipped first step
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # the skipped first step
 def test_a_finite_loss_with_a_non_finite_gradient_is_not_applied(shards):
     batches = real_batches(shards, 8)[:1]
     model = Linear()
