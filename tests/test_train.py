@@ -273,14 +273,18 @@ def test_amp_modes():
 
 
 def test_bf16_autocast_trains_on_the_cpu(shards, tmp_path):
-    # In about 1 of 6 full-suite runs (never alone) a bf16 run on this CPU aborted after 5 non-finite steps
-    # from its second step on, even at a small lr: a finite loss with inf/NaN gradients had been applied and
-    # poisoned the weights. Non-finite gradients are now skipped too; the test allows a few such steps.
-    gentle = {**FAST, "lr": 0.4, "max_bad_steps": 11}
-    result = train(TrainConfig(data=str(shards), out=str(tmp_path / "bf16"), epochs=2, amp="bf16", **gentle))
-    assert torch.isfinite(torch.tensor(result.metrics["train_loss"])) and result.metrics["bad_steps"] < 5
-    full = train(TrainConfig(data=str(shards), out=str(tmp_path / "fp32"), epochs=2, amp="off", **gentle))
-    assert result.metrics["train_loss"] != full.metrics["train_loss"]  # bf16 really ran
+    # Run inside the test process after other tests, bf16 on this CPU intermittently (about 1 full suite in 6)
+    # gave non-finite losses and gradients step after step, even at a small lr; never in a process of its
+    # own (not understood yet, see docs/training.md). So the bf16 run gets its own process, as a user's does.
+    args = ["--data", str(shards), "--model", "resnet18", "--image-size", "16", "--batch-size", "8", "--lr", "0.4",
+            "--warmup-epochs", "0.5", "--crop-scale", "0.5,1", "--epochs", "2", "--workers", "2"]
+    run = subprocess.run([sys.executable, "-m", "dalifeed.train.cli", *args, "--amp", "bf16",
+                          "--out", str(tmp_path / "bf16")], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    bf16 = metrics(tmp_path / "bf16")[-1]
+    assert torch.isfinite(torch.tensor(bf16["train_loss"])) and bf16["bad_steps"] == 0
+    assert CliRunner().invoke(train_cli, args + ["--amp", "off", "--out", str(tmp_path / "fp32")]).exit_code == 0
+    assert bf16["train_loss"] != metrics(tmp_path / "fp32")[-1]["train_loss"]  # bf16 really ran
 
 
 def test_schedule_warms_up_then_decays_to_min():
