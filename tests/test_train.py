@@ -28,6 +28,12 @@ FAST = dict(model="resnet18", image_size=16, batch_size=8, lr=3.2, warmup_epochs
             crop_scale=(0.5, 1.0), workers=2)
 
 
+def fast_cli_args(shards: Path, epochs: int, lr: float = 3.2) -> list[str]:
+    """A small, quick dali-train command line (without --out) for the tests that run the CLI."""
+    return ["--data", str(shards), "--model", "resnet18", "--image-size", "16", "--batch-size", "8", "--lr", str(lr),
+            "--warmup-epochs", "0.5", "--crop-scale", "0.5,1", "--epochs", str(epochs), "--workers", "2"]
+
+
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory) -> Path:
     """3 colour-coded classes: 45 train (odd), 21 val images. Learnable in a few epochs."""
@@ -74,8 +80,7 @@ def test_short_training_learns_and_writes_its_outputs(shards, tmp_path):
 
 
 def test_resume_after_kill_9_equals_an_uninterrupted_run(shards, tmp_path):
-    args = ["--data", str(shards), "--model", "resnet18", "--image-size", "16", "--batch-size", "8", "--lr", "3.2",
-            "--warmup-epochs", "0.5", "--crop-scale", "0.5,1", "--epochs", "6", "--workers", "2"]
+    args = fast_cli_args(shards, epochs=6)
     straight = tmp_path / "straight"
     assert CliRunner().invoke(train_cli, args + ["--out", str(straight)]).exit_code == 0
 
@@ -111,8 +116,7 @@ class Killed(Exception):
 
 
 def test_resume_mid_epoch_equals_an_uninterrupted_run(shards, tmp_path, monkeypatch):
-    args = ["--data", str(shards), "--model", "resnet18", "--image-size", "16", "--batch-size", "8", "--lr", "3.2",
-            "--warmup-epochs", "0.5", "--crop-scale", "0.5,1", "--epochs", "3", "--workers", "2"]
+    args = fast_cli_args(shards, epochs=3)
     straight = tmp_path / "straight"  # no --checkpoint-every: enabling DALI's checkpointing changes nothing
     assert CliRunner().invoke(train_cli, args + ["--out", str(straight)]).exit_code == 0
 
@@ -276,8 +280,7 @@ def test_bf16_autocast_trains_on_the_cpu(shards, tmp_path):
     # Run inside the test process after other tests, bf16 on this CPU intermittently (about 1 full suite in 6)
     # gave non-finite losses and gradients step after step, even at a small lr; never in a process of its
     # own (not understood yet, see docs/training.md). So the bf16 run gets its own process, as a user's does.
-    args = ["--data", str(shards), "--model", "resnet18", "--image-size", "16", "--batch-size", "8", "--lr", "0.4",
-            "--warmup-epochs", "0.5", "--crop-scale", "0.5,1", "--epochs", "2", "--workers", "2"]
+    args = fast_cli_args(shards, epochs=2, lr=0.4)
     run = subprocess.run([sys.executable, "-m", "dalifeed.train.cli", *args, "--amp", "bf16",
                           "--out", str(tmp_path / "bf16")], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
