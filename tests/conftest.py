@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
+
+from helpers import jpeg_bytes, random_image, write_imagefolder  # noqa: F401  (older tests import them from here)
 
 
 def has_gpu() -> bool:
@@ -26,32 +25,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def jpeg_bytes(array: np.ndarray, quality: int = 90) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, format="JPEG", quality=quality)
-    return buf.getvalue()
-
-
-def random_image(rng: np.random.Generator, size=(24, 20), label: int = 0) -> np.ndarray:
-    """A smooth image whose mean colour depends on the label, so a model can learn it and a reader can be
-    checked against it."""
-    h, w = size
-    base = np.array([(label * 70) % 256, (label * 130 + 60) % 256, (255 - label * 50) % 256], np.float32)
-    noise = rng.normal(0, 12, (h, w, 3))
-    return (base + noise).clip(0, 255).astype(np.uint8)
-
-
-def write_imagefolder(root: Path, counts: dict[str, int], seed: int = 0, size=(24, 20)) -> Path:
-    """`root/<class>/<class>_<i>.jpg` with `counts[class]` JPEGs each."""
-    rng = np.random.default_rng(seed)
-    for label, (name, n) in enumerate(sorted(counts.items())):
-        folder = root / name
-        folder.mkdir(parents=True, exist_ok=True)
-        for i in range(n):
-            (folder / f"{name}_{i:04d}.jpg").write_bytes(jpeg_bytes(random_image(rng, size, label)))
-    return root
 
 
 @pytest.fixture

@@ -251,8 +251,8 @@ def test_verify_catches_a_truncated_shard(shards):
     result = run_cli("verify", shards)
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if "train-000001.tar" in line]
-    assert any("bytes, manifest says" in line for line in lines)
-    assert any("unreadable tar" in line or "samples, manifest says" in line for line in lines)
+    assert any("bytes, the manifest says" in line for line in lines)
+    assert any("unreadable tar" in line or "samples, the manifest says" in line for line in lines)
 
 
 def test_verify_catches_a_tampered_shard_and_index(shards):

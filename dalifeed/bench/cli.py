@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 import torch
 
-from dalifeed.tools import ManifestError, ShardManifest
+from dalifeed.format import ManifestError, ShardManifest
 
 from .loaders import LOADERS, build_loader
 from .measure import forever, synthetic_batches, time_loader, train_steps_per_s

@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 import torch
 
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD, make_loader
-from dalifeed.tools import ShardManifest
+from dalifeed.format import ShardManifest
 
 LOADERS = ("baseline", "webdataset", "dali-cpu", "dali-gpu")
 
@@ -57,12 +57,22 @@ def dataloader_options(workers: int, device: torch.device) -> dict:
     return options
 
 
+def upright_rgb(path: str):
+    """torchvision's PIL loader plus EXIF orientation, as DALI's decoders and shard-convert apply it: the
+    baseline sees the same pixels as the shards hold."""
+    from PIL import Image, ImageOps
+
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        return ImageOps.exif_transpose(img).convert("RGB")
+
+
 def baseline_loader(imagefolder: Path, batch_size: int, image_size: int, workers: int,
                     device: torch.device) -> TorchLoader:
     """torchvision ImageFolder + DataLoader: PIL decodes every JPEG in full on the CPU."""
     from torchvision.datasets import ImageFolder
 
-    dataset = ImageFolder(str(imagefolder), transform=train_transform(image_size))
+    dataset = ImageFolder(str(imagefolder), transform=train_transform(image_size), loader=upright_rgb)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
                                          **dataloader_options(workers, device))
     return TorchLoader(loader, device)

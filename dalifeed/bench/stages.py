@@ -11,7 +11,7 @@ from pathlib import Path
 from nvidia.dali import fn, pipeline_def
 
 from dalifeed.pipelines.graphs import AugmentConfig, decode_random_crop, normalize, read_shards, resize_square
-from dalifeed.tools import ShardManifest
+from dalifeed.format import ShardManifest
 
 STAGES = ("read", "decode (ROI)", "+ resize", "+ flip, normalise")
 

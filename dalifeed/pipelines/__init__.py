@@ -3,13 +3,25 @@
     from dalifeed.pipelines import make_loader
     loader = make_loader("/data/shards", "train", batch_size=256, rank=rank, world_size=world)
     for images, labels in loader: ...
+
+Names are imported on first use, so that `dalifeed.pipelines.checks` (what `shard-convert verify
+--decode` needs) and `dalifeed.pipelines.graphs` load without torch.
 """
 
-from .graphs import AugmentConfig, IMAGENET_MEAN, IMAGENET_STD, normalize, read_shards, shard_pipeline, \
-    train_augment, val_transform
-from .loader import DaliLoader, make_loader, resolve_device
+from __future__ import annotations
 
-__all__ = [
-    "AugmentConfig", "IMAGENET_MEAN", "IMAGENET_STD", "normalize", "read_shards", "shard_pipeline", "train_augment",
-    "val_transform", "DaliLoader", "make_loader", "resolve_device",
-]
+import importlib
+
+_WHERE = {
+    "AugmentConfig": "graphs", "IMAGENET_MEAN": "graphs", "IMAGENET_STD": "graphs", "normalize": "graphs",
+    "read_shards": "graphs", "shard_pipeline": "graphs", "train_augment": "graphs", "val_transform": "graphs",
+    "DaliLoader": "loader", "make_loader": "loader", "resolve_device": "loader",
+    "ShardDataError": "checks",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

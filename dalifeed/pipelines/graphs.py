@@ -51,6 +51,12 @@ def decoder_device(device: str) -> str:
     return "mixed" if device == "gpu" else "cpu"
 
 
+# EXIF orientation: shard-convert stores every image upright (re-encoding rotated ones), so shards carry no
+# rotation tag and this changes nothing for them. For JPEGs from elsewhere it keeps DALI's default of
+# showing the image as a person would see it, which is what dali-bench's baseline and verify do too.
+ADJUST_ORIENTATION = True
+
+
 def read_shards(paths: list[str], index_paths: list[str], *, shard_id: int, num_shards: int, shuffle: bool,
                 initial_fill: int):
     """(jpegs, labels) from webdataset shards; labels are the int64 `.label` members, shape (1,)."""
@@ -84,7 +90,8 @@ def decode_random_crop(jpegs, cfg: AugmentConfig, device: str):
         )
     return fn.decoders.image_random_crop(
         jpegs, device=decoder_device(device), output_type=types.RGB, random_area=list(cfg.crop_scale),
-        random_aspect_ratio=list(cfg.crop_ratio), num_attempts=10, **gpu_hints,
+        random_aspect_ratio=list(cfg.crop_ratio), num_attempts=10, adjust_orientation=ADJUST_ORIENTATION,
+        **gpu_hints,
     )
 
 
@@ -98,7 +105,8 @@ def resize_square(images, cfg: AugmentConfig):
 
 def val_transform(jpegs, cfg: AugmentConfig, device: str):
     """Resize(shorter side = image_size / 0.875) + CenterCrop(image_size) + Normalize, as torchvision."""
-    images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB)
+    images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
+                               adjust_orientation=ADJUST_ORIENTATION)
     images = fn.resize(images, resize_shorter=cfg.val_resize, interp_type=types.INTERP_TRIANGULAR, antialias=False)
     return normalize(images, cfg, crop=(cfg.image_size, cfg.image_size))
 

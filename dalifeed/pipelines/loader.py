@@ -13,6 +13,10 @@ Epoch semantics (what a trainer may rely on):
   seeded permutation (so each rank gets a different slice every epoch) and DALI shuffles samples within
   a buffer of `initial_fill`. Iterating again starts the next epoch; `set_epoch(e)` jumps to epoch e, which
   is how a resumed run replays exactly the order an uninterrupted one would have seen.
+- Bad data is one line: before reading, every shard of the split is checked against the manifest (size
+  and index always, sha256 with `check="sha256"`); a sample DALI cannot decode, or a tar that does not
+  match its index, raises `ShardDataError` naming the tar and, where it can be found, the sample key
+  (with DALI's error as its cause), never DALI's multi-line pipeline traceback alone.
 - Mid-epoch resume (`checkpointing=True`): `state_dict()` taken between batches holds DALI's checkpoint
   of the reader and random generators after the last batch handed out; a fresh loader given it by
   `load_state_dict` yields exactly the rest of that epoch, then carries on as usual. The reader
@@ -28,9 +32,13 @@ from pathlib import Path
 import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-from dalifeed.tools.manifest import ShardManifest
+from dalifeed.format import ShardInfo, ShardManifest, check_split_files
 
+from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, dali_sees_gpu, find_undecodable,
+                     index_named_in, indexed_samples, sample_named_in, summarize_dali_error, tar_of_index)
 from .graphs import AugmentConfig, shard_pipeline
+
+SHARD_CHECKS = ("size", "sha256")
 
 
 def resolve_device(device: str) -> str:
@@ -40,19 +48,10 @@ def resolve_device(device: str) -> str:
     if device == "cuda":
         device = "gpu"
     if device == "auto":
-        return "gpu" if torch.cuda.is_available() and _dali_sees_gpu() else "cpu"
+        return "gpu" if torch.cuda.is_available() and dali_sees_gpu() else "cpu"
     if device == "gpu" and not torch.cuda.is_available():
         raise ValueError("device='gpu' but torch sees no CUDA device")
     return device
-
-
-def _dali_sees_gpu() -> bool:
-    try:
-        from nvidia.dali.backend import GetCudaDeviceCount
-
-        return GetCudaDeviceCount() > 0
-    except Exception:
-        return False
 
 
 class DaliLoader:
@@ -61,7 +60,8 @@ class DaliLoader:
 
     def __init__(self, manifest: ShardManifest, split: str, batch_size: int, *, train: bool, rank: int,
                  world_size: int, seed: int, device: str, augment: AugmentConfig, num_threads: int,
-                 prefetch_queue_depth: int, initial_fill: int, device_id: int | None, checkpointing: bool = False):
+                 prefetch_queue_depth: int, initial_fill: int, device_id: int | None, checkpointing: bool = False,
+                 check: str = "size"):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
         if batch_size < 1:
@@ -70,14 +70,14 @@ class DaliLoader:
         self.rank, self.world_size, self.seed, self.device, self.augment = rank, world_size, seed, device, augment
         self.num_threads, self.prefetch_queue_depth, self.initial_fill = num_threads, prefetch_queue_depth, initial_fill
         self.device_id, self.checkpointing = device_id, checkpointing
-        self._tars = [str(p) for p in manifest.shard_paths(split)]
-        self._indexes = [str(p) for p in manifest.index_paths(split)]
+        self._shards = manifest.split_info(split).shards
         self.total_samples = manifest.num_samples(split)
         if self.total_samples == 0:
             raise ValueError(f"{manifest.root}: split {split!r} has no samples")
         if train and self.total_samples // world_size < batch_size:
             raise ValueError(f"split {split!r} has {self.total_samples} samples: too few for batch {batch_size} "
                              f"on each of {world_size} ranks (training drops partial batches)")
+        check_files(manifest, split, check)
         self.epoch = 0
         self._iterator = None
         self._epoch_complete = False
@@ -124,12 +124,17 @@ class DaliLoader:
             raise ValueError("restoring a mid-epoch loader state needs make_loader(..., checkpointing=True)")
         self.epoch, self._batches_done, self._restore = state["epoch"], state["batches_done"], state["dali"]
 
-    def _epoch_files(self) -> tuple[list[str], list[str]]:
+    def _epoch_shards(self) -> list[ShardInfo]:
         if not self.train:
-            return self._tars, self._indexes
-        order = list(range(len(self._tars)))
+            return list(self._shards)
+        order = list(range(len(self._shards)))
         random.Random(f"{self.seed}:{self.epoch}").shuffle(order)  # same on every rank: a partition
-        return [self._tars[i] for i in order], [self._indexes[i] for i in order]
+        return [self._shards[i] for i in order]
+
+    def _epoch_files(self) -> tuple[list[str], list[str]]:
+        shards = self._epoch_shards()
+        root = self.manifest.root
+        return [str(root / s.path) for s in shards], [str(root / s.index) for s in shards]
 
     def _build_iterator(self, checkpoint: str | None = None) -> DALIGenericIterator:
         tars, indexes = self._epoch_files()
@@ -150,21 +155,71 @@ class DaliLoader:
 
     def __iter__(self):
         restore, self._restore = self._restore, None
-        if self.train or not self._epoch_complete or restore:
-            # Training rebuilds per epoch so the order is a function of (seed, epoch); validation has one
-            # fixed order and reuses its pipeline once an epoch has run to the end.
-            self._iterator = None  # free the previous pipeline first
-            self._iterator = self._build_iterator(restore)
         if restore is None:
             self._batches_done = 0
-        self._epoch_complete = False
-        limit = len(self)
-        for batch in self._iterator:
-            if self._batches_done < limit:
-                self._batches_done += 1
-                yield self._to_torch(batch[0])
+        try:
+            if self.train or not self._epoch_complete or restore:
+                # Training rebuilds per epoch so the order is a function of (seed, epoch); validation has one
+                # fixed order and reuses its pipeline once an epoch has run to the end.
+                self._iterator = None  # free the previous pipeline first
+                self._iterator = self._build_iterator(restore)  # runs the first batches already
+            self._epoch_complete = False
+            limit = len(self)
+            for batch in self._iterator:
+                if self._batches_done < limit:
+                    self._batches_done += 1
+                    yield self._to_torch(batch[0])
+        except RuntimeError as e:
+            if "Critical error" not in str(e):  # DALI's wrapper of an operator's failure; anything else is a bug
+                raise
+            self._iterator, self._epoch_complete = None, True  # a pipeline that failed is not reused
+            raise self._explain(e) from e
         self._epoch_complete = True
         self.epoch += 1
+
+    # -- when DALI fails ---------------------------------------------------------------------------
+    def _explain(self, error: RuntimeError) -> ShardDataError:
+        """One line for a failed pipeline: the tar, and the sample when DALI names it or a re-decode of what
+        this rank had read finds it."""
+        tars, indexes = self._epoch_files()
+        summary = summarize_dali_error(error)
+        named, bad_index = sample_named_in(summary), index_named_in(summary)
+        if named:
+            tar, key, ext = named
+            line = f"{tar}: sample {key}: DALI cannot decode its .{ext}"
+        elif bad_index:
+            idx, detail = bad_index
+            line = f"{tar_of_index(idx, tars, indexes)}: does not match its index {Path(idx).name} ({detail}): " \
+                   f"the tar is truncated or was replaced"
+        else:
+            decoder = DaliDecoder(self.device, self.device_id, num_threads=self.num_threads)
+            found = find_undecodable(self._suspects(), decoder)
+            if found:
+                ref, why = found
+                line = f"{ref.tar}: sample {ref.key}: DALI cannot decode its .{ref.ext} ({why})"
+            else:
+                line = f"{self.manifest.root}: DALI failed reading split {self.split!r} ({summary})"
+        return ShardDataError(f"{line}; {VERIFY_HINT.format(root=self.manifest.root)}")
+
+    def _suspects(self):
+        """This rank's samples of the epoch that DALI may have read before it failed, most recently read
+        first: the reader reads its slice in file order, a batch draws from a shuffle buffer of
+        `initial_fill` samples, and the pipeline runs `prefetch_queue_depth` batches ahead."""
+        start, end = self._shard_range(self.rank)
+        read = (self._batches_done + self.prefetch_queue_depth + 3) * self.batch_size + self.initial_fill
+        window: list[SampleRef] = []
+        position = 0
+        for shard in self._epoch_shards():
+            if position >= end:
+                break
+            if position + shard.samples > start:
+                root = self.manifest.root
+                refs = list(indexed_samples(str(root / shard.path), str(root / shard.index)))
+                window += refs[max(0, start - position):end - position]
+            position += shard.samples
+        read = min(read, len(window))
+        yield from reversed(window[:read])
+        yield from window[read:]
 
     def _to_torch(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         images = batch["images"]
@@ -180,13 +235,15 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
                 crop_scale: tuple[float, float] = (0.08, 1.0), flip: bool = True,
                 dtype: torch.dtype = torch.float32, channels_last: bool = False, num_threads: int | None = None,
                 prefetch_queue_depth: int = 2, initial_fill: int = 1024, device_id: int | None = None,
-                checkpointing: bool = False) -> DaliLoader:
+                checkpointing: bool = False, check: str = "size") -> DaliLoader:
     """Batches of split `split` of the shard folder `shards_dir` for this rank; see the module docstring.
 
     `device`: 'auto' (GPU when torch and DALI see one), 'gpu' or 'cpu'. `device_id` defaults to the current
     CUDA device (set it from LOCAL_RANK under torchrun). `dtype` float32 or float16; `channels_last` gives
     NHWC. `num_threads` defaults to the cores this process may use. `checkpointing` enables DALI's
-    checkpointing so that `state_dict()` can be taken mid-epoch (see the module docstring).
+    checkpointing so that `state_dict()` can be taken mid-epoch (see the module docstring). `check`: what
+    is compared with the manifest before reading, 'size' (sizes and indexes: two stats and two small
+    reads per shard) or 'sha256' (also hashes every byte of the split).
     """
     if dtype not in (torch.float32, torch.float16):
         raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
@@ -200,4 +257,14 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     return DaliLoader(manifest, split, batch_size, train=split == "train" if train is None else train, rank=rank,
                       world_size=world_size, seed=seed, device=resolved, augment=augment, num_threads=threads,
                       prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
-                      device_id=device_id if resolved == "gpu" else None, checkpointing=checkpointing)
+                      device_id=device_id if resolved == "gpu" else None, checkpointing=checkpointing, check=check)
+
+
+def check_files(manifest: ShardManifest, split: str, check: str) -> None:
+    """Refuse, in one line, a split whose files disagree with its manifest (see `make_loader`'s `check`)."""
+    if check not in SHARD_CHECKS:
+        raise ValueError(f"check must be one of {', '.join(SHARD_CHECKS)}, got {check!r}")
+    problems = check_split_files(manifest, split, sha256=check == "sha256")
+    if problems:
+        more = f" (and {len(problems) - 1} more: see shard-convert verify)" if len(problems) > 1 else ""
+        raise ShardDataError(f"{problems[0]}{more}; {VERIFY_HINT.format(root=manifest.root)}")

@@ -1,7 +1,7 @@
 """Conversion: datasets -> WebDataset shards + DALI indexes + manifest. See docs/format.md."""
 
 from .imagefolder import ConvertConfig, ConvertSummary, UsageError, convert_imagefolder
-from .manifest import ManifestError, ShardInfo, ShardManifest, SplitInfo
+from ..format import ManifestError, ShardInfo, ShardManifest, SplitInfo
 from .shards import ConversionFailed, WorkerCrashed
 from .verify import VerifyReport, verify_shards
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
+from .images import DEFAULT_MAX_PIXELS
 from .imagefolder import DEFAULT_MAX_SHARD_BYTES, ConvertConfig, UsageError, convert_imagefolder
-from .manifest import ShardManifest
+from ..format import ShardManifest
 from .shards import ConversionFailed, WorkerCrashed
 from .verify import verify_shards
 
@@ -57,10 +58,14 @@ def main() -> None:
 @click.option("--samples-per-shard", type=int, default=None,
               help="Fixed number of samples per shard instead of --max-shard-bytes.")
 @click.option("--jpeg-quality", type=int, default=95, show_default=True,
-              help="Quality for images that must be re-encoded (non-JPEG, CMYK, or shrunk by --max-side). "
-                   "RGB and greyscale JPEGs pass through byte for byte.")
+              help="Quality for images that must be re-encoded: non-JPEG, JPEG encodings that not every decoder "
+                   "reads alike (CMYK, YCCK, lossless, arithmetic, 12-bit), EXIF-rotated, or shrunk by --max-side. "
+                   "Baseline/progressive 8-bit RGB and greyscale JPEGs pass through byte for byte (docs/format.md).")
 @click.option("--max-side", type=int, default=None,
               help="Re-encode images whose long side exceeds N pixels down to N (less decode work later).")
+@click.option("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, show_default=True,
+              help="Skip images with more pixels than this (reason 'image larger than --max-pixels'): a "
+                   "decompression bomb is refused before it is decoded. Applies only inside the conversion.")
 @click.option("--workers", type=int, default=os.cpu_count() or 1, show_default=True,
               help="Worker processes that decode-check and encode. The output bytes do not depend on it.")
 @click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
@@ -69,7 +74,7 @@ def main() -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an OUT that was made from other input or options.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def imagefolder_cmd(src, out, val_fraction, seed, max_shard_bytes, samples_per_shard, jpeg_quality, max_side,
-                    workers, on_error, overwrite, quiet):
+                    max_pixels, workers, on_error, overwrite, quiet):
     """Convert an ImageFolder tree SRC (SRC/<class>/<images>, or SRC/train/<class>/... and SRC/val/<class>/...)
     to shards in OUT.
 
@@ -80,8 +85,8 @@ def imagefolder_cmd(src, out, val_fraction, seed, max_shard_bytes, samples_per_s
     """
     cfg = ConvertConfig(src=src, out=out, val_fraction=val_fraction, seed=seed,
                         max_shard_bytes=_size(max_shard_bytes), samples_per_shard=samples_per_shard,
-                        jpeg_quality=jpeg_quality, max_side=max_side, workers=workers, on_error=on_error,
-                        overwrite=overwrite, progress=not quiet and sys.stderr.isatty())
+                        jpeg_quality=jpeg_quality, max_side=max_side, max_pixels=max_pixels, workers=workers,
+                        on_error=on_error, overwrite=overwrite, progress=not quiet and sys.stderr.isatty())
     click.echo(f"shard-convert imagefolder: {json.dumps(cfg.to_json())}", err=True)
     try:
         manifest = convert_imagefolder(cfg)

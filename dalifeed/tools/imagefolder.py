@@ -14,8 +14,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .images import ImageError, to_jpeg
-from .manifest import MANIFEST_NAME, ShardManifest, SplitInfo, write_json_atomic
+from .images import DEFAULT_MAX_PIXELS, ImageError, to_jpeg
+from ..atomic import write_json_atomic
+from ..format import MANIFEST_NAME, ShardManifest, SplitInfo
 from .shards import PROGRESS_DIR, ProgressStore, Sample, Skip, SourceFile, remove_outputs, write_split
 
 DEFAULT_MAX_SHARD_BYTES = 256 * 2**20
@@ -35,6 +36,7 @@ class ConvertConfig:
     samples_per_shard: int | None = None
     jpeg_quality: int = 95
     max_side: int | None = None
+    max_pixels: int = DEFAULT_MAX_PIXELS
     workers: int = field(default_factory=lambda: os.cpu_count() or 1)
     on_error: str = "skip"
     overwrite: bool = False
@@ -57,6 +59,8 @@ class ConvertConfig:
             raise UsageError(f"--jpeg-quality must be in 1..100, got {self.jpeg_quality}")
         if self.max_side is not None and self.max_side < 8:
             raise UsageError(f"--max-side must be >= 8, got {self.max_side}")
+        if self.max_pixels < 1:
+            raise UsageError(f"--max-pixels must be >= 1, got {self.max_pixels}")
         if self.workers < 1:
             raise UsageError(f"--workers must be >= 1, got {self.workers}")
         if self.on_error not in ("skip", "fail"):
@@ -71,7 +75,7 @@ class ConvertConfig:
     def output_options(self) -> dict:
         """The options that decide the output bytes (workers and progress do not)."""
         return {"seed": self.seed, "val_fraction": self.val_fraction, "jpeg_quality": self.jpeg_quality,
-                "max_side": self.max_side, "samples_per_shard": self.samples_per_shard,
+                "max_side": self.max_side, "max_pixels": self.max_pixels, "samples_per_shard": self.samples_per_shard,
                 "max_shard_bytes": self.max_shard_bytes}
 
     def to_json(self) -> dict:
@@ -195,7 +199,7 @@ def stratified_split(items: list[Item], val_fraction: float, seed: int) -> dict[
     return {"train": train, "val": val}
 
 
-def encode_item(item: Item, src: str, quality: int, max_side: int | None) -> Sample | Skip:
+def encode_item(item: Item, src: str, quality: int, max_side: int | None, max_pixels: int) -> Sample | Skip:
     """Worker: read, decode-check and (if needed) re-encode one file; never raises for bad content."""
     path = Path(src, item.relpath)
     try:
@@ -205,7 +209,7 @@ def encode_item(item: Item, src: str, quality: int, max_side: int | None) -> Sam
     if item.label < 0:
         return Skip("outside any class folder")
     try:
-        image = to_jpeg(data, quality, max_side)
+        image = to_jpeg(data, quality, max_side, max_pixels)
     except ImageError as e:
         return Skip(str(e))
     meta = {"path": item.relpath, "class": item.class_name, "label": item.label, "reencoded": image.reencoded}
@@ -275,7 +279,8 @@ def convert_imagefolder(cfg: ConvertConfig) -> ShardManifest:
 
     store = ProgressStore(cfg.out)
     store.start(fingerprint)
-    encode = functools.partial(encode_item, src=str(cfg.src), quality=cfg.jpeg_quality, max_side=cfg.max_side)
+    encode = functools.partial(encode_item, src=str(cfg.src), quality=cfg.jpeg_quality, max_side=cfg.max_side,
+                               max_pixels=cfg.max_pixels)
     splits, skipped, reencoded = {}, [], {}
     bar = tqdm(total=plan.found, unit="img", desc="shard-convert", disable=not cfg.progress, dynamic_ncols=True,
                mininterval=0.5)

@@ -23,11 +23,10 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from .manifest import ShardInfo, write_json_atomic
+from ..atomic import write_json_atomic
+from ..format import INDEX_VERSION, TAR_BLOCK, ShardInfo
 
 PROGRESS_DIR = ".dalifeed-progress"
-TAR_BLOCK = 512
-INDEX_VERSION = "v1.2"  # the version DALI's wds2idx writes and fn.readers.webdataset reads
 
 
 class WorkerCrashed(Exception):

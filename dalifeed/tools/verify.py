@@ -1,4 +1,10 @@
-"""`shard-convert verify`: check a shard folder against its manifest, reading every byte."""
+"""`shard-convert verify`: check a shard folder against its manifest, reading every byte.
+
+Without `--decode`: sizes, sha256, tar structure, sample counts, indexes, labels, and each image's JPEG
+frame header (an encoding not every decoder reads alike is a problem even if it decodes here). With
+`--decode`: every image is also decoded by PIL and by DALI's decoder, the one training uses (nvJPEG on a
+GPU, libjpeg-turbo on the CPU), so a sample that would stop a training run is found here first.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,8 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .images import ImageError, decode_check
-from .manifest import ManifestError, ShardInfo, ShardManifest
-from .shards import INDEX_VERSION, TAR_BLOCK
+from ..format import INDEX_VERSION, TAR_BLOCK, ManifestError, ShardInfo, ShardManifest
+from .images import DEFAULT_MAX_PIXELS, EXIF_ORIENTATION, ImageError, decode_check, read_jpeg_frame
 
 REQUIRED_MEMBERS = ("jpg", "cls", "label", "json")
 
@@ -34,11 +39,13 @@ def verify_shards(root: Path, decode: bool = False, on_shard=lambda: None) -> Ve
         manifest = ShardManifest.load(root)
     except ManifestError as e:
         return VerifyReport([str(e)], 0, 0)
+    decoder = dali_decoder() if decode else None
+    max_pixels = manifest.options.get("max_pixels") or DEFAULT_MAX_PIXELS
     problems: list[str] = []
     n_shards = n_samples = 0
     for split, info in manifest.splits.items():
         for shard in info.shards:
-            problems += verify_shard(root, shard, manifest.num_classes, decode)
+            problems += verify_shard(root, shard, manifest.num_classes, decoder, max_pixels)
             n_shards += 1
             n_samples += shard.samples
             on_shard()
@@ -49,14 +56,23 @@ def verify_shards(root: Path, decode: bool = False, on_shard=lambda: None) -> Ve
     return VerifyReport(problems, n_shards, n_samples)
 
 
-def verify_shard(root: Path, shard: ShardInfo, num_classes: int, decode: bool) -> list[str]:
+def dali_decoder():
+    """DALI's decoder on the GPU when DALI sees one (nvJPEG, as training would use), else on the CPU."""
+    from dalifeed.pipelines.checks import DaliDecoder, dali_sees_gpu
+
+    return DaliDecoder("gpu", 0) if dali_sees_gpu() else DaliDecoder("cpu")
+
+
+def verify_shard(root: Path, shard: ShardInfo, num_classes: int, decoder=None,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> list[str]:
+    """Problems of one shard; with `decoder` (a DaliDecoder) every image is also decoded, by PIL and DALI."""
     tar_path, idx_path = root / shard.path, root / shard.index
     if not tar_path.is_file():
         return [f"{tar_path}: missing"]
     problems = []
     data = tar_path.read_bytes()
     if len(data) != shard.bytes:
-        problems.append(f"{tar_path}: {len(data)} bytes, manifest says {shard.bytes} (truncated or replaced?)")
+        problems.append(f"{tar_path}: {len(data)} bytes, the manifest says {shard.bytes} (truncated or replaced)")
     if hashlib.sha256(data).hexdigest() != shard.sha256:
         problems.append(f"{tar_path}: sha256 differs from the manifest (modified or corrupt)")
     try:
@@ -64,14 +80,29 @@ def verify_shard(root: Path, shard: ShardInfo, num_classes: int, decode: bool) -
     except (tarfile.TarError, EOFError, OSError) as e:
         return problems + [f"{tar_path}: unreadable tar: {e}"]
     if len(samples) != shard.samples:
-        problems.append(f"{tar_path}: {len(samples)} samples, manifest says {shard.samples}")
+        problems.append(f"{tar_path}: {len(samples)} samples, the manifest says {shard.samples}")
     if not idx_path.is_file():
         problems.append(f"{idx_path}: missing")
     elif idx_path.read_text() != index:
         problems.append(f"{idx_path}: does not match the tar (rebuild it with wds2idx or re-convert)")
     for key, members in samples.items():
-        problems += check_sample(tar_path, key, members, num_classes, decode)
+        problems += check_sample(f"{tar_path}: sample {key}{source_of(members)}", members, num_classes,
+                                 decode=decoder is not None, max_pixels=max_pixels)
+    if decoder is not None:
+        keys = [key for key, members in samples.items() if "jpg" in members]
+        for i, why in decoder.failures([samples[key]["jpg"] for key in keys]):
+            problems.append(f"{tar_path}: sample {keys[i]}{source_of(samples[keys[i]])}: DALI cannot decode "
+                            f"its .jpg ({why}): a training run would stop here")
     return problems
+
+
+def source_of(members: dict[str, bytes]) -> str:
+    """' (source <path>)' from the sample's .json provenance, or '' when it has none."""
+    try:
+        path = json.loads(members["json"]).get("path")
+    except (KeyError, ValueError, AttributeError):
+        return ""
+    return f" (source {path})" if path else ""
 
 
 def read_samples(tar_path: Path) -> tuple[dict[str, dict[str, bytes]], str]:
@@ -99,8 +130,8 @@ def read_samples(tar_path: Path) -> tuple[dict[str, dict[str, bytes]], str]:
     return samples, index
 
 
-def check_sample(tar_path: Path, key: str, members: dict[str, bytes], num_classes: int, decode: bool) -> list[str]:
-    where = f"{tar_path}: sample {key}"
+def check_sample(where: str, members: dict[str, bytes], num_classes: int, decode: bool,
+                 max_pixels: int = DEFAULT_MAX_PIXELS) -> list[str]:
     missing = [ext for ext in REQUIRED_MEMBERS if ext not in members]
     if missing:
         return [f"{where}: missing {', '.join('.' + m for m in missing)}"]
@@ -115,9 +146,27 @@ def check_sample(tar_path: Path, key: str, members: dict[str, bytes], num_classe
         problems.append(f"{where}: labels disagree (.cls={ascii_label}, .label={binary_label}, .json={meta_label})")
     if not 0 <= binary_label < num_classes:
         problems.append(f"{where}: label {binary_label} outside 0..{num_classes - 1}")
-    if decode:
-        try:
-            decode_check(members["jpg"])
-        except ImageError as e:
-            problems.append(f"{where}: .jpg {e}")
+    problems += check_image(where, members["jpg"], decode, max_pixels)
     return problems
+
+
+def check_image(where: str, jpg: bytes, decode: bool, max_pixels: int) -> list[str]:
+    """The .jpg must be a JPEG every decoder reads alike (its frame header says so) and, with `decode`,
+    decode in PIL, upright (no EXIF rotation that DALI would apply and PIL would not)."""
+    frame = read_jpeg_frame(jpg)
+    if frame is None:
+        return [f"{where}: .jpg is not a JPEG (no frame header)"]
+    if frame.reencode_reason() is not None:
+        return [f"{where}: .jpg is a {frame.describe()}, which not every decoder reads alike "
+                f"(shard-convert re-encodes these)"]
+    if not decode:
+        return []
+    try:
+        img = decode_check(jpg, max_pixels)
+    except ImageError as e:
+        return [f"{where}: .jpg {e}"]
+    orientation = img.getexif().get(EXIF_ORIENTATION, 1)
+    if orientation not in (1, None):
+        return [f"{where}: .jpg carries EXIF orientation {orientation}: DALI rotates it, PIL and webdataset do not "
+                f"(shard-convert stores such images upright)"]
+    return []

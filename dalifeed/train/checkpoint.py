@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from dalifeed.atomic import atomic_path
 
 from .config import ConfigError
 
@@ -32,10 +33,10 @@ def restore_rng(state: dict) -> None:
 
 
 def save(path: Path, state: dict) -> None:
-    """torch.save to a temp name, then rename: a kill mid-write leaves the previous checkpoint intact."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    """torch.save to a temp name, fsync, rename: a kill or power loss mid-write leaves the previous
+    checkpoint intact."""
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
 
 
 def load(path: Path) -> dict:

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
+
+from dalifeed.pipelines.checks import ShardDataError
 
 from . import checkpoint
 from .config import ConfigError, TrainConfig
 from .trainer import TrainingDiverged, main as train
 
 # Options that may differ from the checkpoint's config when resuming: they do not change the maths.
-RESUMABLE_OVERRIDES = {"epochs", "workers", "profile", "compile", "checkpoint_every"}
+RESUMABLE_OVERRIDES = {"epochs", "workers", "profile", "compile", "checkpoint_every", "check_shards"}
 
 
 def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
@@ -69,8 +73,12 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
               help="Also save last.pt every STEPS optimizer steps inside an epoch, with DALI's reader state, so "
                    "a resume continues mid-epoch (0: at epoch ends only).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True)
+@click.option("--check-shards", type=click.Choice(["size", "sha256"]), default="size", show_default=True,
+              help="Before training, compare every shard with the manifest: size (sizes and DALI indexes, "
+                   "instant) or sha256 (also hashes every byte: catches bit flips, costs a full read).")
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 @click.pass_context
-def main(ctx: click.Context, resume_dir: Path | None, **options) -> None:
+def main(ctx: click.Context, resume_dir: Path | None, debug: bool, **options) -> None:
     """Train a torchvision classifier on dalifeed shards with DALI feeding the GPU (or the CPU).
 
     \b
@@ -84,6 +92,11 @@ def main(ctx: click.Context, resume_dir: Path | None, **options) -> None:
     RUN/last.pt (and RUN/best.pt on a new best top-1). Resuming continues where the last checkpoint was
     taken (an epoch's end, or mid-epoch with --checkpoint-every) and replays exactly what an uninterrupted
     run would have done. See docs/training.md.
+
+    Exit codes: 0 done; 2 usage (bad option, unusable --out or checkpoint); 1 a runtime failure (a shard
+    that does not match its manifest or a sample DALI cannot decode, named in one line with the fix;
+    training diverged). The full traceback goes to RUN/error.log (or the terminal with --debug); last.pt
+    is left as it was.
     """
     try:
         options["crop_scale"] = tuple(options["crop_scale"])
@@ -95,10 +108,34 @@ def main(ctx: click.Context, resume_dir: Path | None, **options) -> None:
             cfg, state = new_config(options), None
         train(cfg, resume=state)
     except ConfigError as e:
+        if debug:
+            raise
         raise click.UsageError(str(e)) from None
-    except TrainingDiverged as e:
-        click.echo(f"Error: training diverged: {e}", err=True)
+    except (ShardDataError, TrainingDiverged) as e:
+        if debug:
+            raise
+        what = "training diverged: " if isinstance(e, TrainingDiverged) else ""
+        run = options["out"] or resume_dir
+        log = write_error_log(Path(run), e) if run else None
+        click.echo(f"Error: {rank_prefix()}{what}{e}" + (f" (traceback: {log})" if log else ""), err=True)
         sys.exit(1)
+
+
+def rank_prefix() -> str:
+    return f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+
+
+def write_error_log(run: Path, error: BaseException) -> Path | None:
+    """The full traceback (with DALI's own error as the cause) in the run folder, for a bug report."""
+    if not run.is_dir():
+        return None
+    rank = os.environ.get("RANK", "0")
+    path = run / ("error.log" if int(os.environ.get("WORLD_SIZE", 1)) == 1 else f"error-rank{rank}.log")
+    try:
+        path.write_text("".join(traceback.format_exception(error)))
+    except OSError:
+        return None
+    return path
 
 
 def new_config(options: dict) -> TrainConfig:

@@ -41,6 +41,7 @@ class TrainConfig:
     profile: int = 0  # write a torch profiler trace of this many steps (0: off)
     checkpoint_every: int = 0  # also save last.pt every this many optimizer steps inside an epoch (0: off)
     device: str = "auto"  # auto | cpu | gpu
+    check_shards: str = "size"  # size | sha256: what is compared with the manifest before training
 
     def validate(self) -> None:
         checks = [
@@ -61,6 +62,7 @@ class TrainConfig:
             (self.device in ("auto", "cpu", "gpu"), f"--device must be auto, cpu or gpu, got {self.device!r}"),
             (self.profile >= 0, f"--profile must be >= 0, got {self.profile}"),
             (self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}"),
+            (self.check_shards in ("size", "sha256"), f"--check-shards must be size or sha256, got {self.check_shards!r}"),
         ]
         for ok, message in checks:
             if not ok:

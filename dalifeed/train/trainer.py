@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from dalifeed.pipelines import make_loader
-from dalifeed.tools import ManifestError, ShardManifest
-from dalifeed.tools.manifest import write_atomic
+from dalifeed.atomic import write_atomic
+from dalifeed.format import ManifestError, ShardManifest
 
 from . import checkpoint
 from .config import ConfigError, TrainConfig
@@ -349,7 +349,7 @@ def _run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> TrainResult:
                           f"resume it with as many (not {dist.world_size})")
     loader_args = dict(rank=dist.rank, world_size=dist.world_size, device="gpu" if dist.device.type == "cuda" else "cpu",
                        image_size=cfg.image_size, channels_last=cfg.channels_last, num_threads=cfg.workers,
-                       device_id=dist.local_rank if dist.device.type == "cuda" else None)
+                       device_id=dist.local_rank if dist.device.type == "cuda" else None, check=cfg.check_shards)
     train_loader = make_loader(cfg.data, "train", cfg.batch_size, seed=cfg.seed, crop_scale=cfg.crop_scale,
                                flip=cfg.flip, checkpointing=cfg.checkpoint_every > 0 or midway is not None,
                                **loader_args)

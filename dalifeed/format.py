@@ -1,4 +1,9 @@
-"""`manifest.json`: the one file every later stage reads to find shards, classes and sample counts."""
+"""The shard folder format every stage reads (docs/format.md): `manifest.json`, the tars' DALI indexes,
+and the cheap checks that the files on disk are the ones the manifest describes.
+
+Cheap to import on purpose (no PIL, no DALI, no torch): converters write this format, pipelines and
+trainers read it.
+"""
 
 from __future__ import annotations
 
@@ -7,27 +12,17 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .atomic import write_json_atomic
+
 FORMAT_NAME = "dalifeed-shards"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+TAR_BLOCK = 512
+INDEX_VERSION = "v1.2"  # the version DALI's wds2idx writes and fn.readers.webdataset reads
 
 
 class ManifestError(Exception):
     """The shard folder has no usable manifest (missing, unreadable, or of another format)."""
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temp name in the same folder, fsync, rename: readers see the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    write_atomic(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
 @dataclass
@@ -76,15 +71,15 @@ class ShardManifest:
         return len(self.classes)
 
     def num_samples(self, split: str) -> int:
-        return self._split(split).samples
+        return self.split_info(split).samples
 
     def shard_paths(self, split: str) -> list[Path]:
-        return [self.root / s.path for s in self._split(split).shards]
+        return [self.root / s.path for s in self.split_info(split).shards]
 
     def index_paths(self, split: str) -> list[Path]:
-        return [self.root / s.index for s in self._split(split).shards]
+        return [self.root / s.index for s in self.split_info(split).shards]
 
-    def _split(self, split: str) -> SplitInfo:
+    def split_info(self, split: str) -> SplitInfo:
         if split not in self.splits:
             raise ManifestError(
                 f"{self.root / MANIFEST_NAME}: no split {split!r} (has: {', '.join(sorted(self.splits)) or 'none'})"
@@ -146,3 +141,73 @@ class ShardManifest:
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(f"{path}: malformed manifest ({e!r})") from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# DALI index files and the cheap checks run before any data is read
+
+
+def index_sample_count(idx_path: Path) -> int:
+    """The sample count an index's header line declares (`v1.2 N`). Raises ValueError if it is not one."""
+    with open(idx_path, "rb") as f:
+        header = f.readline(64).decode("ascii", "replace").split()
+    if len(header) != 2 or header[0] != INDEX_VERSION or not header[1].isdigit():
+        raise ValueError(f"not a DALI {INDEX_VERSION} index (header {' '.join(header)[:40]!r})")
+    return int(header[1])
+
+
+def index_data_end(idx_path: Path) -> int:
+    """One past the last byte of member data the index's last line points at: the tar must reach it.
+    Reads only the file's tail."""
+    with open(idx_path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 65536))
+        lines = f.read().decode("utf-8", "replace").strip().splitlines()
+    fields = lines[-1].split() if lines else []
+    ends = [int(fields[i + 1]) + int(fields[i + 2]) for i in range(0, len(fields) - 3, 4)
+            if fields[i + 1].isdigit() and fields[i + 2].isdigit()]
+    return max(ends, default=0)
+
+
+def file_sha256(path: Path, chunk: int = 2**22) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_shard(root: Path, shard: ShardInfo, sha256: bool = False) -> list[str]:
+    """What is wrong with one shard's files against the manifest, one `<file>: <what>` line each: the tar's
+    presence and size, its index's presence, sample count and reach, and (when asked, reading every byte)
+    the tar's sha256. Costs two stats and two small reads per shard without sha256."""
+    tar, idx = root / shard.path, root / shard.index
+    if not tar.is_file():
+        return [f"{tar}: missing"]
+    problems = []
+    size = tar.stat().st_size
+    if size != shard.bytes:
+        problems.append(f"{tar}: {size} bytes, the manifest says {shard.bytes} (truncated or replaced)")
+    if not idx.is_file():
+        problems.append(f"{idx}: missing (the DALI index of {tar.name}; rebuild it with wds2idx or re-convert)")
+    else:
+        try:
+            count = index_sample_count(idx)
+            if count != shard.samples:
+                problems.append(f"{idx}: indexes {count} samples, the manifest says {shard.samples}")
+            end = index_data_end(idx)
+            if end > size:
+                problems.append(f"{tar}: ends at byte {size} but its index points at data up to byte {end} "
+                                f"(truncated)")
+        except (OSError, ValueError) as e:
+            problems.append(f"{idx}: unreadable index ({e})")
+    if sha256 and not problems and file_sha256(tar) != shard.sha256:
+        problems.append(f"{tar}: sha256 differs from the manifest (modified or corrupt)")
+    return problems
+
+
+def check_split_files(manifest: ShardManifest, split: str, sha256: bool = False) -> list[str]:
+    """`check_shard` over every shard of a split."""
+    return [p for shard in manifest.split_info(split).shards for p in check_shard(manifest.root, shard, sha256)]
