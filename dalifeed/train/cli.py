@@ -34,6 +34,9 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 @click.option("--resume", "resume_dir", type=click.Path(path_type=Path),
               help="Continue the run in this folder from its last.pt, with its saved config.")
 @click.option("--model", default="resnet50", show_default=True, help="Any torchvision classification model name.")
+@click.option("--width", type=int, default=None,
+              help="ResNets only: channels of the first stage (torchvision's: 64; the stages are w, 2w, 4w, 8w). "
+                   "Small images need less: ResNet-18 at width 32 has a quarter of the weights.")
 @click.option("--epochs", type=int, default=90, show_default=True)
 @click.option("--batch-size", type=int, default=256, show_default=True,
               help="Per process (per GPU). Global batch = batch size x processes x accum steps.")

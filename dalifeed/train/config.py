@@ -15,6 +15,7 @@ class TrainConfig:
     data: str
     out: str
     model: str = "resnet50"
+    width: int | None = None  # ResNets only: stage widths (w, 2w, 4w, 8w) instead of torchvision's 64
     epochs: int = 90
     batch_size: int = 256  # per process (per GPU); the global batch is batch_size * world_size * accum_steps
     lr: float = 0.1  # per 256 images of global batch: scaled linearly
@@ -58,6 +59,7 @@ class TrainConfig:
             (0 < self.crop_scale[0] <= self.crop_scale[1] <= 1,
              f"--crop-scale must be MIN,MAX with 0 < MIN <= MAX <= 1, got {self.crop_scale}"),
             (self.image_size >= 8, f"--image-size must be >= 8, got {self.image_size}"),
+            (self.width is None or self.width >= 4, f"--width must be >= 4, got {self.width}"),
             (self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}"),
             (self.device in ("auto", "cpu", "gpu"), f"--device must be auto, cpu or gpu, got {self.device!r}"),
             (self.profile >= 0, f"--profile must be >= 0, got {self.profile}"),

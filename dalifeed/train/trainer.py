@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -24,7 +23,7 @@ from dalifeed.pipelines import make_loader
 from dalifeed.atomic import write_atomic
 from dalifeed.format import ManifestError, ShardManifest
 
-from . import checkpoint
+from . import checkpoint, models
 from .config import ConfigError, TrainConfig
 from .distributed import Dist, all_reduce_min, all_reduce_sum, gather_objects, setup, teardown
 
@@ -39,10 +38,9 @@ class TrainingDiverged(Exception):
 
 def build_model(cfg: TrainConfig, num_classes: int) -> tuple[torch.nn.Module, list[str]]:
     try:
-        model = torchvision.models.get_model(cfg.model, weights=None, num_classes=num_classes)
-    except ValueError:
-        names = ", ".join(n for n in torchvision.models.list_models(torchvision.models) if n.startswith("resnet"))
-        raise ConfigError(f"--model {cfg.model!r}: not a torchvision classification model (e.g. {names})") from None
+        model = models.build_model(cfg.model, num_classes, cfg.width)
+    except models.ModelError as e:
+        raise ConfigError(str(e)) from None
     replaced = checkpoint.load_pretrained(model, cfg.pretrained) if cfg.pretrained else []
     return model, replaced
 
