@@ -366,3 +366,20 @@ def test_checkpoint_problems_are_one_line_usage_errors(shards, tmp_path):
     (run / "last.pt").write_bytes((run / "last.pt").read_bytes()[:1000])
     broken = CliRunner().invoke(train_cli, ["--resume", str(run)])
     assert broken.exit_code == 2 and "unreadable checkpoint" in broken.output
+
+
+def test_width_narrows_a_resnet_and_is_refused_for_other_models(shards, tmp_path):
+    from dalifeed.train.models import ModelError, build_model
+
+    narrow, full = build_model("resnet18", 3, width=16), build_model("resnet18", 3)
+    assert [narrow.conv1.out_channels, narrow.layer2[0].conv1.out_channels, narrow.layer4[1].conv2.out_channels,
+            narrow.fc.in_features] == [16, 32, 128, 128]
+    assert sum(p.numel() for p in full.parameters()) > 15 * sum(p.numel() for p in narrow.parameters())
+    assert build_model("resnet50", 3, width=16).fc.in_features == 16 * 8 * 4  # bottlenecks expand by 4
+    with pytest.raises(ModelError, match="plain ResNets"):
+        build_model("resnext50_32x4d", 3, width=16)
+    result = train(TrainConfig(data=str(shards), out=str(tmp_path / "narrow"), epochs=1, **{**FAST, "width": 16}))
+    assert result.model.layer4[0].conv1.out_channels == 128
+    refused = CliRunner().invoke(train_cli, fast_cli_args(shards, 1, model="mobilenet_v3_small", width=16)
+                                 + ["--out", str(tmp_path / "mobile")])
+    assert refused.exit_code == 2 and "--width applies to torchvision's plain ResNets" in refused.output
