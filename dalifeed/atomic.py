@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from .runtime import DiskFull, is_disk_full
+
 
 def temp_name(path: Path) -> Path:
     """The name a file is written under before it is renamed into place (hidden, beside it, per process)."""
@@ -21,7 +23,8 @@ def temp_name(path: Path) -> Path:
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yields a temporary path beside `path` to write to; on success fsyncs it and renames it over `path`,
-    on failure deletes it. For writers that want a file name (torch.save, a tar writer)."""
+    on failure deletes it. For writers that want a file name (torch.save, a tar writer). A write that fails
+    for lack of space raises `DiskFull` naming `path`."""
     path = Path(path)
     tmp = temp_name(path)
     try:
@@ -32,8 +35,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        # torch.save reports a failed write as a RuntimeError whose context is the OSError
+        full = next((x for x in (e, e.__cause__, e.__context__) if is_disk_full(x)), None)
+        if full is not None:
+            raise DiskFull(f"{path}: {full.strerror}") from e
         raise
 
 

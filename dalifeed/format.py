@@ -7,6 +7,7 @@ trainers read it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field
@@ -37,6 +38,8 @@ class ShardInfo:
 @dataclass
 class SplitInfo:
     shards: list[ShardInfo] = field(default_factory=list)
+    class_counts: list[int] | None = None  # samples holding each class, by class index
+    listing: dict | None = None  # files/bytes/sha256 of the source files it was made from (`listing_digest`)
 
     @property
     def samples(self) -> int:
@@ -47,7 +50,12 @@ class SplitInfo:
         return sum(s.bytes for s in self.shards)
 
     def to_json(self) -> dict:
-        return {"samples": self.samples, "bytes": self.bytes, "shards": [asdict(s) for s in self.shards]}
+        doc = {"samples": self.samples, "bytes": self.bytes}
+        if self.class_counts is not None:
+            doc["class_counts"] = self.class_counts
+        if self.listing is not None:
+            doc["listing"] = self.listing
+        return {**doc, "shards": [asdict(s) for s in self.shards]}
 
 
 @dataclass
@@ -63,6 +71,7 @@ class ShardManifest:
     skipped: list[dict] = field(default_factory=list)
     reencoded: dict = field(default_factory=lambda: {"count": 0, "by_reason": {}})
     found: int = 0
+    warnings: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # converter-specific fields (COCO categories, ...)
     summary: object | None = field(default=None, repr=False, compare=False)  # set by a converter run
 
@@ -98,6 +107,7 @@ class ShardManifest:
             "reencoded": self.reencoded,
             "skipped": self.skipped,
             "found": self.found,
+            "warnings": self.warnings,
             **self.extra,
         }
 
@@ -122,10 +132,12 @@ class ShardManifest:
             raise ManifestError(f"{path}: not a {FORMAT_NAME} manifest (format={doc.get('format')!r})")
         if doc.get("version") != FORMAT_VERSION:
             raise ManifestError(f"{path}: manifest version {doc.get('version')!r}, this dalifeed reads {FORMAT_VERSION}")
-        known = {"format", "version", "kind", "source", "options", "classes", "splits", "reencoded", "skipped", "found"}
+        known = {"format", "version", "kind", "source", "options", "classes", "splits", "reencoded", "skipped", "found",
+                 "warnings"}
         try:
             splits = {
-                name: SplitInfo([ShardInfo(**s) for s in info["shards"]]) for name, info in doc["splits"].items()
+                name: SplitInfo([ShardInfo(**s) for s in info["shards"]], info.get("class_counts"), info.get("listing"))
+                for name, info in doc["splits"].items()
             }
             return cls(
                 root=root,
@@ -137,10 +149,20 @@ class ShardManifest:
                 skipped=doc.get("skipped", []),
                 reencoded=doc.get("reencoded", {"count": 0, "by_reason": {}}),
                 found=doc.get("found", 0),
+                warnings=doc.get("warnings", []),
                 extra={k: v for k, v in doc.items() if k not in known},
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(f"{path}: malformed manifest ({e!r})") from None
+
+
+def listing_digest(entries) -> dict:
+    """A summary of a set of source files, `(path relative to the folder holding the class folders, size)`
+    pairs, that two programs compute alike from the same tree: count, bytes and a sha256 of the sorted
+    pairs. The converter stores one per split; dali-bench compares its --imagefolder against it."""
+    entries = sorted(entries)
+    digest = hashlib.sha256("".join(f"{path}\0{size}\n" for path, size in entries).encode()).hexdigest()
+    return {"files": len(entries), "bytes": sum(size for _, size in entries), "sha256": digest}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -170,8 +192,6 @@ def index_data_end(idx_path: Path) -> int:
 
 
 def file_sha256(path: Path, chunk: int = 2**22) -> str:
-    import hashlib
-
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(chunk), b""):

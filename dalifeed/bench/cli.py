@@ -12,18 +12,28 @@ from pathlib import Path
 
 import click
 import torch
+from tqdm import tqdm
 
 from dalifeed.format import ManifestError, ShardManifest
 
-from .loaders import LOADERS, build_loader
+from dalifeed.atomic import write_json_atomic
+from dalifeed.cliutil import default, run_command
+from dalifeed.pipelines.checks import ShardDataError
+
+from .loaders import GPU_LOADERS, LOADERS, build_loader
 from .measure import forever, synthetic_batches, time_loader, train_steps_per_s
+from .same_data import same_data_problem
+
+
+class BenchUsageError(Exception):
+    """A bench that would measure nothing or something false: one line, exit 2."""
 
 
 @dataclass
 class BenchConfig:
     imagefolder: Path
     shards: Path
-    out: Path
+    out: Path = Path("build/bench")
     loaders: list[str] = field(default_factory=lambda: list(LOADERS))
     split: str = "train"
     batch_size: int = 64
@@ -35,24 +45,33 @@ class BenchConfig:
     workers: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
     model: str | None = None
     model_steps: int = 20
-    amp: bool = True
+    amp: bool = True  # bf16 autocast for --model, on a GPU (on the CPU it would be emulated)
+    allow_different_data: bool = False
 
     def validate(self) -> None:
         if not self.imagefolder.is_dir():
-            raise click.UsageError(f"--imagefolder {self.imagefolder}: no such folder")
+            raise BenchUsageError(f"--imagefolder {self.imagefolder}: no such folder")
         try:
             manifest = ShardManifest.load(self.shards)
         except ManifestError as e:
-            raise click.UsageError(f"--shards: {e}") from None
+            raise BenchUsageError(f"--shards: {e}") from None
         if self.split not in manifest.splits:
-            raise click.UsageError(f"--shards {self.shards}: no split {self.split!r}")
+            raise BenchUsageError(f"--shards {self.shards}: no split {self.split!r}")
         unknown = [name for name in self.loaders if name not in LOADERS]
         if unknown:
-            raise click.UsageError(f"--loaders: unknown {', '.join(unknown)} (choose from {', '.join(LOADERS)})")
+            raise BenchUsageError(f"--loaders: unknown {', '.join(unknown)} (choose from {', '.join(LOADERS)})")
         for name, value in (("--batch-size", self.batch_size), ("--repeats", self.repeats),
                             ("--workers", self.workers), ("--image-size", self.image_size)):
             if value < 1:
-                raise click.UsageError(f"{name} must be >= 1, got {value}")
+                raise BenchUsageError(f"{name} must be >= 1, got {value}")
+        images = manifest.num_samples(self.split)
+        if images < self.batch_size:  # the torch loaders drop partial batches: they would never yield one
+            raise BenchUsageError(f"--shards split {self.split!r} holds {images} images, fewer than one batch of "
+                                  f"--batch-size {self.batch_size}: use --batch-size {images} or less, or more images")
+        problem = same_data_problem(self.imagefolder, manifest, self.split)
+        if problem and not self.allow_different_data:
+            raise BenchUsageError(f"not the same data, so the race would compare nothing: {problem}; point both at "
+                                  f"the same images (or pass --allow-different-data)")
 
     def to_json(self) -> dict:
         return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
@@ -83,10 +102,12 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     batches = max(1, cfg.epochs * images // cfg.batch_size) if cfg.epochs else None
     records, model_records = [], {}
     for name in cfg.loaders:
-        if name == "dali-gpu" and device.type != "cuda":
+        if name in GPU_LOADERS and device.type != "cuda":
             log(f"{name}: skipped (no GPU)")
             continue
-        log(f"{name}: warming up, then {cfg.repeats} x {f'{cfg.epochs} epoch(s)' if batches else f'{cfg.seconds} s'} ...")
+        window = f"{cfg.epochs} epoch(s)" if batches else f"{cfg.seconds:g} s"
+        eta = f" (about {cfg.repeats * cfg.seconds + 5:.0f} s)" if not batches else ""
+        log(f"{name}: warming up, then {cfg.repeats} x {window}{eta} ...")
         loader = on_device(build_loader(name, imagefolder=cfg.imagefolder, shards=cfg.shards, split=cfg.split,
                                         batch_size=cfg.batch_size, image_size=cfg.image_size, workers=cfg.workers,
                                         device=device), device)
@@ -94,16 +115,22 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
                              batches=batches, repeats=cfg.repeats, cores=len(os.sched_getaffinity(0)))
         record = {"loader": name, "images_per_s": timing.median, "images_per_s_runs": timing.images_per_s,
                   "cpu_percent": timing.cpu_percent, "peak_rss_mb": timing.peak_rss_mb, "output": timing.output}
-        if cfg.model:
-            record.update(measure_model(cfg, loader, device, model_records))
-        records.append(record)
         log(f"{name}: {timing.median:.0f} images/s (runs: {', '.join(f'{r:.0f}' for r in timing.images_per_s)})")
+        if cfg.model:
+            record.update(measure_model(cfg, loader, device, model_records, log, name))
+        records.append(record)
         del loader
     base = next((r["images_per_s"] for r in records if r["loader"] == "baseline"), None)
     for r in records:
         r["speedup_vs_baseline"] = r["images_per_s"] / base if base else None
-    return {"config": cfg.to_json(), "environment": environment(), "results": records,
-            "synthetic": model_records.get("synthetic")}
+    return {"config": cfg.to_json(), "environment": environment(), "dataset": dataset_of(cfg, images),
+            "results": records, "synthetic": model_records.get("synthetic")}
+
+
+def dataset_of(cfg: BenchConfig, images: int) -> dict:
+    manifest = ShardManifest.load(cfg.shards)
+    return {"name": Path(manifest.source).name or str(manifest.source), "split": cfg.split, "images": images,
+            "classes": manifest.num_classes}
 
 
 class on_device:
@@ -117,20 +144,45 @@ class on_device:
             yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
 
-def measure_model(cfg: BenchConfig, loader, device: torch.device, cache: dict) -> dict:
-    """Train steps/s fed by `loader`, against the same model fed one synthetic on-device batch."""
+def measure_model(cfg: BenchConfig, loader, device: torch.device, cache: dict, log, name: str) -> dict:
+    """Train steps/s fed by `loader`, against the same model fed one synthetic on-device batch. Long on a
+    CPU: says how long after the first step, and shows a progress bar where someone watches."""
     import torchvision
 
     torch.manual_seed(0)
     model = torchvision.models.get_model(cfg.model, num_classes=1000).to(device).train()
     stream = forever(loader)
+    warmup = 3
     if "synthetic" not in cache:
         batch = next(stream)
-        rate, _ = train_steps_per_s(model, synthetic_batches(batch), device, cfg.model_steps, 3, cfg.amp)
+        rate, _ = train_steps_per_s(model, synthetic_batches(batch), device, cfg.model_steps, warmup, cfg.amp,
+                                    progress=StepProgress(f"{cfg.model} on synthetic data", log))
         cache["synthetic"] = {"model": cfg.model, "steps_per_s": rate, "images_per_s": rate * cfg.batch_size}
-    rate, waited = train_steps_per_s(model, stream, device, cfg.model_steps, 3, cfg.amp)
+    rate, waited = train_steps_per_s(model, stream, device, cfg.model_steps, warmup, cfg.amp,
+                                     progress=StepProgress(f"{cfg.model} fed by {name}", log))
     synthetic = cache["synthetic"]["steps_per_s"]
+    log(f"{name}: {cfg.model} at {rate:.2f} steps/s, {rate / synthetic:.0%} of synthetic, data wait {waited:.0%}")
     return {"train_steps_per_s": rate, "train_vs_synthetic": rate / synthetic, "data_wait_share": waited}
+
+
+class StepProgress:
+    """Progress of timed training steps: after the first, one line with the estimated time left (for logs),
+    and a tqdm bar with its own ETA when stderr is a terminal."""
+
+    def __init__(self, what: str, log):
+        self.what, self.log, self.bar, self.started = what, log, None, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if done == 0:
+            self.started = time.perf_counter()
+            self.bar = tqdm(total=total, desc=self.what, unit="step", leave=False, disable=not sys.stderr.isatty())
+            return
+        self.bar.update(1)
+        if done == 1:
+            per_step = time.perf_counter() - self.started
+            self.log(f"{self.what}: {total} steps, about {per_step * (total - 1):.0f} s more at {per_step:.1f} s a step")
+        if done == total:
+            self.bar.close()
 
 
 def render_table(report: dict) -> str:
@@ -156,54 +208,96 @@ def render_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+# One colour per loader, the same in every plot, so that plots of different runs read alike.
+LOADER_COLOURS = {"baseline": "#888888", "webdataset": "#4c72b0", "dali-cpu": "#9bd24a", "dali-hybrid": "#e69f00",
+                  "dali-gpu": "#3d6b00"}
+
+
 def plot(report: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(report)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def figure(report: dict):
+    """bench.png's figure: images/s per loader (median, min-max, speed-up over the baseline) and, with
+    --model, the training steps/s each loader sustains next to synthetic data."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     results = report["results"]
+    with_model = any("train_steps_per_s" in r for r in results)
+    fig, axes = plt.subplots(1, 2 if with_model else 1, figsize=(12 if with_model else 7, 4.2), squeeze=False)
     names = [r["loader"] for r in results]
+    colours = [LOADER_COLOURS.get(name, "#cccccc") for name in names]
+    ax = axes[0][0]
     medians = [r["images_per_s"] for r in results]
     low = [m - min(r["images_per_s_runs"]) for m, r in zip(medians, results)]
     high = [max(r["images_per_s_runs"]) - m for m, r in zip(medians, results)]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    bars = ax.bar(names, medians, yerr=[low, high], capsize=4, color=["#888888", "#4c72b0", "#76b900", "#3d6b00"][:len(names)])
-    for bar, r, above in zip(bars, results, high):
-        if r["speedup_vs_baseline"]:
-            ax.annotate(f"{r['speedup_vs_baseline']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height() + above),
-                        ha="center", va="bottom", xytext=(0, 3), textcoords="offset points")
-    env = report["environment"]
-    ax.set_ylabel("images/s (median, min-max)")
-    ax.set_title(f"{env['gpu'] or 'CPU only'}, {env['cores']} cores, batch {report['config']['batch_size']}, "
-                 f"{report['config']['image_size']}px", fontsize=10)
+    bars = ax.bar(names, medians, yerr=[low, high], capsize=4, color=colours)
+    labels = [f"{r['images_per_s']:.0f}" + (f"\n{r['speedup_vs_baseline']:.2f}x" if r["speedup_vs_baseline"] else "")
+              for r in results]
+    ax.bar_label(bars, labels, padding=3, fontsize=9)
+    ax.set_ylim(0, max(m + h for m, h in zip(medians, high)) * 1.3)  # room for the labels inside the frame
+    ax.set_ylabel("images/s (median, bars: min-max)")
+    ax.set_title("data loading")
+    if with_model:
+        ax2 = axes[0][1]
+        rates = [r.get("train_steps_per_s", 0) for r in results]
+        model_bars = ax2.bar(names, rates, color=colours)
+        ax2.bar_label(model_bars, [f"{r.get('train_vs_synthetic', 0):.0%}" for r in results], padding=3, fontsize=9)
+        synthetic = (report.get("synthetic") or {}).get("steps_per_s")
+        if synthetic:
+            ax2.axhline(synthetic, color="black", linestyle="--", linewidth=1)
+            ax2.annotate("synthetic data", (0.01, synthetic), xycoords=("axes fraction", "data"), va="bottom",
+                         fontsize=8)
+        ax2.set_ylim(0, max(rates + [synthetic or 0]) * 1.3)
+        ax2.set_ylabel("train steps/s (% of synthetic)")
+        ax2.set_title(f"{(report.get('synthetic') or {}).get('model', 'model')} training fed by each loader")
+    env, cfg, data = report["environment"], report["config"], report.get("dataset", {})
+    fig.suptitle(f"{data.get('name', '?')} ({data.get('split', '?')}, {data.get('images', '?')} images), "
+                 f"{cfg['image_size']} px, batch {cfg['batch_size']}; {env['gpu'] or 'CPU only'}, {env['cores']} cores",
+                 fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def d(name: str):
+    return default(BenchConfig, name)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--imagefolder", type=click.Path(path_type=Path), required=True,
               help="The ImageFolder tree the baseline reads (the split's own folder, e.g. SRC/train).")
 @click.option("--shards", type=click.Path(path_type=Path), required=True,
-              help="The shard folder shard-convert made from the same images.")
-@click.option("--loaders", default=",".join(LOADERS), show_default=True,
+              help="The shard folder shard-convert made from the same images (checked: see below).")
+@click.option("--loaders", default=",".join(d("loaders")), show_default=True,
               help="Comma-separated subset to run. dali-gpu is skipped without a GPU.")
-@click.option("--split", default="train", show_default=True)
-@click.option("--batch-size", type=int, default=64, show_default=True)
-@click.option("--image-size", type=int, default=224, show_default=True)
-@click.option("--seconds", type=float, default=10.0, show_default=True, help="Length of each timed run.")
-@click.option("--epochs", type=int, default=None, help="Time whole passes over the split instead of --seconds.")
-@click.option("--repeats", type=int, default=3, show_default=True, help="Timed runs per loader (median reported).")
-@click.option("--warmup", "warmup_batches", type=int, default=5, show_default=True, help="Untimed batches first.")
-@click.option("--workers", type=int, default=len(os.sched_getaffinity(0)), show_default=True,
+@click.option("--split", default=d("split"), show_default=True)
+@click.option("--batch-size", type=int, default=d("batch_size"), show_default=True)
+@click.option("--image-size", type=int, default=d("image_size"), show_default=True)
+@click.option("--seconds", type=float, default=d("seconds"), show_default=True, help="Length of each timed run.")
+@click.option("--epochs", type=int, default=d("epochs"), help="Time whole passes over the split instead of --seconds.")
+@click.option("--repeats", type=int, default=d("repeats"), show_default=True,
+              help="Timed runs per loader (median reported).")
+@click.option("--warmup", "warmup_batches", type=int, default=d("warmup_batches"), show_default=True,
+              help="Untimed batches first.")
+@click.option("--workers", type=int, default=d("workers"), show_default=True,
               help="DataLoader workers and DALI threads alike: the same cores for everyone.")
-@click.option("--model", default=None, help="Also time training steps of this torchvision model per loader, "
-                                             "against synthetic on-device data (e.g. resnet50).")
-@click.option("--model-steps", type=int, default=20, show_default=True)
-@click.option("--out", type=click.Path(path_type=Path), default=Path("build/bench"), show_default=True,
+@click.option("--model", default=d("model"), help="Also time training steps of this torchvision model per loader, "
+                                                  "against synthetic on-device data (e.g. resnet50).")
+@click.option("--model-steps", type=int, default=d("model_steps"), show_default=True)
+@click.option("--allow-different-data", is_flag=True,
+              help="Race even when --imagefolder and --shards do not hold the same files (the numbers then "
+                   "compare different work).")
+@click.option("--out", type=click.Path(path_type=Path), default=d("out"), show_default=True,
               help="Folder for bench.json, bench.png and config.json.")
-def main(**options):
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+def main(debug: bool, **options):
     """Race the DALI pipelines against the torch DataLoader baseline on the same images and augmentation
     (RandomResizedCrop + flip + normalise to float batches on the model's device).
 
@@ -219,20 +313,31 @@ def main(**options):
     Example:
       dali-bench --imagefolder /data/imagenet/train --shards /data/imagenet-shards --model resnet50
 
-    Reports images/s (median of --repeats), speed-up over baseline measured in the same run, CPU use and
-    peak memory; writes OUT/bench.json, OUT/bench.png and OUT/config.json.
+    Before timing anything it checks that --imagefolder holds the files the shards' split was made from
+    (shard-convert records their names and sizes) and that the split holds at least one batch; either
+    failing is one line and exit 2. Reports images/s (median of --repeats), speed-up over baseline
+    measured in the same run, CPU use and peak memory, and with --model the training steps/s each loader
+    sustains against synthetic data (with a time estimate after the first step); writes OUT/bench.json,
+    OUT/bench.png and OUT/config.json.
     """
     options["loaders"] = [name.strip() for name in options["loaders"].split(",") if name.strip()]
     if options["epochs"] is not None:
         options["seconds"] = None
     cfg = BenchConfig(**options)
-    cfg.validate()
-    click.echo(f"dali-bench: {json.dumps(cfg.to_json())}", err=True)
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
-    report = run_bench(cfg, log=lambda msg: click.echo(msg, err=True))
-    (cfg.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, cfg.out / "bench.png")
+
+    def bench() -> dict:
+        cfg.validate()
+        click.echo(f"dali-bench: {json.dumps(cfg.to_json())}", err=True)
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(cfg.out / "config.json", cfg.to_json())
+        report = run_bench(cfg, log=lambda msg: click.echo(msg, err=True))
+        write_json_atomic(cfg.out / "bench.json", report)
+        plot(report, cfg.out / "bench.png")
+        return report
+
+    report = run_command(bench, debug=debug, usage_errors=(BenchUsageError,), runtime_errors=(ShardDataError,),
+                         log=lambda: cfg.out / "bench-error.log" if cfg.out.is_dir() else None,
+                         stopped=lambda e: "nothing was written")
     click.echo(render_table(report))
     click.echo(f"\nwrote {cfg.out / 'bench.json'} and {cfg.out / 'bench.png'}", err=True)
 

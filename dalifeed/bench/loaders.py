@@ -17,6 +17,7 @@ from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD, make_loader
 from dalifeed.format import ShardManifest
 
 LOADERS = ("baseline", "webdataset", "dali-cpu", "dali-gpu")
+GPU_LOADERS = ("dali-gpu",)  # skipped where there is no GPU
 
 
 def train_transform(image_size: int):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -11,25 +10,18 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from .images import DEFAULT_MAX_PIXELS
-from .imagefolder import DEFAULT_MAX_SHARD_BYTES, ConvertConfig, UsageError, convert_imagefolder
-from ..format import ShardManifest
+from ..cliutil import default, run_command, size_option
+from ..format import ManifestError, ShardManifest
+from ..runtime import DiskFull, FolderInUse
+from .imagefolder import ConvertConfig, UsageError, convert_imagefolder
+from .info import describe_folder, folder_info
 from .shards import ConversionFailed, WorkerCrashed
 from .verify import verify_shards
 
-
-def _size(text: str) -> int:
-    """'256MB', '1GiB', '4096' -> bytes."""
-    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    number, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
-    try:
-        return int(float(number) * units[unit])
-    except ValueError:
-        raise click.BadParameter(f"not a size: {text!r} (e.g. 256MB, 1GB, 100000)") from None
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings=CONTEXT)
 def main() -> None:
     """Turn image datasets into WebDataset tar shards that plain webdataset and NVIDIA DALI read exactly.
 
@@ -37,67 +29,69 @@ def main() -> None:
     Typical use:
       shard-convert imagefolder /data/imagenet /data/imagenet-shards --workers 16
       shard-convert verify /data/imagenet-shards --decode
+      shard-convert info /data/imagenet-shards
 
     Each shard `<split>-NNNNNN.tar` has a DALI index `<split>-NNNNNN.idx` beside it and the folder has a
     `manifest.json` (classes, shards with sizes and sha256, skipped files with reasons), written last.
     The format is described in docs/format.md.
+
+    Exit codes: 0 done; 1 a runtime failure (bad data, full disk), one line; 2 a usage error, one line;
+    130/143 stopped by Ctrl-C/SIGTERM (run the same command again to resume).
     """
 
 
-@main.command("imagefolder", context_settings={"max_content_width": 100})
+def d(name: str):
+    return default(ConvertConfig, name)
+
+
+@main.command("imagefolder", context_settings=CONTEXT)
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--val-fraction", type=float, default=0.0, show_default=True,
+@click.option("--val-fraction", type=float, default=d("val_fraction"), show_default=True,
               help="Hold out this fraction of every class as split 'val' (seeded, stratified). "
                    "Not allowed when SRC already has train/ and val/.")
-@click.option("--seed", type=int, default=0, show_default=True,
+@click.option("--seed", type=int, default=d("seed"), show_default=True,
               help="Seeds the split and the write-time shuffle. DALI shuffles only inside a buffer, so "
                    "shards are written globally shuffled.")
-@click.option("--max-shard-bytes", type=str, default=f"{DEFAULT_MAX_SHARD_BYTES // 2**20}MiB", show_default=True,
-              help="Start a new shard before one would exceed this size (e.g. 512MB, 1GiB).")
-@click.option("--samples-per-shard", type=int, default=None,
-              help="Fixed number of samples per shard instead of --max-shard-bytes.")
-@click.option("--jpeg-quality", type=int, default=95, show_default=True,
+@click.option("--max-shard-bytes", callback=size_option, default=None,
+              help="Start a new shard before one would exceed this size: 512MB (10^6), 256MiB (2^20), 1GiB. "
+                   "Default: 256MiB, unless --samples-per-shard is given alone. Given both, a shard ends at "
+                   "whichever it reaches first.")
+@click.option("--samples-per-shard", type=int, default=d("samples_per_shard"),
+              help="At most this many samples per shard.")
+@click.option("--jpeg-quality", type=int, default=d("jpeg_quality"), show_default=True,
               help="Quality for images that must be re-encoded: non-JPEG, JPEG encodings that not every decoder "
                    "reads alike (CMYK, YCCK, lossless, arithmetic, 12-bit), EXIF-rotated, or shrunk by --max-side. "
                    "Baseline/progressive 8-bit RGB and greyscale JPEGs pass through byte for byte (docs/format.md).")
-@click.option("--max-side", type=int, default=None,
+@click.option("--max-side", type=int, default=d("max_side"),
               help="Re-encode images whose long side exceeds N pixels down to N (less decode work later).")
-@click.option("--max-pixels", type=int, default=DEFAULT_MAX_PIXELS, show_default=True,
+@click.option("--max-pixels", type=int, default=d("max_pixels"), show_default=True,
               help="Skip images with more pixels than this (reason 'image larger than --max-pixels'): a "
                    "decompression bomb is refused before it is decoded. Applies only inside the conversion.")
-@click.option("--workers", type=int, default=os.cpu_count() or 1, show_default=True,
+@click.option("--workers", type=int, default=d("workers"), show_default=True,
               help="Worker processes that decode-check and encode. The output bytes do not depend on it.")
-@click.option("--on-error", type=click.Choice(["skip", "fail"]), default="skip", show_default=True,
+@click.option("--on-error", type=click.Choice(["skip", "fail"]), default=d("on_error"), show_default=True,
               help="skip: list undecodable or non-image files in the manifest's 'skipped' with the reason; "
                    "fail: stop at the first one (exit 1).")
 @click.option("--overwrite", is_flag=True, help="Replace an OUT that was made from other input or options.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def imagefolder_cmd(src, out, val_fraction, seed, max_shard_bytes, samples_per_shard, jpeg_quality, max_side,
-                    max_pixels, workers, on_error, overwrite, quiet):
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+def imagefolder_cmd(src, out, quiet, debug, **options):
     """Convert an ImageFolder tree SRC (SRC/<class>/<images>, or SRC/train/<class>/... and SRC/val/<class>/...)
     to shards in OUT.
 
     Class order and indices are torchvision ImageFolder's (sorted class folder names). Every file is
     decoded in full to catch corrupt and truncated images; every file found is either converted or listed
-    as skipped. Interrupted? Run the same command again: finished shards are kept and the result is
-    byte-identical to an uninterrupted run.
+    as skipped. Interrupted (Ctrl-C, SIGTERM, kill -9)? Run the same command again: finished shards are kept
+    and the result is byte-identical to an uninterrupted run. One run at a time per OUT (a lock refuses a
+    second one).
     """
-    cfg = ConvertConfig(src=src, out=out, val_fraction=val_fraction, seed=seed,
-                        max_shard_bytes=_size(max_shard_bytes), samples_per_shard=samples_per_shard,
-                        jpeg_quality=jpeg_quality, max_side=max_side, max_pixels=max_pixels, workers=workers,
-                        on_error=on_error, overwrite=overwrite, progress=not quiet and sys.stderr.isatty())
+    cfg = ConvertConfig(src=src, out=out, progress=not quiet and sys.stderr.isatty(), **options)
     click.echo(f"shard-convert imagefolder: {json.dumps(cfg.to_json())}", err=True)
-    try:
-        manifest = convert_imagefolder(cfg)
-    except UsageError as e:
-        raise click.UsageError(str(e)) from None
-    except (ConversionFailed, WorkerCrashed) as e:
-        click.echo(f"Error: {e}", err=True)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        click.echo("\ninterrupted: finished shards are kept; run the same command again to resume", err=True)
-        sys.exit(130)
+    manifest = run_command(
+        lambda: convert_imagefolder(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
+        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull), log=lambda: out / "convert-error.log",
+        stopped=lambda e: f"finished shards in {out} are kept; run the same command again to resume")
     click.echo(describe_result(manifest))
 
 
@@ -112,36 +106,55 @@ def describe_result(manifest: ShardManifest) -> str:
         reasons[reason] = reasons.get(reason, 0) + 1
     skipped = "; ".join(f"{n} {r}" for r, n in sorted(reasons.items())) or "none"
     resumed = " (resumed)" if s.status == "resume" else ""
+    warnings = f" {len(manifest.warnings)} warning(s): see shard-convert info." if manifest.warnings else ""
     return (f"Converted {s.samples} of {manifest.found} files into {s.shards} shards ({splits}), "
             f"{s.bytes / 2**20:.1f} MiB, {len(manifest.classes)} classes, {s.reencoded} re-encoded, "
             f"skipped {s.skipped} ({skipped}), in {s.seconds:.1f} s = {s.images_per_s:.0f} images/s{resumed}. "
-            f"Manifest: {manifest.root / 'manifest.json'}; run log: {manifest.root / 'convert.json'}.")
+            f"Manifest: {manifest.root / 'manifest.json'}; run log: {manifest.root / 'convert.json'}.{warnings}")
 
 
-@main.command("verify")
+@main.command("verify", context_settings=CONTEXT)
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--decode", is_flag=True, help="Also decode every image (slower; catches corrupt JPEG data).")
+@click.option("--decode", is_flag=True,
+              help="Also decode every image, with PIL and with DALI's decoder (nvJPEG on a GPU): slower, and finds "
+                   "every sample that would stop a training run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of lines.")
 def verify_cmd(out: Path, decode: bool, as_json: bool):
     """Check every shard in OUT against its manifest: tar integrity, sample counts, sha256, index files,
-    labels within range (and with --decode, every image). Prints one line per problem; exit 1 if any."""
+    labels within range, each JPEG's encoding (and with --decode, every image). Prints one line per
+    problem and a verdict on stdout (progress on stderr); exit 1 if any problem."""
     if not out.is_dir():
         raise click.UsageError(f"{out}: no such shard folder")
     try:
         total = sum(len(s.shards) for s in ShardManifest.load(out).splits.values())
-    except Exception:
+    except ManifestError:
         total = None
     show = sys.stderr.isatty() and not as_json
     with tqdm(total=total, unit="shard", desc="verify", disable=not show) as bar:
-        report = verify_shards(out, decode=decode, on_shard=lambda: bar.update(1))
+        report = run_command(lambda: verify_shards(out, decode=decode, on_shard=lambda: bar.update(1)), debug=False,
+                             stopped=lambda e: "nothing was changed")
     if as_json:
         click.echo(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
     else:
         for problem in report.problems:
             click.echo(problem)
         verdict = "OK" if report.ok else f"{len(report.problems)} problem(s)"
-        click.echo(f"verify: {report.shards} shards, {report.samples} samples: {verdict}", err=True)
+        click.echo(f"verify: {report.shards} shards, {report.samples} samples: {verdict}")
     sys.exit(0 if report.ok else 1)
+
+
+@main.command("info", context_settings=CONTEXT)
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print it as JSON.")
+def info_cmd(out: Path, as_json: bool):
+    """What a shard folder holds, from its manifest (no tar is read): splits, samples, shards and bytes;
+    classes with their sample counts per split; re-encoded and skipped files by reason; warnings; the
+    options and source it was made from; whether every DALI index file is present."""
+    try:
+        info = folder_info(ShardManifest.load(out))
+    except ManifestError as e:
+        raise click.UsageError(str(e)) from None
+    click.echo(json.dumps(info, indent=2) if as_json else describe_folder(info))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import functools
 import hashlib
 import json
 import os
+import posixpath
 import random
 import struct
 import time
@@ -14,9 +15,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .images import DEFAULT_MAX_PIXELS, ImageError, to_jpeg
 from ..atomic import write_json_atomic
-from ..format import MANIFEST_NAME, ShardManifest, SplitInfo
+from ..format import MANIFEST_NAME, ShardManifest, SplitInfo, listing_digest
+from ..runtime import LOCK_NAME, DiskFull, folder_lock, free_bytes, mib
+from .images import DEFAULT_MAX_PIXELS, ImageError, to_jpeg
 from .shards import PROGRESS_DIR, ProgressStore, Sample, Skip, SourceFile, remove_outputs, write_split
 
 DEFAULT_MAX_SHARD_BYTES = 256 * 2**20
@@ -32,7 +34,7 @@ class ConvertConfig:
     out: Path
     val_fraction: float = 0.0
     seed: int = 0
-    max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES
+    max_shard_bytes: int | None = None  # None: 256 MiB, unless samples_per_shard alone is given
     samples_per_shard: int | None = None
     jpeg_quality: int = 95
     max_side: int | None = None
@@ -44,8 +46,9 @@ class ConvertConfig:
 
     def __post_init__(self) -> None:
         self.src, self.out = Path(self.src), Path(self.out)
-        if self.samples_per_shard is not None:
-            self.max_shard_bytes = None
+        # One limit given: that one. Both: a shard ends at whichever it reaches first. Neither: 256 MiB.
+        if self.max_shard_bytes is None and self.samples_per_shard is None:
+            self.max_shard_bytes = DEFAULT_MAX_SHARD_BYTES
 
     def validate(self) -> None:
         """Check every option up front, naming the bad value."""
@@ -65,6 +68,8 @@ class ConvertConfig:
             raise UsageError(f"--workers must be >= 1, got {self.workers}")
         if self.on_error not in ("skip", "fail"):
             raise UsageError(f"--on-error must be 'skip' or 'fail', got {self.on_error!r}")
+        if self.out.exists() and not self.out.is_dir():
+            raise UsageError(f"{self.out}: output exists and is not a folder")
         if not self.src.exists():
             raise UsageError(f"{self.src}: source folder does not exist")
         if not self.src.is_dir():
@@ -96,19 +101,29 @@ class Plan:
     classes: list[str]
     splits: dict[str, list[Item]]
     stray: list[Item]  # files found where no class folder is: accounted for as skipped
+    split_roots: dict[str, str]  # split -> the folder (relative to SRC) holding its class folders
 
     @property
     def found(self) -> int:
         return sum(len(v) for v in self.splits.values()) + len(self.stray)
 
-    def fingerprint(self, cfg: ConvertConfig) -> dict:
-        listing = hashlib.sha256()
+    def survey(self, cfg: ConvertConfig) -> tuple[dict, dict]:
+        """Stat every source file once: the fingerprint that decides whether OUT can be resumed (options and
+        every file's path, label, size and mtime), and the listings that let a reader check it holds the
+        same files as an ImageFolder tree (dali-bench does), per split and, for a single tree, in all."""
+        fingerprint, entries = hashlib.sha256(), {}
         for split, items in sorted(self.splits.items()):
+            root = self.split_roots[split]
+            entries[split] = []
             for item in items:
                 st = (cfg.src / item.relpath).stat()
-                listing.update(f"{split}\0{item.relpath}\0{item.label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        return {"kind": "imagefolder", "source": str(cfg.src.resolve()), "options": cfg.output_options(),
-                "listing_sha256": listing.hexdigest()}
+                fingerprint.update(f"{split}\0{item.relpath}\0{item.label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+                entries[split].append((posixpath.relpath(item.relpath, root) if root else item.relpath, st.st_size))
+        listings = {split: listing_digest(e) for split, e in entries.items()}
+        if set(self.split_roots.values()) == {""} and len(self.splits) > 1:  # splits carved out of one tree
+            listings["source"] = listing_digest([e for split_entries in entries.values() for e in split_entries])
+        return ({"kind": "imagefolder", "source": str(cfg.src.resolve()), "options": cfg.output_options(),
+                 "listing_sha256": fingerprint.hexdigest()}, listings)
 
 
 def find_classes(folder: Path) -> list[str]:
@@ -162,15 +177,17 @@ def build_plan(cfg: ConvertConfig) -> Plan:
         train, stray = list_class_files(src, src / "train", classes)
         val, stray_val = list_class_files(src, src / "val", classes)
         splits = {"train": train, "val": val}
+        roots = {"train": "train", "val": "val"}
         stray = stray + stray_val + files_outside(src, keep=("train", "val"))
     else:
         classes = find_classes(src)
         _check_classes(src, classes)
         items, stray = list_class_files(src, src, classes)
         splits = stratified_split(items, cfg.val_fraction, cfg.seed)
+        roots = {name: "" for name in splits}
     for name, items in splits.items():
         random.Random(f"{cfg.seed}:{name}").shuffle(items)
-    return Plan(classes, splits, stray)
+    return Plan(classes, splits, stray, roots)
 
 
 def _check_classes(folder: Path, classes: list[str]) -> None:
@@ -219,15 +236,13 @@ def encode_item(item: Item, src: str, quality: int, max_side: int | None, max_pi
         ("label", struct.pack("<q", item.label)),
         ("json", json.dumps(meta, sort_keys=True).encode()),
     ]
-    return Sample(members, image.reencoded)
+    return Sample(members, image.reencoded, classes=(item.label,))
 
 
 def prepare_output(cfg: ConvertConfig, fingerprint: dict) -> str:
-    """Decide what to do with OUT: 'fresh', 'resume' or 'done'. Refuse a folder made differently."""
+    """Decide what to do with OUT (which exists, locked by this run): 'fresh', 'resume' or 'done'. Refuse a
+    folder made differently, saying what differs."""
     out = cfg.out
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{out}: output exists and is not a folder")
-    out.mkdir(parents=True, exist_ok=True)
     store = ProgressStore(out)
     manifest_path = out / MANIFEST_NAME
     existing = None
@@ -243,10 +258,23 @@ def prepare_output(cfg: ConvertConfig, fingerprint: dict) -> str:
         return "fresh"
     if existing == fingerprint:
         return "done" if manifest_path.is_file() and not store.exists() else "resume"
-    if any(p.name != PROGRESS_DIR for p in out.iterdir()):
-        why = "made with different options or source" if existing else "is not empty"
+    if any(p.name not in (PROGRESS_DIR, LOCK_NAME) for p in out.iterdir()):
+        why = f"made with other input: {describe_difference(existing, fingerprint)}" if existing else "not empty"
         raise UsageError(f"{out}: output folder {why}; use --overwrite to replace it or choose another OUT")
     return "fresh"
+
+
+def describe_difference(old: dict, new: dict) -> str:
+    """What changed between two fingerprints, e.g. "--seed was 1, now 2; source was /a, now /b"."""
+    changes = [f"{name} was {old.get(name)}, now {new[name]}" for name in ("kind", "source")
+               if old.get(name) != new[name]]
+    old_options, new_options = old.get("options", {}), new["options"]
+    for name in sorted(set(old_options) | set(new_options)):
+        if old_options.get(name) != new_options.get(name):
+            changes.append(f"--{name.replace('_', '-')} was {old_options.get(name)}, now {new_options.get(name)}")
+    if not changes and old.get("listing_sha256") != new.get("listing_sha256"):
+        changes.append("the source files changed since (added, removed, renamed or modified)")
+    return "; ".join(changes) or "an older dalifeed version"
 
 
 @dataclass
@@ -266,22 +294,35 @@ class ConvertSummary:
 
 def convert_imagefolder(cfg: ConvertConfig) -> ShardManifest:
     """Convert `cfg.src` to shards in `cfg.out`; resumes an interrupted run. Returns the manifest, with
-    `summary` (a ConvertSummary) attached for the CLI."""
+    `summary` (a ConvertSummary) attached for the CLI. Holds OUT's lock throughout (FolderInUse if another
+    run does); a full disk raises DiskFull saying how much more is needed."""
     cfg.validate()
     started = time.perf_counter()
     plan = build_plan(cfg)
-    fingerprint = plan.fingerprint(cfg)
-    status = prepare_output(cfg, fingerprint)
-    if status == "done":
-        manifest = ShardManifest.load(cfg.out)
-        manifest.summary = _summary(manifest, time.perf_counter() - started, status)
-        return manifest
+    fingerprint, listings = plan.survey(cfg)
+    with folder_lock(cfg.out, "shard-convert imagefolder"):
+        status = prepare_output(cfg, fingerprint)
+        if status == "done":
+            manifest = ShardManifest.load(cfg.out)
+            manifest.summary = _summary(manifest, time.perf_counter() - started, status)
+            return manifest
+        try:
+            manifest = write_shards(cfg, plan, fingerprint, listings)
+        except DiskFull as e:
+            written = sum(p.stat().st_size for p in cfg.out.glob("*.tar"))
+            needed = max(0, sum(listing["bytes"] for name, listing in listings.items() if name != "source") - written)
+            raise DiskFull(f"{e} ({mib(free_bytes(cfg.out))} free; the images not converted yet need about "
+                           f"{mib(needed)} more): free space, then run the same command again to resume") from e
+    manifest.summary = _summary(manifest, time.perf_counter() - started, status)
+    return manifest
 
+
+def write_shards(cfg: ConvertConfig, plan: Plan, fingerprint: dict, listings: dict) -> ShardManifest:
     store = ProgressStore(cfg.out)
     store.start(fingerprint)
     encode = functools.partial(encode_item, src=str(cfg.src), quality=cfg.jpeg_quality, max_side=cfg.max_side,
                                max_pixels=cfg.max_pixels)
-    splits, skipped, reencoded = {}, [], {}
+    splits, skipped, reencoded, warnings = {}, [], {}, []
     bar = tqdm(total=plan.found, unit="img", desc="shard-convert", disable=not cfg.progress, dynamic_ncols=True,
                mininterval=0.5)
     with bar:
@@ -292,21 +333,24 @@ def convert_imagefolder(cfg: ConvertConfig) -> ShardManifest:
                 max_shard_bytes=cfg.max_shard_bytes, samples_per_shard=cfg.samples_per_shard,
                 progress=store, on_error=cfg.on_error, on_items=bar.update,
             )
-            splits[split] = SplitInfo(result.shards)
+            class_counts = [result.classes.get(str(label), 0) for label in range(len(plan.classes))]
+            splits[split] = SplitInfo(result.shards, class_counts, listings[split])
             skipped += result.skipped
+            warnings += result.warnings
             for reason, n in result.reencoded.items():
                 reencoded[reason] = reencoded.get(reason, 0) + n
         for item in plan.stray:
             skipped.append({"path": item.relpath, "reason": "outside any class folder"})
             bar.update(1)
 
+    extra = {"fingerprint": fingerprint, **({"source_listing": listings["source"]} if "source" in listings else {})}
     manifest = ShardManifest(
         root=cfg.out, kind="imagefolder", source=str(cfg.src.resolve()), options=cfg.output_options(),
         classes=plan.classes, splits=splits, skipped=skipped, found=plan.found,
         reencoded={"count": sum(reencoded.values()), "by_reason": dict(sorted(reencoded.items()))},
-        extra={"fingerprint": fingerprint},
+        warnings=warnings, extra=extra,
     )
-    manifest.summary = _summary(manifest, time.perf_counter() - started, status)
+    manifest.summary = _summary(manifest, 0.0, "fresh")
     write_json_atomic(cfg.out / "convert.json", {"config": cfg.to_json(), "summary": asdict(manifest.summary)})
     manifest.save()  # last: its presence means the folder is complete
     store.remove()

@@ -2,9 +2,10 @@
 
 A conversion is a *plan* (per split, an ordered list of source items) and an *encode* function that turns
 one item into tar members (or a skip reason). `write_split` runs encode over the plan in worker
-processes, packs the results into shards in plan order, and records each finished shard in
-`OUT/.dalifeed-progress/` so that a re-run continues after the last finished shard. Because the plan is
-fixed by the seed and results are consumed in plan order, the bytes are the same for any worker count.
+processes (`ordered_map`) and hands the results, in plan order, to a `ShardWriter`, which packs them into
+shards and records each finished shard in `OUT/.dalifeed-progress/` so that a re-run continues after the
+last finished shard. Because the plan is fixed by the seed and results are consumed in plan order, the
+bytes are the same for any worker count.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from ..atomic import write_json_atomic
+from ..atomic import temp_name, write_atomic, write_json_atomic
 from ..format import INDEX_VERSION, TAR_BLOCK, ShardInfo
+from ..runtime import DiskFull, die_with_parent, is_disk_full
 
 PROGRESS_DIR = ".dalifeed-progress"
 
@@ -62,10 +64,13 @@ class SourceChanged(ConversionFailed):
 
 @dataclass
 class Sample:
-    """One encoded sample: members in the order they go into the tar, e.g. [("jpg", b"..."), ("cls", b"3")]."""
+    """One encoded sample: members in the order they go into the tar, e.g. [("jpg", b"..."), ("cls", b"3")],
+    why its image was re-encoded (None: passed through), and the class indices it holds (for the
+    manifest's per-class counts)."""
 
     members: list[tuple[str, bytes | SourceFile]]
     reencoded: str | None = None
+    classes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -81,13 +86,16 @@ class ShardRecord:
     next_position: int  # plan position of the first item not covered by this shard
     skipped: list[dict] = field(default_factory=list)
     reencoded: dict[str, int] = field(default_factory=dict)
+    classes: dict[str, int] = field(default_factory=dict)  # class index (as JSON keys are) -> samples holding it
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return {**asdict(self), "shard": asdict(self.shard)}
 
     @classmethod
     def from_json(cls, doc: dict) -> "ShardRecord":
-        return cls(ShardInfo(**doc["shard"]), doc["next_position"], doc["skipped"], doc["reencoded"])
+        return cls(ShardInfo(**doc["shard"]), doc["next_position"], doc["skipped"], doc["reencoded"],
+                   doc.get("classes", {}), doc.get("warnings", []))
 
 
 def shard_name(split: str, number: int) -> str:
@@ -118,6 +126,7 @@ class PackedSample:
     parts: list[bytes | SourceFile]  # concatenated, they are the sample's tar bytes
     entries: list[tuple[str, int, int, str]]  # (ext, data offset inside the sample, size, member name)
     reencoded: str | None
+    classes: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
@@ -134,7 +143,7 @@ def pack_sample(key: str, sample: Sample) -> PackedSample:
         entries.append((ext, offset + len(header), size, name))
         parts += [header, payload, padding]
         offset += len(header) + size + len(padding)
-    return PackedSample(parts, entries, sample.reencoded)
+    return PackedSample(parts, entries, sample.reencoded, sample.classes)
 
 
 class ShardFile:
@@ -143,7 +152,7 @@ class ShardFile:
 
     def __init__(self, out_dir: Path, name: str):
         self.tar_path, self.idx_path = out_dir / f"{name}.tar", out_dir / f"{name}.idx"
-        self._tmp_tar, self._tmp_idx = _tmp_name(self.tar_path), _tmp_name(self.idx_path)
+        self._tmp_tar = temp_name(self.tar_path)
         self._file = open(self._tmp_tar, "wb")
         self._sha256 = hashlib.sha256()
         self._index_lines: list[str] = []
@@ -151,7 +160,12 @@ class ShardFile:
         self.samples = 0
 
     def _write(self, data: bytes) -> None:
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as e:
+            if is_disk_full(e):
+                raise DiskFull(f"{self.tar_path}: {e.strerror}") from e
+            raise
         self._sha256.update(data)
         self.bytes_so_far += len(data)
 
@@ -166,25 +180,27 @@ class ShardFile:
         """End the archive as tarfile does, fsync, and rename index then tar (a tar present means finished)."""
         end = self.bytes_so_far + 2 * TAR_BLOCK
         self._write(b"\0" * (2 * TAR_BLOCK + (-end % tarfile.RECORDSIZE)))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            if is_disk_full(e):
+                raise DiskFull(f"{self.tar_path}: {e.strerror}") from e
+            raise
         self._file.close()
         index = f"{INDEX_VERSION} {self.samples}\n" + "".join(line + "\n" for line in self._index_lines)
-        with open(self._tmp_idx, "w") as f:
-            f.write(index)
-        os.replace(self._tmp_idx, self.idx_path)
+        write_atomic(self.idx_path, index.encode())
         os.replace(self._tmp_tar, self.tar_path)
         return ShardInfo(self.tar_path.name, self.idx_path.name, self.samples, self.bytes_so_far,
                          self._sha256.hexdigest())
 
     def abandon(self) -> None:
-        self._file.close()
-        for p in (self._tmp_tar, self._tmp_idx):
-            p.unlink(missing_ok=True)
+        try:
+            self._file.close()
+        except OSError:  # closing flushes what is being thrown away, and may fail as the write did (disk full)
+            pass
+        self._tmp_tar.unlink(missing_ok=True)
 
-
-def _tmp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp")
 
 
 def ordered_map(fn: Callable, items: Sequence, workers: int, chunk: int = 64) -> Iterator:
@@ -195,7 +211,8 @@ def ordered_map(fn: Callable, items: Sequence, workers: int, chunk: int = 64) ->
         yield from map(fn, items)
         return
     chunks = (items[i : i + chunk] for i in range(0, len(items), chunk))  # 64: measured best of 4..64
-    with ProcessPoolExecutor(max_workers=workers, mp_context=_worker_context()) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=_worker_context(), initializer=die_with_parent,
+                             initargs=(os.getpid(),)) as pool:
         pending: deque = deque()
         try:
             for part in chunks:
@@ -270,11 +287,81 @@ class ProgressStore:
             self.dir.rmdir()
 
 
+class ShardWriter:
+    """Packs samples, in the order given, into `<split>-NNNNNN.tar` shards of at most `max_samples` samples
+    and `max_bytes` bytes (whichever comes first). Each shard is finished atomically with its DALI index
+    and recorded in `progress` with what it contributed (skips, re-encode reasons, class counts,
+    warnings), so that a re-run resumes after the last finished shard. webdataset's ShardWriter, made
+    atomic and resumable:
+
+        with ShardWriter(out, "train", max_bytes=..., max_samples=None, progress=store) as writer:
+            writer.write(packed, position)   # or writer.skip({"path": ..., "reason": ...})
+            ...
+            writer.finish(end_position)
+    """
+
+    def __init__(self, out_dir: Path, split: str, *, max_bytes: int | None, max_samples: int | None,
+                 progress: ProgressStore, first_number: int = 0):
+        self.out_dir, self.split, self.max_bytes, self.max_samples = out_dir, split, max_bytes, max_samples
+        self.progress, self.number = progress, first_number
+        self.records: list[ShardRecord] = []  # the shards finished by this writer
+        self.current: ShardFile | None = None
+        self.pending = ShardRecord(ShardInfo("", "", 0, 0, ""), 0)  # what the open shard will record
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.current is not None:  # an error or interruption: the open shard is dropped, not half-written
+            self.current.abandon()
+            self.current = None
+
+    def write(self, sample: PackedSample, position: int) -> None:
+        if self.current is not None and self._full(sample.size):
+            self._close(next_position=position)
+        if self.current is None:
+            self.current = ShardFile(self.out_dir, shard_name(self.split, self.number))
+        if self.max_bytes is not None and sample.size + 2 * TAR_BLOCK > self.max_bytes:
+            self.pending.warnings.append(f"{self.current.tar_path.name}: sample {sample_key(position)} alone is "
+                                         f"{sample.size} bytes, over --max-shard-bytes {self.max_bytes}")
+        self.current.add(sample)
+        if sample.reencoded:
+            _add_counts(self.pending.reencoded, {sample.reencoded: 1})
+        _add_counts(self.pending.classes, {str(c): 1 for c in set(sample.classes)})
+
+    def skip(self, entry: dict) -> None:
+        """A source item that produced no sample; recorded with the next finished shard."""
+        self.pending.skipped.append(entry)
+
+    def finish(self, next_position: int) -> list[dict]:
+        """Close the last shard; returns the skips after it (in no record: a resumed run re-derives them)."""
+        if self.current is not None:
+            self._close(next_position)
+        return self.pending.skipped
+
+    def _full(self, next_size: int) -> bool:
+        shard = self.current
+        if self.max_samples is not None and shard.samples >= self.max_samples:
+            return True
+        # + the two zero blocks that end a tar: keep the finished file under the limit where possible
+        return self.max_bytes is not None and shard.bytes_so_far + next_size + 2 * TAR_BLOCK > self.max_bytes
+
+    def _close(self, next_position: int) -> None:
+        record = self.pending
+        record.shard, record.next_position = self.current.finish(), next_position
+        self.progress.save(self.split, self.number, record)
+        self.records.append(record)
+        self.current, self.number = None, self.number + 1
+        self.pending = ShardRecord(ShardInfo("", "", 0, 0, ""), 0)
+
+
 @dataclass
 class SplitResult:
     shards: list[ShardInfo]
     skipped: list[dict]
     reencoded: dict[str, int]
+    classes: dict[str, int]  # class index (as a string) -> samples holding that class
+    warnings: list[str]
     resumed_shards: int
 
 
@@ -297,64 +384,34 @@ def write_split(
     done = progress.finished(split, out_dir)
     start = done[-1].next_position if done else 0
     on_items(start)
-    shards = [r.shard for r in done]
-    skipped = [s for r in done for s in r.skipped]
-    reencoded: dict[str, int] = {}
-    for r in done:
-        _add_counts(reencoded, r.reencoded)
-
-    number = len(done)
-    current: ShardFile | None = None
-    pending_skips: list[dict] = []
-    pending_reencoded: dict[str, int] = {}
-
-    def close_shard(next_position: int) -> None:
-        nonlocal current, number, pending_skips, pending_reencoded
-        info = current.finish()
-        progress.save(split, number, ShardRecord(info, next_position, pending_skips, pending_reencoded))
-        shards.append(info)
-        skipped.extend(pending_skips)
-        _add_counts(reencoded, pending_reencoded)
-        current, number, pending_skips, pending_reencoded = None, number + 1, [], {}
-
-    try:
-        work = [(position, plan[position]) for position in range(start, len(plan))]
+    work = [(position, plan[position]) for position in range(start, len(plan))]
+    with ShardWriter(out_dir, split, max_bytes=max_shard_bytes, max_samples=samples_per_shard, progress=progress,
+                     first_number=len(done)) as writer:
         results = ordered_map(functools.partial(_encode_and_pack, encode), work, workers)
         for position, result in enumerate(results, start=start):
             on_items(1)
             if isinstance(result, Skip):
                 if on_error == "fail":
                     raise ConversionFailed(f"{describe(plan[position])}: {result.reason}")
-                pending_skips.append({"path": describe(plan[position]), "reason": result.reason})
-                continue
-            if current is not None and _shard_full(current, result.size, max_shard_bytes, samples_per_shard):
-                close_shard(position)
-            if current is None:
-                current = ShardFile(out_dir, shard_name(split, number))
-            current.add(result)
-            if result.reencoded:
-                _add_counts(pending_reencoded, {result.reencoded: 1})
-        if current is not None:
-            close_shard(len(plan))
-    finally:
-        if current is not None:
-            current.abandon()
-    # Skips after the last shard are not in any record: a resumed run simply re-derives them.
-    skipped.extend(pending_skips)
-    return SplitResult(shards, skipped, reencoded, len(done))
+                writer.skip({"path": describe(plan[position]), "reason": result.reason})
+            else:
+                writer.write(result, position)
+        trailing_skips = writer.finish(len(plan))
+    records = done + writer.records
+    totals = ShardRecord(ShardInfo("", "", 0, 0, ""), 0)
+    for r in records:
+        totals.skipped += r.skipped
+        _add_counts(totals.reencoded, r.reencoded)
+        _add_counts(totals.classes, r.classes)
+        totals.warnings += r.warnings
+    return SplitResult([r.shard for r in records], totals.skipped + trailing_skips, totals.reencoded,
+                       totals.classes, totals.warnings, len(done))
 
 
 def _encode_and_pack(encode: Callable, work: tuple[int, object]) -> PackedSample | Skip:
     position, item = work
     result = encode(item)
     return result if isinstance(result, Skip) else pack_sample(sample_key(position), result)
-
-
-def _shard_full(shard: ShardFile, next_size: int, max_bytes: int | None, max_samples: int | None) -> bool:
-    if max_samples is not None:
-        return shard.samples >= max_samples
-    # + two zero blocks that close a tar: keep the finished file itself under the limit where possible
-    return shard.bytes_so_far + next_size + 2 * TAR_BLOCK > max_bytes
 
 
 def _add_counts(total: dict[str, int], more: dict[str, int]) -> None:
@@ -364,7 +421,7 @@ def _add_counts(total: dict[str, int], more: dict[str, int]) -> None:
 
 def remove_outputs(out_dir: Path) -> None:
     """Delete what a conversion writes (shards, indexes, manifest, progress) and nothing else."""
-    ours = re.compile(r"^\.?[A-Za-z0-9_]+-\d{6}\.(tar|idx)(\.tmp)?$")
+    ours = re.compile(r"^\.?[A-Za-z0-9_]+-\d{6}\.(tar|idx)(\.tmp(-\d+)?)?$")
     for p in out_dir.iterdir():
         if p.is_file() and (ours.match(p.name) or p.name in ("manifest.json", "convert.json")):
             p.unlink()

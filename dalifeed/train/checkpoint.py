@@ -35,8 +35,19 @@ def restore_rng(state: dict) -> None:
 def save(path: Path, state: dict) -> None:
     """torch.save to a temp name, fsync, rename: a kill or power loss mid-write leaves the previous
     checkpoint intact."""
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        torch.save(state, f)  # through a Python file, so a full disk surfaces as OSError (DiskFull)
+
+
+def size_of(state) -> int:
+    """Bytes of the tensors in a checkpoint payload: about what it takes on disk."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(size_of(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(size_of(v) for v in state)
+    return 0
 
 
 def load(path: Path) -> dict:

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import os
-import sys
-import traceback
+from dataclasses import fields
 from pathlib import Path
 
 import click
 from click.core import ParameterSource
 
+from dalifeed.cliutil import default, run_command
 from dalifeed.pipelines.checks import ShardDataError
+from dalifeed.runtime import DiskFull, FolderInUse
 
 from . import checkpoint
 from .config import ConfigError, TrainConfig
-from .trainer import TrainingDiverged, main as train
+from .trainer import TrainingDiverged, TrainingStopped, main as train
 
 # Options that may differ from the checkpoint's config when resuming: they do not change the maths.
 RESUMABLE_OVERRIDES = {"epochs", "workers", "profile", "compile", "checkpoint_every", "check_shards"}
+
+
+def d(name: str):
+    return default(TrainConfig, name)
 
 
 def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
@@ -30,58 +35,63 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--data", help="Shard folder made by shard-convert (its train split trains, its val split evaluates).")
-@click.option("--out", help="Run folder: config.json, metrics.jsonl, last.pt, best.pt, tensorboard/.")
-@click.option("--resume", "resume_dir", type=click.Path(path_type=Path),
-              help="Continue the run in this folder from its last.pt, with its saved config.")
-@click.option("--model", default="resnet50", show_default=True, help="Any torchvision classification model name.")
-@click.option("--width", type=int, default=None,
+@click.option("--out", help="Run folder: config.json, metrics.jsonl, last.pt, best.pt, tensorboard/. If it holds a "
+                            "run made with the same options, that run continues (what a restarted job wants).")
+@click.option("--resume", default="auto", show_default=True, metavar="RUN|auto",
+              help="RUN: continue the run in this folder from its last.pt with its saved config (options given "
+                   "must agree with it, except --epochs, --workers, --profile, --compile, --checkpoint-every, "
+                   "--check-shards). auto: continue --out's run if it has one and the options are the same.")
+@click.option("--model", default=d("model"), show_default=True, help="Any torchvision classification model name.")
+@click.option("--width", type=int, default=d("width"),
               help="ResNets only: channels of the first stage (torchvision's: 64; the stages are w, 2w, 4w, 8w). "
                    "Small images need less: ResNet-18 at width 32 has a quarter of the weights.")
-@click.option("--epochs", type=int, default=90, show_default=True)
-@click.option("--batch-size", type=int, default=256, show_default=True,
+@click.option("--epochs", type=int, default=d("epochs"), show_default=True)
+@click.option("--batch-size", type=int, default=d("batch_size"), show_default=True,
               help="Per process (per GPU). Global batch = batch size x processes x accum steps.")
-@click.option("--lr", type=float, default=0.1, show_default=True,
+@click.option("--lr", type=float, default=d("lr"), show_default=True,
               help="Learning rate per 256 images of global batch (scaled linearly).")
-@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default="sgd", show_default=True,
+@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default=d("optimizer"), show_default=True,
               help="sgd: momentum 0.9, Nesterov. Pass a smaller --lr for adamw (e.g. 0.001).")
-@click.option("--momentum", type=float, default=0.9, show_default=True)
-@click.option("--no-nesterov", "nesterov", is_flag=True, flag_value=False, default=True)
-@click.option("--weight-decay", type=float, default=5e-5, show_default=True,
+@click.option("--momentum", type=float, default=d("momentum"), show_default=True)
+@click.option("--no-nesterov", "nesterov", is_flag=True, flag_value=False, default=d("nesterov"))
+@click.option("--weight-decay", type=float, default=d("weight_decay"), show_default=True,
               help="Not applied to biases and normalisation weights.")
-@click.option("--warmup-epochs", type=float, default=5.0, show_default=True,
-              help="Linear warm-up, then cosine decay to --min-lr-ratio x lr.")
-@click.option("--min-lr-ratio", type=float, default=0.0, show_default=True)
-@click.option("--label-smoothing", type=float, default=0.1, show_default=True)
-@click.option("--accum-steps", type=int, default=1, show_default=True, help="Gradient accumulation micro-steps.")
-@click.option("--clip-grad", type=float, default=None, help="Clip the gradient norm to this value.")
-@click.option("--ema", type=float, default=None, help="Keep an EMA of the weights with this decay (e.g. 0.9998).")
-@click.option("--amp", type=click.Choice(["auto", "bf16", "fp16", "off"]), default="auto", show_default=True,
-              help="auto: bf16 on a GPU that supports it, off on the CPU. fp16 adds a GradScaler.")
+@click.option("--warmup-epochs", type=float, default=d("warmup_epochs"),
+              help="Linear warm-up, then cosine decay to --min-lr-ratio x lr. Default: min(5, epochs / 10).")
+@click.option("--min-lr-ratio", type=float, default=d("min_lr_ratio"), show_default=True)
+@click.option("--label-smoothing", type=float, default=d("label_smoothing"), show_default=True)
+@click.option("--accum-steps", type=int, default=d("accum_steps"), show_default=True,
+              help="Gradient accumulation micro-steps.")
+@click.option("--clip-grad", type=float, default=d("clip_grad"), help="Clip the gradient norm to this value.")
+@click.option("--ema", type=float, default=d("ema"), help="Keep an EMA of the weights with this decay (e.g. 0.9998).")
+@click.option("--amp", type=click.Choice(["auto", "bf16", "fp16", "off"]), default=d("amp"), show_default=True,
+              help="auto: bf16 on a GPU that supports it, off on the CPU. fp16 adds a GradScaler (and is slow on "
+                   "a CPU: a warning says so).")
 @click.option("--channels-last", is_flag=True, help="NHWC model and batches (faster convolutions on tensor cores).")
 @click.option("--compile", is_flag=True, help="torch.compile the model.")
-@click.option("--image-size", type=int, default=224, show_default=True)
-@click.option("--crop-scale", default="0.08,1", show_default=True, callback=parse_crop_scale,
-              help="RandomResizedCrop area range MIN,MAX.")
-@click.option("--no-flip", "flip", is_flag=True, flag_value=False, default=True,
+@click.option("--image-size", type=int, default=d("image_size"), show_default=True)
+@click.option("--crop-scale", default=",".join(f"{v:g}" for v in d("crop_scale")), show_default=True,
+              callback=parse_crop_scale, help="RandomResizedCrop area range MIN,MAX.")
+@click.option("--no-flip", "flip", is_flag=True, flag_value=False, default=d("flip"),
               help="No random horizontal flip (digits, text: anything a mirror changes).")
-@click.option("--pretrained", type=click.Path(path_type=Path), default=None,
+@click.option("--pretrained", type=click.Path(path_type=Path), default=d("pretrained"),
               help="Local weights (state_dict or checkpoint). A head of another class count is re-initialised.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--max-bad-steps", type=int, default=5, show_default=True,
+@click.option("--seed", type=int, default=d("seed"), show_default=True)
+@click.option("--max-bad-steps", type=int, default=d("max_bad_steps"), show_default=True,
               help="Abort after this many non-finite losses or gradients in a row (each is skipped and logged).")
-@click.option("--workers", type=int, default=None, help="DALI threads per process (default: available cores).")
-@click.option("--profile", type=int, default=0, show_default=True,
+@click.option("--workers", type=int, default=d("workers"), help="DALI threads per process (default: available cores).")
+@click.option("--profile", type=int, default=d("profile"), show_default=True,
               help="Write RUN/profile_trace.json, a torch profiler trace of this many steps.")
-@click.option("--checkpoint-every", type=int, default=0, show_default=True, metavar="STEPS",
+@click.option("--checkpoint-every", type=int, default=d("checkpoint_every"), show_default=True, metavar="STEPS",
               help="Also save last.pt every STEPS optimizer steps inside an epoch, with DALI's reader state, so "
-                   "a resume continues mid-epoch (0: at epoch ends only).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True)
-@click.option("--check-shards", type=click.Choice(["size", "sha256"]), default="size", show_default=True,
+                   "a resume continues mid-epoch (0: at epoch ends, and when a signal stops the run).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default=d("device"), show_default=True)
+@click.option("--check-shards", type=click.Choice(["size", "sha256"]), default=d("check_shards"), show_default=True,
               help="Before training, compare every shard with the manifest: size (sizes and DALI indexes, "
                    "instant) or sha256 (also hashes every byte: catches bit flips, costs a full read).")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 @click.pass_context
-def main(ctx: click.Context, resume_dir: Path | None, debug: bool, **options) -> None:
+def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
     """Train a torchvision classifier on dalifeed shards with DALI feeding the GPU (or the CPU).
 
     \b
@@ -89,65 +99,75 @@ def main(ctx: click.Context, resume_dir: Path | None, debug: bool, **options) ->
     One 8-GPU node:    torchrun --nproc_per_node=8 -m dalifeed.train.cli --data SHARDS --out runs/r50
     Several nodes:     torchrun --nnodes=4 --nproc_per_node=8 --rdzv-backend=c10d \\
                          --rdzv-endpoint=HOST:29500 -m dalifeed.train.cli --data SHARDS --out runs/r50
-    Resume after a crash or kill:  dali-train --resume runs/r50   (same command under torchrun)
+    After a crash, a kill or a requeue: the same command continues the run in --out (or: --resume RUN)
 
     Every epoch: train, evaluate top-1/top-5 on the whole val split, append RUN/metrics.jsonl, save
     RUN/last.pt (and RUN/best.pt on a new best top-1). Resuming continues where the last checkpoint was
-    taken (an epoch's end, or mid-epoch with --checkpoint-every) and replays exactly what an uninterrupted
-    run would have done. See docs/training.md.
+    taken (an epoch's end, mid-epoch with --checkpoint-every, or where Ctrl-C / SIGTERM stopped it: the
+    current step finishes and a checkpoint is saved) and replays exactly what an uninterrupted run would
+    have done. One run at a time per --out. See docs/training.md.
 
-    Exit codes: 0 done; 2 usage (bad option, unusable --out or checkpoint); 1 a runtime failure (a shard
-    that does not match its manifest or a sample DALI cannot decode, named in one line with the fix;
-    training diverged). The full traceback goes to RUN/error.log (or the terminal with --debug); last.pt
-    is left as it was.
+    Exit codes: 0 done; 2 usage (bad option, unusable --out or checkpoint, --out in use); 1 a runtime
+    failure (a shard that does not match its manifest or a sample DALI cannot decode, named in one line
+    with the fix; a full disk; training diverged); 130 / 143 stopped by SIGINT / SIGTERM. Tracebacks go
+    to RUN/error.log (or the terminal with --debug); last.pt is left as it was.
     """
-    try:
-        options["crop_scale"] = tuple(options["crop_scale"])
-        if options["pretrained"] is not None:
-            options["pretrained"] = str(options["pretrained"])
-        if resume_dir is not None:
-            cfg, state = resume_config(ctx, resume_dir, options)
-        else:
-            cfg, state = new_config(options), None
+    options["crop_scale"] = tuple(options["crop_scale"])
+    if options["pretrained"] is not None:
+        options["pretrained"] = str(options["pretrained"])
+    rank0 = os.environ.get("RANK", "0") == "0"
+
+    def run():
+        cfg, state = choose_config(ctx, resume, options)
+        run_dir.append(Path(cfg.out))
         train(cfg, resume=state)
-    except ConfigError as e:
-        if debug:
-            raise
-        raise click.UsageError(str(e)) from None
-    except (ShardDataError, TrainingDiverged) as e:
-        if debug:
-            raise
-        what = "training diverged: " if isinstance(e, TrainingDiverged) else ""
-        run = options["out"] or resume_dir
-        log = write_error_log(Path(run), e) if run else None
-        click.echo(f"Error: {rank_prefix()}{what}{e}" + (f" (traceback: {log})" if log else ""), err=True)
-        sys.exit(1)
+
+    run_dir: list[Path] = []
+    run_command(run, debug=debug, usage_errors=(ConfigError, FolderInUse),
+                runtime_errors=(ShardDataError, TrainingDiverged, DiskFull), prefix=rank_prefix(),
+                log=lambda: error_log(run_dir[0]) if run_dir else None,
+                stopped=lambda e: (e.detail if isinstance(e, TrainingStopped) else
+                                   "stopped before training began; run the same command again") if rank0 else None)
 
 
 def rank_prefix() -> str:
     return f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
 
 
-def write_error_log(run: Path, error: BaseException) -> Path | None:
-    """The full traceback (with DALI's own error as the cause) in the run folder, for a bug report."""
-    if not run.is_dir():
-        return None
+def error_log(run: Path) -> Path:
+    """Where the traceback of a failure goes: RUN/error.log, one per rank under torchrun."""
     rank = os.environ.get("RANK", "0")
-    path = run / ("error.log" if int(os.environ.get("WORLD_SIZE", 1)) == 1 else f"error-rank{rank}.log")
-    try:
-        path.write_text("".join(traceback.format_exception(error)))
-    except OSError:
-        return None
-    return path
+    return run / ("error.log" if int(os.environ.get("WORLD_SIZE", 1)) == 1 else f"error-rank{rank}.log")
 
 
-def new_config(options: dict) -> TrainConfig:
+def choose_config(ctx: click.Context, resume: str, options: dict) -> tuple[TrainConfig, dict | None]:
+    """A new run, or the continuation of one: `--resume RUN` explicitly, or --out's own run (auto)."""
+    if resume != "auto":
+        return resume_config(ctx, Path(resume), options)
     if not options["data"] or not options["out"]:
         raise ConfigError("--data and --out are required (or --resume RUN)")
-    if (Path(options["out"]) / checkpoint.LAST).exists():
-        raise ConfigError(f"--out {options['out']}: holds a run already; continue it with --resume {options['out']} "
-                          f"or choose another --out")
-    return TrainConfig(**options)
+    wanted = TrainConfig(**options)
+    last = Path(options["out"]) / checkpoint.LAST
+    if not last.exists():
+        return wanted, None
+    state = checkpoint.load(last)
+    saved = TrainConfig.from_json(state["config"])
+    wanted.validate()  # fills the defaults that depend on other options, as they were filled when saved
+    differ = [f.name for f in fields(TrainConfig)
+              if f.name not in RESUMABLE_OVERRIDES | {"batch_size"} and getattr(saved, f.name) != getattr(wanted, f.name)]
+    world = int(os.environ.get("WORLD_SIZE", 1))  # a resume on another world size rebalances the per-process batch
+    if saved.batch_size * state.get("world_size", world) != wanted.batch_size * world:
+        differ.append("batch_size")
+    if differ:
+        changes = "; ".join(f"--{n.replace('_', '-')} was {getattr(saved, n)!r}, now {getattr(wanted, n)!r}"
+                            for n in differ)
+        raise ConfigError(f"--out {options['out']} holds a run made with other options ({changes}): continue it "
+                          f"as it was with --resume {options['out']}, or choose another --out")
+    for name in RESUMABLE_OVERRIDES:
+        setattr(saved, name, getattr(wanted, name))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"--out {options['out']} holds this run: continuing it from last.pt", flush=True)
+    return saved, state
 
 
 def resume_config(ctx: click.Context, run: Path, options: dict) -> tuple[TrainConfig, dict]:

@@ -23,7 +23,7 @@ class TrainConfig:
     momentum: float = 0.9
     nesterov: bool = True
     weight_decay: float = 5e-5
-    warmup_epochs: float = 5.0
+    warmup_epochs: float | None = None  # None: min(5, epochs / 10), so that a short run is never refused
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
     label_smoothing: float = 0.1
     accum_steps: int = 1
@@ -45,6 +45,9 @@ class TrainConfig:
     check_shards: str = "size"  # size | sha256: what is compared with the manifest before training
 
     def validate(self) -> None:
+        """Check every option, naming the bad value; fills in the defaults that depend on others."""
+        if self.warmup_epochs is None:
+            self.warmup_epochs = min(5.0, self.epochs / 10)
         checks = [
             (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
@@ -52,7 +55,8 @@ class TrainConfig:
             (self.optimizer in ("sgd", "adamw"), f"--optimizer must be sgd or adamw, got {self.optimizer!r}"),
             (self.amp in ("auto", "bf16", "fp16", "off"), f"--amp must be auto, bf16, fp16 or off, got {self.amp!r}"),
             (self.accum_steps >= 1, f"--accum-steps must be >= 1, got {self.accum_steps}"),
-            (0 <= self.warmup_epochs <= self.epochs, f"--warmup-epochs must be in [0, epochs], got {self.warmup_epochs}"),
+            (0 <= self.warmup_epochs <= self.epochs,
+             f"--warmup-epochs {self.warmup_epochs} must be in [0, --epochs {self.epochs}]"),
             (0 <= self.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {self.label_smoothing}"),
             (self.clip_grad is None or self.clip_grad > 0, f"--clip-grad must be > 0, got {self.clip_grad}"),
             (self.ema is None or 0 < self.ema < 1, f"--ema must be in (0, 1), got {self.ema}"),
@@ -63,6 +67,7 @@ class TrainConfig:
             (self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}"),
             (self.device in ("auto", "cpu", "gpu"), f"--device must be auto, cpu or gpu, got {self.device!r}"),
             (self.profile >= 0, f"--profile must be >= 0, got {self.profile}"),
+            (self.workers is None or self.workers >= 1, f"--workers must be >= 1 (DALI threads), got {self.workers}"),
             (self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}"),
             (self.check_shards in ("size", "sha256"), f"--check-shards must be size or sha256, got {self.check_shards!r}"),
         ]

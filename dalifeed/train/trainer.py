@@ -1,17 +1,20 @@
 """The reference training loop: dalifeed loader -> DDP model under AMP -> metrics and checkpoints.
 
-Read top to bottom: `main(cfg)` sets up, then for each epoch `train_one_epoch` and `evaluate`, then
-checkpoints. Only rank 0 prints and writes. Single process or under torchrun, CPU (gloo) or GPU (NCCL).
+Read `fit(run)` first: for each epoch, `train_one_epoch`, `evaluate`, a metrics line and a checkpoint.
+`main(cfg)` locks the run folder and builds the `Run` (`build_run`: data, model, optimiser, schedule,
+resume) that `fit` uses. Only rank 0 prints and writes. Single process or under torchrun, CPU (gloo) or
+GPU (NCCL). SIGINT and SIGTERM finish the current step, save a mid-epoch checkpoint and stop (`Stop`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -19,9 +22,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from dalifeed.pipelines import make_loader
-from dalifeed.atomic import write_atomic
+from dalifeed.atomic import write_atomic, write_json_atomic
 from dalifeed.format import ManifestError, ShardManifest
+from dalifeed.pipelines import make_loader
+from dalifeed.runtime import DiskFull, Stopped, folder_lock, free_bytes, is_disk_full, mib
 
 from . import checkpoint, models
 from .config import ConfigError, TrainConfig
@@ -30,6 +34,14 @@ from .distributed import Dist, all_reduce_min, all_reduce_sum, gather_objects, s
 
 class TrainingDiverged(Exception):
     """The loss stayed non-finite for `max_bad_steps` optimizer steps in a row."""
+
+
+class TrainingStopped(Stopped):
+    """SIGINT or SIGTERM stopped the run cleanly; `detail` says what last.pt holds and how to resume."""
+
+    def __init__(self, signum: int, detail: str):
+        super().__init__(signum)
+        self.detail = detail
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -100,11 +112,36 @@ class TrainState:
     bad_streak: int = 0
 
 
+class Stop:
+    """A stop request from SIGINT or SIGTERM, honoured between optimizer steps: the signal only records itself,
+    the ranks agree on it in the all-reduce every step already does (see `optimizer_step`), and the loop
+    saves a mid-epoch checkpoint and raises `TrainingStopped`. A second signal stops at once."""
+
+    def __init__(self) -> None:
+        self.requested = 0  # signal number seen by this process
+        self.agreed = 0  # signal number all ranks agreed on after the last optimizer step
+
+    @contextmanager
+    def listening(self):
+        def handler(signum, frame):
+            if self.requested:
+                raise Stopped(signum)  # the second one: no more waiting
+            self.requested = signum
+
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+
+
 def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: TrainConfig, dist: Dist,
                     dtype: torch.dtype | None, state: TrainState, profiler=None, stats: EpochStats | None = None,
-                    save_midway=None) -> EpochStats:
+                    save_midway=None, stop: Stop | None = None) -> EpochStats:
     """One epoch, or the rest of one: resuming mid-epoch, `stats` are those of the part already run and the
-    loader yields the rest. `save_midway(stats)` runs every `cfg.checkpoint_every` optimizer steps."""
+    loader yields the rest. `save_midway(stats)` runs every `cfg.checkpoint_every` optimizer steps, and when
+    a `stop` is agreed (then the epoch ends early, with `stop.agreed` set)."""
     model.train()
     stats = stats or EpochStats()
     steps = len(loader) // cfg.accum_steps
@@ -132,7 +169,7 @@ def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: Train
         loss_sum += torch.stack([loss.detach().float().nan_to_num(0.0), torch.ones((), device=dist.device)])
         stats.images += labels.shape[0]
         if last_micro:
-            if optimizer_step(model, ema, optimizer, scheduler, scaler, cfg, finite, state, stats, dist.is_main):
+            if optimizer_step(model, ema, optimizer, scheduler, scaler, cfg, finite, state, stats, dist.is_main, stop):
                 stats.loss += float(loss_sum[0] / loss_sum[1])
             stats.steps += 1
             bar.update(1)
@@ -145,8 +182,12 @@ def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: Train
             finite.fill_(1.0)
             if profiler is not None:
                 profiler.step()
-            if save_midway and cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0 and stats.steps < steps:
+            stopping = stop is not None and stop.agreed
+            periodic = cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0
+            if save_midway and (stopping or periodic) and stats.steps < steps:
                 save_midway(replace(stats, seconds=seconds_before + time.perf_counter() - start))
+            if stopping:
+                break
         wait_start = time.perf_counter()
     bar.close()
     if dist.device.type == "cuda":
@@ -157,15 +198,20 @@ def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: Train
 
 
 def optimizer_step(model, ema, optimizer, scheduler, scaler, cfg: TrainConfig, finite: torch.Tensor,
-                   state: TrainState, stats: EpochStats, verbose: bool) -> bool:
+                   state: TrainState, stats: EpochStats, verbose: bool, stop: Stop | None = None) -> bool:
     """Step unless some rank saw a non-finite loss or gradient in this window (all ranks agree, so weights stay
     equal); count skipped steps and abort after `max_bad_steps` in a row. Returns whether it stepped.
-    The check costs one host sync per optimizer step, the price of never applying a NaN update."""
+    The check costs one host sync per optimizer step, the price of never applying a NaN update; the same
+    all-reduce carries any rank's stop request into `stop.agreed`."""
     ok = finite.clone()
     if not scaler.is_enabled():  # fp16's GradScaler skips non-finite gradients itself and lowers its scale
         # a finite loss can still back-propagate inf/NaN gradients, and one such update poisons the weights
         ok *= torch.isfinite(grad_norm(model)).float().to(ok.device)
-    if not bool(all_reduce_min(ok).item()):
+    requested = float(stop.requested) if stop is not None else 0.0
+    agreed = all_reduce_min(torch.cat([ok, torch.tensor([-requested], device=ok.device)]))  # min of -signum: max
+    if stop is not None:
+        stop.agreed = int(-agreed[1].item())
+    if not bool(agreed[0].item()):
         optimizer.zero_grad(set_to_none=True)
         stats.bad_steps += 1
         state.bad_streak += 1
@@ -174,7 +220,7 @@ def optimizer_step(model, ema, optimizer, scheduler, scaler, cfg: TrainConfig, f
                   f"({state.bad_streak} in a row)", flush=True)
         if state.bad_streak >= cfg.max_bad_steps:
             raise TrainingDiverged(
-                f"loss or gradients were not finite for {state.bad_streak} steps in a row (epoch {state.epoch}, step {state.step}); "
+                f"training diverged: loss or gradients were not finite for {state.bad_streak} steps in a row (epoch {state.epoch}, step {state.step}); "
                 f"lower --lr, add --clip-grad, or use --amp bf16/off")
         state.step += 1
         scheduler.step()  # the schedule follows steps taken or not, so a resumed run lines up
@@ -225,7 +271,250 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 # ----------------------------------------------------------------------------------------------------
-# the run
+# the run: the loop first, then how it is built
+
+
+@dataclass
+class TrainResult:
+    metrics: dict  # the last epoch's record, as in metrics.jsonl
+    model: torch.nn.Module  # this rank's trained model, unwrapped from DDP/compile
+
+
+def main(cfg: TrainConfig, resume: dict | None = None) -> TrainResult:
+    """Train `cfg`; `resume` is a loaded checkpoint to continue from. Rank 0 holds RUN's lock throughout."""
+    cfg.validate()
+    dist = setup(cfg.device)
+    try:
+        with folder_lock(cfg.out, "dali-train") if dist.is_main else nullcontext():
+            return fit(build_run(cfg, dist, resume))
+    finally:
+        teardown()
+
+
+def fit(run: "Run") -> TrainResult:
+    """The epochs: train, evaluate, record, checkpoint; stop cleanly when a signal asks."""
+    cfg, dist, state = run.cfg, run.dist, run.state
+    record: dict = {}
+    if state.epoch >= cfg.epochs and dist.is_main:
+        print(f"{run.out}: this run has finished all {cfg.epochs} epochs; nothing to do (raise --epochs to go on)")
+    with run.profiler or nullcontext(), run.stop.listening():
+        for epoch in range(state.epoch, cfg.epochs):
+            state.epoch = epoch
+            partial = run.start_epoch(epoch)
+            stats = train_one_epoch(run.train_model, run.ema, run.train_loader, run.optimizer, run.scheduler,
+                                    run.scaler, cfg, dist, run.dtype, state, run.profiler, partial, run.save_midway,
+                                    run.stop)
+            if run.stop.agreed and stats.steps < len(run.train_loader) // cfg.accum_steps:
+                raise TrainingStopped(run.stop.agreed, run.where(f"epoch {epoch}, step {stats.steps} of "
+                                                                 f"{len(run.train_loader) // cfg.accum_steps}"))
+            record = {"epoch": epoch, "lr": run.optimizer.param_groups[0]["lr"], "train_loss": stats.loss,
+                      "images_per_s": stats.images * dist.world_size / stats.seconds, "epoch_seconds": stats.seconds,
+                      "data_wait_share": stats.data_wait / stats.seconds, "bad_steps": stats.bad_steps}
+            record.update(run.evaluate())
+            record.update(gpu_stats(dist.device))
+            state.epoch = epoch + 1
+            run.finish_epoch(record)
+            if run.stop.agreed or run.stop.requested and not dist.enabled:
+                raise TrainingStopped(run.stop.agreed or run.stop.requested, run.where(f"the end of epoch {epoch}"))
+    run.log.close()
+    return TrainResult(record, unwrap(run.model))
+
+
+@dataclass
+class Run:
+    """Everything a run holds once built; `fit` drives it. Rank 0 writes, every rank trains."""
+
+    cfg: TrainConfig
+    dist: Dist
+    manifest: ShardManifest
+    model: torch.nn.Module  # unwrapped: what checkpoints hold
+    train_model: torch.nn.Module  # what trains: DDP and/or torch.compile around `model`
+    ema: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    dtype: torch.dtype | None
+    train_loader: object
+    val_loader: object | None
+    state: TrainState
+    log: "RunLog"
+    profiler: object | None
+    midway: dict | None  # the mid-epoch checkpoint this run resumes inside, until its epoch starts
+    stop: Stop = field(default_factory=Stop)
+
+    @property
+    def out(self) -> Path:
+        return Path(self.cfg.out)
+
+    def start_epoch(self, epoch: int) -> EpochStats | None:
+        """Point the loader at `epoch`, or at the rest of it when resuming mid-epoch (then returns the
+        statistics of the part already run)."""
+        if self.midway is None:
+            self.train_loader.set_epoch(epoch)
+            return None
+        self.train_loader.load_state_dict(self.midway["loaders"][self.dist.rank])
+        partial, self.midway = EpochStats(**self.midway["stats"]), None
+        return partial
+
+    def evaluate(self) -> dict:
+        if self.val_loader is None:
+            return {}
+        k = self.manifest.num_classes
+        record = evaluate(self.train_model, self.val_loader, self.dist, self.dtype, k)
+        if self.ema is not None:
+            ema = evaluate(self.ema.module, self.val_loader, self.dist, self.dtype, k)
+            record.update({f"ema_{name}": v for name, v in ema.items() if name != "val_samples"})
+        return record
+
+    def payload(self, metrics: dict | None) -> dict:
+        """Everything a resume needs: weights, optimiser, schedule, scaler, EMA, counters, RNG states, config,
+        and the number of processes that trained (a resume on another number keeps the global batch)."""
+        return {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+            "ema": self.ema.state_dict() if self.ema is not None else None, "state": vars(self.state).copy(),
+            "rng": checkpoint.rng_state(), "config": self.cfg.to_json(), "classes": self.manifest.classes,
+            "metrics": metrics, "world_size": self.dist.world_size,
+        }
+
+    def save(self, path: Path, payload: dict) -> None:
+        try:
+            checkpoint.save(path, payload)
+        except DiskFull as e:
+            raise DiskFull(f"{e} (a checkpoint of this run takes about {mib(checkpoint.size_of(payload))}, "
+                           f"{mib(free_bytes(path.parent))} free): free space, then "
+                           f"{self.where('its previous checkpoint')}") from e
+
+    def save_midway(self, stats: EpochStats) -> None:
+        loaders = gather_objects(self.train_loader.state_dict())  # every rank's reader position
+        if self.dist.is_main:
+            payload = self.payload(metrics=None)
+            payload["midway"] = {"stats": asdict(stats), "loaders": loaders}
+            self.save(self.out / checkpoint.LAST, payload)
+
+    def finish_epoch(self, record: dict) -> None:
+        """Rank 0: metrics line first, then last.pt (and best.pt); a crash between them only replays the epoch."""
+        if not self.dist.is_main:
+            return
+        top1 = record.get("top1", -record["train_loss"])
+        is_best = top1 > self.state.best_top1
+        self.state.best_top1 = max(self.state.best_top1, top1)
+        self.log.write(record)
+        print(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()), flush=True)
+        payload = self.payload(metrics=record)
+        self.save(self.out / checkpoint.LAST, payload)
+        if is_best:
+            self.save(self.out / checkpoint.BEST, payload)
+
+    def where(self, saved: str) -> str:
+        """The command that continues this run, and what last.pt holds (`saved`)."""
+        if not (self.out / checkpoint.LAST).is_file():
+            return "run the same command again (no checkpoint was saved yet)"
+        return f"continue with: dali-train --resume {self.out} (last.pt holds {saved})"
+
+
+def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
+    """Data, model, optimiser, schedule and precision for `cfg` on this process; restored from `resume`."""
+    out = Path(cfg.out)
+    manifest = load_manifest(cfg)
+    midway = resume.get("midway") if resume is not None else None
+    if resume is not None:
+        check_resumable(cfg, dist, resume, manifest)
+    dtype = amp_dtype(cfg, dist.device)
+    if dist.is_main:
+        print(f"dali-train config: {json.dumps(cfg.to_json())}")
+        print(f"world size {dist.world_size}, device {dist.device}, {manifest.num_classes} classes, "
+              f"{manifest.num_samples('train')} train samples")
+        write_json_atomic(out / "config.json", cfg.to_json())
+        if dtype == torch.float16 and dist.device.type == "cpu":
+            print("warning: --amp fp16 on the CPU runs about 10x slower than fp32 (PyTorch has few fp16 CPU "
+                  "kernels); use --amp off, or bf16 on a CPU with AVX-512 BF16 or AMX", flush=True)
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model, replaced = build_model(cfg, manifest.num_classes)
+    if replaced and dist.is_main:
+        print(f"--pretrained: re-initialised {', '.join(replaced)} (class count differs)")
+    model = model.to(dist.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True) if cfg.ema else None
+
+    check_batch_fits(cfg, dist, manifest)
+    loader_args = dict(rank=dist.rank, world_size=dist.world_size, device="gpu" if dist.device.type == "cuda" else "cpu",
+                       image_size=cfg.image_size, channels_last=cfg.channels_last, num_threads=cfg.workers,
+                       device_id=dist.local_rank if dist.device.type == "cuda" else None, check=cfg.check_shards)
+    # DALI's checkpointing costs nothing measurable (docs; 575-625 images/s either way here) and lets any
+    # step become a mid-epoch checkpoint: when --checkpoint-every says, and when a signal stops the run
+    train_loader = make_loader(cfg.data, "train", cfg.batch_size, seed=cfg.seed, crop_scale=cfg.crop_scale,
+                               flip=cfg.flip, checkpointing=True, **loader_args)
+    val_loader = make_loader(cfg.data, "val", cfg.batch_size, seed=cfg.seed, train=False, **loader_args) \
+        if "val" in manifest.splits and manifest.num_samples("val") else None
+
+    global_batch = cfg.batch_size * dist.world_size * cfg.accum_steps
+    lr = cfg.lr * global_batch / 256
+    optimizer = build_optimizer(cfg, model, lr)
+    steps_per_epoch = len(train_loader) // cfg.accum_steps
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{len(train_loader)} batches per epoch is fewer than --accum-steps {cfg.accum_steps}")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(
+        cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch), cfg.min_lr_ratio))
+    scaler = torch.amp.GradScaler(dist.device.type, enabled=dtype == torch.float16)
+
+    state = TrainState()
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        scheduler.load_state_dict(resume["scheduler"])
+        scaler.load_state_dict(resume["scaler"])
+        if ema is not None:
+            ema.load_state_dict(resume["ema"])
+        state = TrainState(**resume["state"])
+        checkpoint.restore_rng(resume["rng"])
+    train_model = DDP(model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None) \
+        if dist.enabled else model
+    if cfg.compile:
+        train_model = torch.compile(train_model)
+
+    log = RunLog(out, dist.is_main, state.epoch if resume is not None else None)
+    if dist.is_main:
+        where = f", batch {midway['loaders'][0]['batches_done']} of {len(train_loader)}" if midway else ""
+        print(f"global batch {global_batch} (lr {lr:.4g}), {steps_per_epoch} steps/epoch, "
+              f"amp {dtype or 'off'}, starting at epoch {state.epoch}{where}")
+    return Run(cfg, dist, manifest, model, train_model, ema, optimizer, scheduler, scaler, dtype, train_loader,
+               val_loader, state, log, make_profiler(cfg, out, dist), midway)
+
+
+def check_resumable(cfg: TrainConfig, dist: Dist, resume: dict, manifest: ShardManifest) -> None:
+    """Refuse a checkpoint of other classes, or saved mid-epoch by another number of processes; on another
+    number of processes after an epoch's end, keep the run's global batch (and so its learning rate and
+    schedule) by changing the per-process batch, or refuse when it does not divide."""
+    if resume["classes"] != manifest.classes:
+        raise ConfigError(f"{cfg.out}: checkpoint was trained on other classes than {cfg.data} holds")
+    saved_world = resume.get("world_size", dist.world_size)
+    midway = resume.get("midway")
+    if midway is not None and len(midway["loaders"]) != dist.world_size:
+        raise ConfigError(f"{cfg.out}: last.pt was saved mid-epoch by {len(midway['loaders'])} processes; "
+                          f"resume it with as many (not {dist.world_size})")
+    if saved_world == dist.world_size:
+        return
+    global_batch = cfg.batch_size * saved_world
+    if global_batch % dist.world_size:
+        raise ConfigError(f"{cfg.out}: trained on {saved_world} processes with global batch {global_batch} "
+                          f"({cfg.batch_size} each x {cfg.accum_steps} steps); {dist.world_size} processes cannot "
+                          f"share it evenly: resume on a number of processes that divides {global_batch}")
+    old = cfg.batch_size
+    cfg.batch_size = global_batch // dist.world_size
+    if dist.is_main:
+        print(f"resuming on {dist.world_size} processes (trained on {saved_world}): --batch-size {old} -> "
+              f"{cfg.batch_size} per process keeps the global batch {global_batch * cfg.accum_steps}, the "
+              f"learning rate and the schedule; the order of samples differs from an uninterrupted run", flush=True)
+
+
+def check_batch_fits(cfg: TrainConfig, dist: Dist, manifest: ShardManifest) -> None:
+    per_rank = manifest.num_samples("train") // dist.world_size
+    if per_rank < cfg.batch_size * cfg.accum_steps:
+        raise ConfigError(f"--batch-size {cfg.batch_size} (x --accum-steps {cfg.accum_steps}) is more than the "
+                          f"{per_rank} training samples each of {dist.world_size} process(es) gets "
+                          f"({manifest.num_samples('train')} in {cfg.data}); lower it")
 
 
 class RunLog:
@@ -253,8 +542,13 @@ class RunLog:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.metrics, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.metrics, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            if is_disk_full(e):
+                raise DiskFull(f"{self.metrics}: {e.strerror}; free space, then dali-train --resume {self.out}") from e
+            raise
         if self.tb:
             for key, value in record.items():
                 if isinstance(value, (int, float)) and key != "epoch":
@@ -303,150 +597,3 @@ def load_manifest(cfg: TrainConfig) -> ShardManifest:
     if "train" not in manifest.splits:
         raise ConfigError(f"--data {cfg.data}: has no 'train' split")
     return manifest
-
-
-@dataclass
-class TrainResult:
-    metrics: dict  # the last epoch's record, as in metrics.jsonl
-    model: torch.nn.Module  # this rank's trained model, unwrapped from DDP/compile
-
-
-def main(cfg: TrainConfig, resume: dict | None = None) -> TrainResult:
-    """Train `cfg`; `resume` is a loaded checkpoint to continue from."""
-    cfg.validate()
-    dist = setup(cfg.device)
-    try:
-        return _run(cfg, dist, resume)
-    finally:
-        teardown()
-
-
-def _run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> TrainResult:
-    out = Path(cfg.out)
-    manifest = load_manifest(cfg)
-    if resume is not None and resume["classes"] != manifest.classes:
-        raise ConfigError(f"{out}: checkpoint was trained on other classes than {cfg.data} holds")
-    if dist.is_main:
-        print(f"dali-train config: {json.dumps(cfg.to_json())}")
-        print(f"world size {dist.world_size}, device {dist.device}, {manifest.num_classes} classes, "
-              f"{manifest.num_samples('train')} train samples")
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
-
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model, replaced = build_model(cfg, manifest.num_classes)
-    if replaced and dist.is_main:
-        print(f"--pretrained: re-initialised {', '.join(replaced)} (class count differs)")
-    model = model.to(dist.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
-    ema = torch.optim.swa_utils.AveragedModel(
-        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True) if cfg.ema else None
-
-    midway = resume.get("midway") if resume is not None else None
-    if midway is not None and len(midway["loaders"]) != dist.world_size:
-        raise ConfigError(f"{out}: last.pt was saved mid-epoch by {len(midway['loaders'])} processes; "
-                          f"resume it with as many (not {dist.world_size})")
-    loader_args = dict(rank=dist.rank, world_size=dist.world_size, device="gpu" if dist.device.type == "cuda" else "cpu",
-                       image_size=cfg.image_size, channels_last=cfg.channels_last, num_threads=cfg.workers,
-                       device_id=dist.local_rank if dist.device.type == "cuda" else None, check=cfg.check_shards)
-    train_loader = make_loader(cfg.data, "train", cfg.batch_size, seed=cfg.seed, crop_scale=cfg.crop_scale,
-                               flip=cfg.flip, checkpointing=cfg.checkpoint_every > 0 or midway is not None,
-                               **loader_args)
-    val_loader = make_loader(cfg.data, "val", cfg.batch_size, seed=cfg.seed, train=False, **loader_args) \
-        if "val" in manifest.splits and manifest.num_samples("val") else None
-
-    global_batch = cfg.batch_size * dist.world_size * cfg.accum_steps
-    lr = cfg.lr * global_batch / 256
-    optimizer = build_optimizer(cfg, model, lr)
-    steps_per_epoch = len(train_loader) // cfg.accum_steps
-    if steps_per_epoch == 0:
-        raise ConfigError(f"{len(train_loader)} batches per epoch is fewer than --accum-steps {cfg.accum_steps}")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(
-        cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch), cfg.min_lr_ratio))
-    dtype = amp_dtype(cfg, dist.device)
-    scaler = torch.amp.GradScaler(dist.device.type, enabled=dtype == torch.float16)
-
-    state = TrainState()
-    if resume is not None:
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        scheduler.load_state_dict(resume["scheduler"])
-        scaler.load_state_dict(resume["scaler"])
-        if ema is not None:
-            ema.load_state_dict(resume["ema"])
-        state = TrainState(**resume["state"])
-        checkpoint.restore_rng(resume["rng"])
-    train_model = DDP(model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None) \
-        if dist.enabled else model
-    if cfg.compile:
-        train_model = torch.compile(train_model)
-
-    log = RunLog(out, dist.is_main, state.epoch if resume is not None else None)
-    if dist.is_main:
-        where = f", batch {midway['loaders'][0]['batches_done']} of {len(train_loader)}" if midway else ""
-        print(f"global batch {global_batch} (lr {lr:.4g}), {steps_per_epoch} steps/epoch, "
-              f"amp {dtype or 'off'}, starting at epoch {state.epoch}{where}")
-    profiler = make_profiler(cfg, out, dist)
-    modules = dict(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, ema=ema)
-
-    def save_midway(stats: EpochStats) -> None:
-        loaders = gather_objects(train_loader.state_dict())  # every rank's reader position
-        if dist.is_main:
-            ckpt = checkpoint_payload(cfg, manifest, state, modules, metrics=None)
-            ckpt["midway"] = {"stats": asdict(stats), "loaders": loaders}
-            checkpoint.save(out / checkpoint.LAST, ckpt)
-
-    record: dict = {}
-    with profiler or nullcontext():
-        for epoch in range(state.epoch, cfg.epochs):
-            state.epoch = epoch
-            partial = None
-            if midway is not None:  # the rest of the epoch a mid-epoch checkpoint was taken in
-                train_loader.load_state_dict(midway["loaders"][dist.rank])
-                partial, midway = EpochStats(**midway["stats"]), None
-            else:
-                train_loader.set_epoch(epoch)
-            stats = train_one_epoch(train_model, ema, train_loader, optimizer, scheduler, scaler, cfg, dist, dtype,
-                                    state, profiler, partial, save_midway)
-            record = {"epoch": epoch, "lr": optimizer.param_groups[0]["lr"], "train_loss": stats.loss,
-                      "images_per_s": stats.images * dist.world_size / stats.seconds, "epoch_seconds": stats.seconds,
-                      "data_wait_share": stats.data_wait / stats.seconds, "bad_steps": stats.bad_steps}
-            if val_loader is not None:
-                record.update(evaluate(train_model, val_loader, dist, dtype, manifest.num_classes))
-                if ema is not None:
-                    record.update({f"ema_{k}": v for k, v in
-                                   evaluate(ema.module, val_loader, dist, dtype, manifest.num_classes).items()
-                                   if k != "val_samples"})
-            record.update(gpu_stats(dist.device))
-            state.epoch = epoch + 1
-            finish_epoch(record, state, log, out, dist, cfg, manifest, modules)
-    log.close()
-    return TrainResult(record, unwrap(model))
-
-
-def checkpoint_payload(cfg: TrainConfig, manifest: ShardManifest, state: TrainState, modules: dict,
-                       metrics: dict | None) -> dict:
-    """Everything a resume needs: weights, optimiser, schedule, scaler, EMA, counters, RNG states, config."""
-    ema = modules["ema"]
-    return {
-        "model": unwrap(modules["model"]).state_dict(), "optimizer": modules["optimizer"].state_dict(),
-        "scheduler": modules["scheduler"].state_dict(), "scaler": modules["scaler"].state_dict(),
-        "ema": ema.state_dict() if ema is not None else None, "state": vars(state).copy(),
-        "rng": checkpoint.rng_state(), "config": cfg.to_json(), "classes": manifest.classes, "metrics": metrics,
-    }
-
-
-def finish_epoch(record, state: TrainState, log: RunLog, out: Path, dist: Dist, cfg: TrainConfig,
-                 manifest: ShardManifest, modules: dict) -> None:
-    """Rank 0: metrics line first, then last.pt (and best.pt); a crash between them only replays the epoch."""
-    if not dist.is_main:
-        return
-    top1 = record.get("top1", -record["train_loss"])
-    is_best = top1 > state.best_top1
-    state.best_top1 = max(state.best_top1, top1)
-    log.write(record)
-    summary = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
-    print(summary, flush=True)
-    ckpt = checkpoint_payload(cfg, manifest, state, modules, metrics=record)
-    checkpoint.save(out / checkpoint.LAST, ckpt)
-    if is_best:
-        checkpoint.save(out / checkpoint.BEST, ckpt)

@@ -1,0 +1,109 @@
+"""What the three command lines share: defaults read from their config dataclass, byte sizes, and one-line
+errors with the exit codes every dalifeed command uses.
+
+Exit codes: 0 success; 1 a runtime failure (bad data, a full disk, a diverged run), one line on stderr; 2
+a usage error (bad option, unusable folder, a folder another run holds), one line; 130 / 143 stopped by
+SIGINT / SIGTERM, with where it stopped and how to resume. Tracebacks go to a log file (or the terminal
+with --debug), never to the terminal by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable, TypeVar
+
+import click
+
+from .runtime import Stopped, stop_on_signals
+
+T = TypeVar("T")
+
+_SIZE = re.compile(r"\s*(?P<number>\d+(?:\.\d+)?|\.\d+)\s*(?P<unit>[A-Za-z]*)\s*")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def default(config_class, name: str):
+    """The default of a config dataclass's field, so that a click option states it once, in the dataclass."""
+    field = next(f for f in dataclasses.fields(config_class) if f.name == name)
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def parse_size(text: str) -> int:
+    """'512MB' -> 512 * 10**6, '1GiB' -> 2**30, '4096' -> 4096: SI and IEC units as their names say. 'K',
+    'M', 'G' alone, and a lower-case 'b' (bits), are refused rather than guessed."""
+    match = _SIZE.fullmatch(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (e.g. 4096, 512MB, 256MiB, 1GiB)")
+    number, unit = float(match["number"]), match["unit"]
+    if unit and unit[-1] == "b":
+        raise ValueError(f"{text!r}: 'b' is a bit; write {unit[:-1]}B (SI, powers of 1000) or {unit[:-1]}iB "
+                         f"(IEC, powers of 1024)")
+    if unit.upper() in ("K", "M", "G", "T"):
+        raise ValueError(f"{text!r}: write {unit.upper()}B (powers of 1000) or {unit.upper()}iB (powers of 1024)")
+    if unit.upper() not in _UNITS:
+        raise ValueError(f"{text!r}: unknown unit {unit!r} (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    return int(number * _UNITS[unit.upper()])
+
+
+def size_option(ctx, param, value):
+    """A click callback parsing a byte size with `parse_size`."""
+    if value is None or isinstance(value, int):
+        return value
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def write_traceback(log: Path | None, error: BaseException) -> Path | None:
+    """The full traceback (with any chained cause, e.g. DALI's own error) in `log`, for a bug report."""
+    if log is None or not log.parent.is_dir():
+        return None
+    try:
+        log.write_text("".join(traceback.format_exception(error)))
+    except OSError:
+        return None
+    return log
+
+
+def run_command(body: Callable[[], T], *, debug: bool, usage_errors: tuple = (), runtime_errors: tuple = (),
+                log: Callable[[], Path | None] = lambda: None, stopped: Callable[[Stopped], str | None] = str,
+                prefix: str = "") -> T:
+    """Run a command's body under SIGINT/SIGTERM handling, turning exceptions into one line and an exit code
+    (see the module docstring). `log()` names the file a traceback goes to; `stopped(e)` says where the
+    command stopped and how to resume (None: say nothing, e.g. on ranks other than 0)."""
+    with stop_on_signals():
+        try:
+            return body()
+        except Stopped as e:
+            message = stopped(e)
+            if message:
+                click.echo(f"\n{prefix}stopped by {e.name}: {message}", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException:
+            raise
+        except usage_errors as e:
+            if debug:
+                raise
+            raise click.UsageError(f"{prefix}{e}") from None
+        except runtime_errors as e:
+            if debug:
+                raise
+            where = write_traceback(log(), e)
+            click.echo(f"Error: {prefix}{e}" + (f" (traceback: {where})" if where else ""), err=True)
+            sys.exit(1)
+        except Exception as e:  # a bug: still one line, with the traceback kept for the report
+            if debug:
+                raise
+            where = write_traceback(log(), e)
+            click.echo(f"Error: {prefix}unexpected {type(e).__name__}: {e} "
+                       f"({f'traceback: {where}; ' if where else ''}rerun with --debug to see it; please report it)",
+                       err=True)
+            sys.exit(1)

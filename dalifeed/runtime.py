@@ -1,0 +1,133 @@
+"""What every long-running command needs from the operating system: one run per output folder, signals that
+stop work cleanly, child processes that die with their parent, and disk-full errors that say where.
+
+- `folder_lock(folder, command)`: an exclusive `flock` on `<folder>/.dalifeed.lock` for the whole run. The
+  kernel releases it when the process ends, however it ends, so a killed run never leaves a stale lock;
+  a second run is refused in one line naming the holder's pid.
+- `stop_on_signals()`: SIGINT and SIGTERM (what Ctrl-C, `kill PID`, Slurm and Kubernetes send) raise
+  `Stopped` in the main thread instead of killing the process mid-write; the command reports where it
+  stopped and exits 130 or 143.
+- `die_with_parent()`: called in a worker process, it makes the kernel SIGKILL the worker when its parent
+  dies (Linux's PR_SET_PDEATHSIG; a watchdog thread elsewhere), so a SIGKILLed or OOM-killed main process
+  does not leave workers blocked forever on a pipe nobody reads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import signal
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+LOCK_NAME = ".dalifeed.lock"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: a file-size limit (ulimit -f, RLIMIT_FSIZE)
+
+
+class FolderInUse(Exception):
+    """Another dalifeed process holds the folder's lock."""
+
+
+class Stopped(BaseException):
+    """SIGINT or SIGTERM arrived; `exit_code` is 130 or 143 (128 + the signal number)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+class DiskFull(Exception):
+    """A write failed for lack of space (or a file-size limit); the message names the file."""
+
+
+@contextmanager
+def folder_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
+    """Hold `<folder>/.dalifeed.lock` exclusively for the duration; raise FolderInUse if another process
+    holds it. The folder is created if needed."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise FolderInUse(f"{folder}: in use by {holder}; wait for it to finish or choose another folder") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} ({command}, since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode())
+    try:
+        yield path
+    finally:
+        os.close(fd)  # releases the lock; the file stays (removing it would race with a waiting run)
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM raise `Stopped` in the main thread (once: a second signal of
+    either kind while stopping gets the default behaviour, so a stuck stop can still be forced)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child process: be killed when `parent_pid` exits. Call first thing in a worker."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
+                if os.getppid() != parent_pid:  # the parent died before prctl took effect
+                    os._exit(1)
+                return
+        except (OSError, AttributeError):
+            pass
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in DISK_FULL
+
+
+def free_bytes(folder: str | os.PathLike) -> int | None:
+    try:
+        return os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize
+    except OSError:
+        return None
+
+
+def mib(n: int | float | None) -> str:
+    return "?" if n is None else f"{n / 2**20:,.1f} MiB"

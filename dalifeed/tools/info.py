@@ -1,0 +1,55 @@
+"""`shard-convert info`: what a shard folder holds, read from its manifest alone (no tar is opened)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ..format import ShardManifest
+
+
+def folder_info(manifest: ShardManifest) -> dict:
+    """A JSON-ready summary of `manifest`: per split, samples, shards, bytes, per-class counts and whether
+    the index files are there; re-encoded and skipped counts by reason; warnings; source and options."""
+    splits = {}
+    for name, split in manifest.splits.items():
+        counts = split.class_counts
+        missing = [s.index for s in split.shards if not (manifest.root / s.index).is_file()]
+        splits[name] = {
+            "samples": split.samples, "shards": len(split.shards), "bytes": split.bytes,
+            "class_counts": dict(zip(manifest.classes, counts)) if counts is not None else None,
+            "indexes_missing": missing,
+        }
+    skipped = Counter(entry["reason"].split(":")[0] for entry in manifest.skipped)
+    return {
+        "folder": str(manifest.root), "kind": manifest.kind, "source": manifest.source, "options": manifest.options,
+        "found": manifest.found, "classes": len(manifest.classes), "splits": splits,
+        "reencoded": manifest.reencoded.get("by_reason", {}), "skipped": dict(sorted(skipped.items())),
+        "warnings": manifest.warnings,
+    }
+
+
+def describe_folder(info: dict) -> str:
+    options = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in info["options"].items() if v is not None)
+    lines = [f"{info['folder']}: {info['kind']} shards of {info['source']}", f"  made with: {options}"]
+    for name, split in info["splits"].items():
+        indexes = "all present" if not split["indexes_missing"] else \
+            f"{len(split['indexes_missing'])} MISSING (e.g. {split['indexes_missing'][0]})"
+        lines.append(f"  {name}: {split['samples']} samples in {split['shards']} shards, "
+                     f"{split['bytes'] / 2**20:,.1f} MiB; DALI indexes {indexes}")
+        counts = split["class_counts"]
+        if counts:
+            total = sum(counts.values()) or 1
+            low, high = min(counts.values()), max(counts.values())
+            shown = ", ".join(f"{cls} {n} ({n / total:.1%})" for cls, n in list(counts.items())[:12])
+            more = f", ... ({len(counts) - 12} more)" if len(counts) > 12 else ""
+            lines.append(f"    classes: {shown}{more}; per class {low}..{high}")
+        elif counts is None:
+            lines.append("    classes: counts not recorded (made by an older dalifeed)")
+    converted = sum(s["samples"] for s in info["splits"].values())
+    lines.append(f"  files found {info['found']}: {converted} converted, {sum(info['skipped'].values())} skipped")
+    for title, counts in (("re-encoded", info["reencoded"]), ("skipped", info["skipped"])):
+        if counts:
+            lines.append(f"  {title}: " + ", ".join(f"{reason} {n}" for reason, n in counts.items()))
+    for warning in info["warnings"]:
+        lines.append(f"  warning: {warning}")
+    return "\n".join(lines)
