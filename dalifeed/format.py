@@ -128,12 +128,18 @@ class ShardManifest:
             doc = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ManifestError(f"{path}: unreadable manifest ({e})") from None
-        if doc.get("format") != FORMAT_NAME:
+        return cls.from_json(root, doc)
+
+    @classmethod
+    def from_json(cls, root: str | os.PathLike, doc: dict) -> "ShardManifest":
+        root = Path(root)
+        path = root / MANIFEST_NAME
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise ManifestError(f"{path}: not a {FORMAT_NAME} manifest (format={doc.get('format')!r})")
         if doc.get("version") != FORMAT_VERSION:
             raise ManifestError(f"{path}: manifest version {doc.get('version')!r}, this dalifeed reads {FORMAT_VERSION}")
         known = {"format", "version", "kind", "source", "options", "classes", "splits", "reencoded", "skipped", "found",
-                 "warnings"}
+                 "warnings", "job", "summary"}
         try:
             splits = {
                 name: SplitInfo([ShardInfo(**s) for s in info["shards"]], info.get("class_counts"), info.get("listing"))

@@ -55,12 +55,12 @@ class DiskFull(Exception):
 
 
 @contextmanager
-def folder_lock(folder: str | os.PathLike, command: str) -> Iterator[Path]:
-    """Hold `<folder>/.dalifeed.lock` exclusively for the duration; raise FolderInUse if another process
-    holds it. The folder is created if needed."""
+def folder_lock(folder: str | os.PathLike, command: str, name: str = LOCK_NAME) -> Iterator[Path]:
+    """Hold `<folder>/<name>` (default `.dalifeed.lock`) exclusively for the duration; raise FolderInUse if
+    another process holds it. The folder is created if needed."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / LOCK_NAME
+    path = folder / name
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from ..cliutil import default, run_command, size_option
 from ..format import ManifestError, ShardManifest
 from ..runtime import DiskFull, FolderInUse
+from .convert import MergeError, merge
 from .imagefolder import ConvertConfig, UsageError, convert_imagefolder
 from .info import describe_folder, folder_info
 from .shards import ConversionFailed, WorkerCrashed
@@ -42,6 +43,19 @@ def main() -> None:
 
 def d(name: str):
     return default(ConvertConfig, name)
+
+
+def jobs_options(command):
+    """--num-jobs / --job-index, shared by the converters."""
+    command = click.option(
+        "--job-index", type=int, default=d("job_index"), show_default=True, envvar="DALIFEED_JOB_INDEX",
+        help="Which part this run converts, 0..N-1 (also $DALIFEED_JOB_INDEX; e.g. $SLURM_ARRAY_TASK_ID or "
+             "$JOB_COMPLETION_INDEX).")(command)
+    return click.option(
+        "--num-jobs", type=int, default=d("num_jobs"), show_default=True,
+        help="Split the conversion into N independent jobs (a Slurm array, a Kubernetes indexed Job): each "
+             "converts its part of the same plan and writes a job record; the last one to finish (or "
+             "`shard-convert merge OUT`) writes manifest.json. See docs/scaling.md.")(command)
 
 
 @main.command("imagefolder", context_settings=CONTEXT)
@@ -74,6 +88,7 @@ def d(name: str):
               help="skip: list undecodable or non-image files in the manifest's 'skipped' with the reason; "
                    "fail: stop at the first one (exit 1).")
 @click.option("--overwrite", is_flag=True, help="Replace an OUT that was made from other input or options.")
+@jobs_options
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def imagefolder_cmd(src, out, quiet, debug, **options):
@@ -99,6 +114,14 @@ def describe_result(manifest: ShardManifest) -> str:
     s = manifest.summary
     if s.status == "done":
         return f"{manifest.root}: already converted with these options; nothing to do ({s.samples} samples)."
+    if s.status == "merged":
+        return (f"This job wrote its part in {s.seconds:.1f} s and, the last of the jobs to finish, merged them: "
+                f"{s.samples} samples in {s.shards} shards, {s.skipped} skipped; manifest: "
+                f"{manifest.root / 'manifest.json'}.")
+    if s.status == "job":
+        return (f"This job wrote {s.samples} samples into {s.shards} shards ({s.bytes / 2**20:.1f} MiB), skipped "
+                f"{s.skipped}, in {s.seconds:.1f} s; the other jobs have not all finished: the last one writes "
+                f"{manifest.root / 'manifest.json'} (or run: shard-convert merge {manifest.root}).")
     splits = ", ".join(f"{name} {info.samples} in {len(info.shards)} shards" for name, info in manifest.splits.items())
     reasons = {}
     for entry in manifest.skipped:
@@ -111,6 +134,19 @@ def describe_result(manifest: ShardManifest) -> str:
             f"{s.bytes / 2**20:.1f} MiB, {len(manifest.classes)} classes, {s.reencoded} re-encoded, "
             f"skipped {s.skipped} ({skipped}), in {s.seconds:.1f} s = {s.images_per_s:.0f} images/s{resumed}. "
             f"Manifest: {manifest.root / 'manifest.json'}; run log: {manifest.root / 'convert.json'}.{warnings}")
+
+
+@main.command("merge", context_settings=CONTEXT)
+@click.argument("out", type=click.Path(path_type=Path))
+def merge_cmd(out: Path):
+    """Write OUT/manifest.json from the records of the --num-jobs jobs that converted into OUT, after checking
+    that every job finished and all ran the same command (but --job-index). The last job to finish does
+    this by itself; run it to be sure, or after re-running a failed job. Safe to run again."""
+    manifest = run_command(lambda: merge(out), debug=False, usage_errors=(MergeError,),
+                           stopped=lambda e: "nothing was written")
+    splits = ", ".join(f"{name} {info.samples} in {len(info.shards)} shards" for name, info in manifest.splits.items())
+    click.echo(f"{out}: merged {manifest.extra['fingerprint']['num_jobs']} jobs into {out / 'manifest.json'} "
+               f"({splits}; {len(manifest.skipped)} skipped).")
 
 
 @main.command("verify", context_settings=CONTEXT)

@@ -1,4 +1,9 @@
-"""ImageFolder tree -> WebDataset shards (see docs/format.md for what is written)."""
+"""ImageFolder tree -> WebDataset shards (see docs/format.md for what is written).
+
+This module knows ImageFolder trees: classes, splits, which files belong to which class, what a sample
+holds. Everything else (workers, shards, resume, locks, the manifest, jobs) is the shared core in
+`convert.py`.
+"""
 
 from __future__ import annotations
 
@@ -9,67 +14,31 @@ import os
 import posixpath
 import random
 import struct
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
+from ..format import ShardManifest, listing_digest
+from .convert import DEFAULT_MAX_SHARD_BYTES, ConvertSummary, Plan, ShardOptions, UsageError, convert
+from .images import ImageError, to_jpeg
+from .shards import Sample, Skip, SourceFile
 
-from ..atomic import write_json_atomic
-from ..format import MANIFEST_NAME, ShardManifest, SplitInfo, listing_digest
-from ..runtime import LOCK_NAME, DiskFull, folder_lock, free_bytes, mib
-from .images import DEFAULT_MAX_PIXELS, ImageError, to_jpeg
-from .shards import PROGRESS_DIR, ProgressStore, Sample, Skip, SourceFile, remove_outputs, write_split
-
-DEFAULT_MAX_SHARD_BYTES = 256 * 2**20
+__all__ = ["ConvertConfig", "ConvertSummary", "DEFAULT_MAX_SHARD_BYTES", "UsageError", "convert_imagefolder"]
 
 
-class UsageError(Exception):
-    """Bad input or options: the CLI prints the message in one line and exits 2."""
-
-
-@dataclass
-class ConvertConfig:
+@dataclass(kw_only=True)
+class ConvertConfig(ShardOptions):
     src: Path
-    out: Path
     val_fraction: float = 0.0
-    seed: int = 0
-    max_shard_bytes: int | None = None  # None: 256 MiB, unless samples_per_shard alone is given
-    samples_per_shard: int | None = None
-    jpeg_quality: int = 95
-    max_side: int | None = None
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
-    on_error: str = "skip"
-    overwrite: bool = False
-    progress: bool = True
 
     def __post_init__(self) -> None:
-        self.src, self.out = Path(self.src), Path(self.out)
-        # One limit given: that one. Both: a shard ends at whichever it reaches first. Neither: 256 MiB.
-        if self.max_shard_bytes is None and self.samples_per_shard is None:
-            self.max_shard_bytes = DEFAULT_MAX_SHARD_BYTES
+        super().__post_init__()
+        self.src = Path(self.src)
 
     def validate(self) -> None:
         """Check every option up front, naming the bad value."""
+        self.validate_shard_options()
         if not 0.0 <= self.val_fraction < 1.0:
             raise UsageError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
-        if self.samples_per_shard is not None and self.samples_per_shard < 1:
-            raise UsageError(f"--samples-per-shard must be >= 1, got {self.samples_per_shard}")
-        if self.max_shard_bytes is not None and self.max_shard_bytes < 4096:
-            raise UsageError(f"--max-shard-bytes must be >= 4096, got {self.max_shard_bytes}")
-        if not 1 <= self.jpeg_quality <= 100:
-            raise UsageError(f"--jpeg-quality must be in 1..100, got {self.jpeg_quality}")
-        if self.max_side is not None and self.max_side < 8:
-            raise UsageError(f"--max-side must be >= 8, got {self.max_side}")
-        if self.max_pixels < 1:
-            raise UsageError(f"--max-pixels must be >= 1, got {self.max_pixels}")
-        if self.workers < 1:
-            raise UsageError(f"--workers must be >= 1, got {self.workers}")
-        if self.on_error not in ("skip", "fail"):
-            raise UsageError(f"--on-error must be 'skip' or 'fail', got {self.on_error!r}")
-        if self.out.exists() and not self.out.is_dir():
-            raise UsageError(f"{self.out}: output exists and is not a folder")
         if not self.src.exists():
             raise UsageError(f"{self.src}: source folder does not exist")
         if not self.src.is_dir():
@@ -78,13 +47,8 @@ class ConvertConfig:
             raise UsageError(f"{self.out}: output folder must not be inside the source folder {self.src}")
 
     def output_options(self) -> dict:
-        """The options that decide the output bytes (workers and progress do not)."""
-        return {"seed": self.seed, "val_fraction": self.val_fraction, "jpeg_quality": self.jpeg_quality,
-                "max_side": self.max_side, "max_pixels": self.max_pixels, "samples_per_shard": self.samples_per_shard,
-                "max_shard_bytes": self.max_shard_bytes}
-
-    def to_json(self) -> dict:
-        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+        """The options that decide the output bytes (workers, progress and the job index do not)."""
+        return {"val_fraction": self.val_fraction, **self.shard_options()}
 
 
 @dataclass(frozen=True)
@@ -97,7 +61,9 @@ class Item:
 
 
 @dataclass
-class Plan:
+class Layout:
+    """What the tree holds: classes, the files of each split (in write order), the strays."""
+
     classes: list[str]
     splits: dict[str, list[Item]]
     stray: list[Item]  # files found where no class folder is: accounted for as skipped
@@ -107,11 +73,12 @@ class Plan:
     def found(self) -> int:
         return sum(len(v) for v in self.splits.values()) + len(self.stray)
 
-    def survey(self, cfg: ConvertConfig) -> tuple[dict, dict]:
+    def survey(self, cfg: ConvertConfig) -> tuple[dict, dict, int]:
         """Stat every source file once: the fingerprint that decides whether OUT can be resumed (options and
-        every file's path, label, size and mtime), and the listings that let a reader check it holds the
-        same files as an ImageFolder tree (dali-bench does), per split and, for a single tree, in all."""
-        fingerprint, entries = hashlib.sha256(), {}
+        every file's path, label, size and mtime), the listings that let a reader check it holds the same
+        files as an ImageFolder tree (dali-bench does), per split and, for a single tree, in all; and the
+        total bytes."""
+        fingerprint, entries, total = hashlib.sha256(), {}, 0
         for split, items in sorted(self.splits.items()):
             root = self.split_roots[split]
             entries[split] = []
@@ -119,11 +86,12 @@ class Plan:
                 st = (cfg.src / item.relpath).stat()
                 fingerprint.update(f"{split}\0{item.relpath}\0{item.label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
                 entries[split].append((posixpath.relpath(item.relpath, root) if root else item.relpath, st.st_size))
+                total += st.st_size
         listings = {split: listing_digest(e) for split, e in entries.items()}
         if set(self.split_roots.values()) == {""} and len(self.splits) > 1:  # splits carved out of one tree
             listings["source"] = listing_digest([e for split_entries in entries.values() for e in split_entries])
         return ({"kind": "imagefolder", "source": str(cfg.src.resolve()), "options": cfg.output_options(),
-                 "listing_sha256": fingerprint.hexdigest()}, listings)
+                 "listing_sha256": fingerprint.hexdigest()}, listings, total)
 
 
 def find_classes(folder: Path) -> list[str]:
@@ -163,7 +131,7 @@ def has_split_folders(src: Path) -> bool:
     return (src / "train").is_dir() and (src / "val").is_dir()
 
 
-def build_plan(cfg: ConvertConfig) -> Plan:
+def build_layout(cfg: ConvertConfig) -> Layout:
     """List the source, fix the class order, split it and shuffle each split with the seed."""
     src = cfg.src
     if has_split_folders(src):
@@ -187,7 +155,7 @@ def build_plan(cfg: ConvertConfig) -> Plan:
         roots = {name: "" for name in splits}
     for name, items in splits.items():
         random.Random(f"{cfg.seed}:{name}").shuffle(items)
-    return Plan(classes, splits, stray, roots)
+    return Layout(classes, splits, stray, roots)
 
 
 def _check_classes(folder: Path, classes: list[str]) -> None:
@@ -239,129 +207,23 @@ def encode_item(item: Item, src: str, quality: int, max_side: int | None, max_pi
     return Sample(members, image.reencoded, classes=(item.label,))
 
 
-def prepare_output(cfg: ConvertConfig, fingerprint: dict) -> str:
-    """Decide what to do with OUT (which exists, locked by this run): 'fresh', 'resume' or 'done'. Refuse a
-    folder made differently, saying what differs."""
-    out = cfg.out
-    store = ProgressStore(out)
-    manifest_path = out / MANIFEST_NAME
-    existing = None
-    if store.exists():
-        existing = store.fingerprint()
-    elif manifest_path.is_file():
-        try:
-            existing = json.loads(manifest_path.read_text()).get("fingerprint")
-        except (OSError, json.JSONDecodeError):
-            existing = None
-    if cfg.overwrite:
-        remove_outputs(out)
-        return "fresh"
-    if existing == fingerprint:
-        return "done" if manifest_path.is_file() and not store.exists() else "resume"
-    if any(p.name not in (PROGRESS_DIR, LOCK_NAME) for p in out.iterdir()):
-        why = f"made with other input: {describe_difference(existing, fingerprint)}" if existing else "not empty"
-        raise UsageError(f"{out}: output folder {why}; use --overwrite to replace it or choose another OUT")
-    return "fresh"
-
-
-def describe_difference(old: dict, new: dict) -> str:
-    """What changed between two fingerprints, e.g. "--seed was 1, now 2; source was /a, now /b"."""
-    changes = [f"{name} was {old.get(name)}, now {new[name]}" for name in ("kind", "source")
-               if old.get(name) != new[name]]
-    old_options, new_options = old.get("options", {}), new["options"]
-    for name in sorted(set(old_options) | set(new_options)):
-        if old_options.get(name) != new_options.get(name):
-            changes.append(f"--{name.replace('_', '-')} was {old_options.get(name)}, now {new_options.get(name)}")
-    if not changes and old.get("listing_sha256") != new.get("listing_sha256"):
-        changes.append("the source files changed since (added, removed, renamed or modified)")
-    return "; ".join(changes) or "an older dalifeed version"
-
-
-@dataclass
-class ConvertSummary:
-    samples: int
-    shards: int
-    bytes: int
-    skipped: int
-    reencoded: int
-    seconds: float
-    status: str  # fresh | resume | done
-
-    @property
-    def images_per_s(self) -> float:
-        return self.samples / self.seconds if self.seconds > 0 else 0.0
-
-
 def convert_imagefolder(cfg: ConvertConfig) -> ShardManifest:
     """Convert `cfg.src` to shards in `cfg.out`; resumes an interrupted run. Returns the manifest, with
     `summary` (a ConvertSummary) attached for the CLI. Holds OUT's lock throughout (FolderInUse if another
     run does); a full disk raises DiskFull saying how much more is needed."""
     cfg.validate()
-    started = time.perf_counter()
-    plan = build_plan(cfg)
-    fingerprint, listings = plan.survey(cfg)
-    with folder_lock(cfg.out, "shard-convert imagefolder"):
-        status = prepare_output(cfg, fingerprint)
-        if status == "done":
-            manifest = ShardManifest.load(cfg.out)
-            manifest.summary = _summary(manifest, time.perf_counter() - started, status)
-            return manifest
-        try:
-            manifest = write_shards(cfg, plan, fingerprint, listings)
-        except DiskFull as e:
-            written = sum(p.stat().st_size for p in cfg.out.glob("*.tar"))
-            needed = max(0, sum(listing["bytes"] for name, listing in listings.items() if name != "source") - written)
-            raise DiskFull(f"{e} ({mib(free_bytes(cfg.out))} free; the images not converted yet need about "
-                           f"{mib(needed)} more): free space, then run the same command again to resume") from e
-    manifest.summary = _summary(manifest, time.perf_counter() - started, status)
-    return manifest
-
-
-def write_shards(cfg: ConvertConfig, plan: Plan, fingerprint: dict, listings: dict) -> ShardManifest:
-    store = ProgressStore(cfg.out)
-    store.start(fingerprint)
-    encode = functools.partial(encode_item, src=str(cfg.src), quality=cfg.jpeg_quality, max_side=cfg.max_side,
-                               max_pixels=cfg.max_pixels)
-    splits, skipped, reencoded, warnings = {}, [], {}, []
-    bar = tqdm(total=plan.found, unit="img", desc="shard-convert", disable=not cfg.progress, dynamic_ncols=True,
-               mininterval=0.5)
-    with bar:
-        for split, items in plan.splits.items():
-            bar.set_postfix_str(split)
-            result = write_split(
-                cfg.out, split, items, encode, describe=lambda item: item.relpath, workers=cfg.workers,
-                max_shard_bytes=cfg.max_shard_bytes, samples_per_shard=cfg.samples_per_shard,
-                progress=store, on_error=cfg.on_error, on_items=bar.update,
-            )
-            class_counts = [result.classes.get(str(label), 0) for label in range(len(plan.classes))]
-            splits[split] = SplitInfo(result.shards, class_counts, listings[split])
-            skipped += result.skipped
-            warnings += result.warnings
-            for reason, n in result.reencoded.items():
-                reencoded[reason] = reencoded.get(reason, 0) + n
-        for item in plan.stray:
-            skipped.append({"path": item.relpath, "reason": "outside any class folder"})
-            bar.update(1)
-
-    extra = {"fingerprint": fingerprint, **({"source_listing": listings["source"]} if "source" in listings else {})}
-    manifest = ShardManifest(
-        root=cfg.out, kind="imagefolder", source=str(cfg.src.resolve()), options=cfg.output_options(),
-        classes=plan.classes, splits=splits, skipped=skipped, found=plan.found,
-        reencoded={"count": sum(reencoded.values()), "by_reason": dict(sorted(reencoded.items()))},
-        warnings=warnings, extra=extra,
+    layout = build_layout(cfg)
+    fingerprint, listings, total = layout.survey(cfg)
+    plan = Plan(
+        kind="imagefolder", source=str(cfg.src.resolve()), splits=layout.splits, classes=layout.classes,
+        encode=functools.partial(encode_item, src=str(cfg.src), quality=cfg.jpeg_quality, max_side=cfg.max_side,
+                                 max_pixels=cfg.max_pixels),
+        describe=describe_item, fingerprint=fingerprint, listings=listings,
+        skipped=[{"path": item.relpath, "reason": "outside any class folder"} for item in layout.stray],
+        found=layout.found, source_bytes=total,
     )
-    manifest.summary = _summary(manifest, 0.0, "fresh")
-    write_json_atomic(cfg.out / "convert.json", {"config": cfg.to_json(), "summary": asdict(manifest.summary)})
-    manifest.save()  # last: its presence means the folder is complete
-    store.remove()
-    return manifest
+    return convert(plan, cfg, "shard-convert imagefolder")
 
 
-def _summary(manifest: ShardManifest, seconds: float, status: str) -> ConvertSummary:
-    return ConvertSummary(
-        samples=sum(s.samples for s in manifest.splits.values()),
-        shards=sum(len(s.shards) for s in manifest.splits.values()),
-        bytes=sum(s.bytes for s in manifest.splits.values()),
-        skipped=len(manifest.skipped), reencoded=manifest.reencoded.get("count", 0),
-        seconds=seconds, status=status,
-    )
+def describe_item(item: Item) -> str:
+    return item.relpath

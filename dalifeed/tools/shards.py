@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tarfile
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -29,6 +30,7 @@ from ..format import INDEX_VERSION, TAR_BLOCK, ShardInfo
 from ..runtime import DiskFull, die_with_parent, is_disk_full
 
 PROGRESS_DIR = ".dalifeed-progress"
+JOBS_DIR = ".dalifeed-jobs"
 
 
 class WorkerCrashed(Exception):
@@ -98,8 +100,8 @@ class ShardRecord:
                    doc.get("classes", {}), doc.get("warnings", []))
 
 
-def shard_name(split: str, number: int) -> str:
-    return f"{split}-{number:06d}"
+def shard_name(prefix: str, number: int) -> str:
+    return f"{prefix}-{number:06d}"
 
 
 def sample_key(position: int) -> str:
@@ -241,10 +243,11 @@ def _map_chunk(fn: Callable, part: Sequence) -> list:
 
 
 class ProgressStore:
-    """The resume state: a fingerprint of what is being made, and one record per finished shard."""
+    """The resume state in `folder`: a fingerprint of what is being made, and one record per finished shard
+    (per split, numbered in the order the shards were finished)."""
 
-    def __init__(self, out_dir: Path):
-        self.dir = out_dir / PROGRESS_DIR
+    def __init__(self, folder: Path):
+        self.dir = folder
 
     def exists(self) -> bool:
         return (self.dir / "fingerprint.json").is_file()
@@ -259,15 +262,15 @@ class ProgressStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.dir / "fingerprint.json", fingerprint)
 
-    def save(self, split: str, number: int, record: ShardRecord) -> None:
-        write_json_atomic(self.dir / f"{shard_name(split, number)}.json", record.to_json())
+    def save(self, split: str, sequence: int, record: ShardRecord) -> None:
+        write_json_atomic(self.dir / f"{split}-{sequence:06d}.json", record.to_json())
 
     def finished(self, split: str, out_dir: Path) -> list[ShardRecord]:
-        """Consecutive finished shards of `split` from number 0, stopping at the first whose record or
-        files are missing or whose tar has the wrong size (that one and later ones get rewritten)."""
+        """The consecutive finished shards of `split`, stopping at the first whose record or files are missing
+        or whose tar has the wrong size (that one and later ones get rewritten)."""
         records = []
-        for number in range(10**6):
-            path = self.dir / f"{shard_name(split, number)}.json"
+        for sequence in range(10**7):
+            path = self.dir / f"{split}-{sequence:06d}.json"
             if not path.is_file():
                 break
             try:
@@ -282,31 +285,36 @@ class ProgressStore:
 
     def remove(self) -> None:
         if self.dir.is_dir():
-            for p in self.dir.iterdir():
-                p.unlink()
-            self.dir.rmdir()
+            shutil.rmtree(self.dir)
 
 
 class ShardWriter:
-    """Packs samples, in the order given, into `<split>-NNNNNN.tar` shards of at most `max_samples` samples
-    and `max_bytes` bytes (whichever comes first). Each shard is finished atomically with its DALI index
-    and recorded in `progress` with what it contributed (skips, re-encode reasons, class counts,
-    warnings), so that a re-run resumes after the last finished shard. webdataset's ShardWriter, made
-    atomic and resumable:
+    """Packs samples, in plan order, into `<prefix>-NNNNNN.tar` shards and records each finished shard in
+    `progress` with what it contributed (skips, re-encode reasons, class counts, warnings), so that a re-run
+    resumes after the last finished shard. Each shard is finished atomically with its DALI index.
+    webdataset's ShardWriter, made atomic and resumable:
 
         with ShardWriter(out, "train", max_bytes=..., max_samples=None, progress=store) as writer:
             writer.write(packed, position)   # or writer.skip({"path": ..., "reason": ...})
             ...
             writer.finish(end_position)
+
+    Shard boundaries: with `max_samples` alone, shard k holds plan positions [k * max_samples, (k + 1) *
+    max_samples) (fewer samples where some were skipped), so every shard's content and name follow from
+    the plan alone and separate jobs can write disjoint shards of one conversion. With `max_bytes`, a
+    shard ends before it would exceed the limit (and with both, at whichever comes first), numbered in
+    order from `first_number`.
     """
 
-    def __init__(self, out_dir: Path, split: str, *, max_bytes: int | None, max_samples: int | None,
-                 progress: ProgressStore, first_number: int = 0):
-        self.out_dir, self.split, self.max_bytes, self.max_samples = out_dir, split, max_bytes, max_samples
-        self.progress, self.number = progress, first_number
+    def __init__(self, out_dir: Path, prefix: str, *, max_bytes: int | None, max_samples: int | None,
+                 progress: ProgressStore, progress_key: str, first_number: int = 0, first_record: int = 0):
+        self.out_dir, self.prefix, self.max_bytes, self.max_samples = out_dir, prefix, max_bytes, max_samples
+        self.progress, self.progress_key = progress, progress_key
+        self.aligned = max_bytes is None  # shard numbers follow from plan positions
+        self.number, self.sequence = first_number, first_record
         self.records: list[ShardRecord] = []  # the shards finished by this writer
         self.current: ShardFile | None = None
-        self.pending = ShardRecord(ShardInfo("", "", 0, 0, ""), 0)  # what the open shard will record
+        self.pending = _empty_record()  # what the open shard will record
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -317,10 +325,14 @@ class ShardWriter:
             self.current = None
 
     def write(self, sample: PackedSample, position: int) -> None:
-        if self.current is not None and self._full(sample.size):
+        if self.aligned:
+            if self.current is not None and position // self.max_samples != self.number:
+                self._close(next_position=position)
+            self.number = position // self.max_samples
+        elif self.current is not None and self._full(sample.size):
             self._close(next_position=position)
         if self.current is None:
-            self.current = ShardFile(self.out_dir, shard_name(self.split, self.number))
+            self.current = ShardFile(self.out_dir, shard_name(self.prefix, self.number))
         if self.max_bytes is not None and sample.size + 2 * TAR_BLOCK > self.max_bytes:
             self.pending.warnings.append(f"{self.current.tar_path.name}: sample {sample_key(position)} alone is "
                                          f"{sample.size} bytes, over --max-shard-bytes {self.max_bytes}")
@@ -349,10 +361,16 @@ class ShardWriter:
     def _close(self, next_position: int) -> None:
         record = self.pending
         record.shard, record.next_position = self.current.finish(), next_position
-        self.progress.save(self.split, self.number, record)
+        self.progress.save(self.progress_key, self.sequence, record)
         self.records.append(record)
-        self.current, self.number = None, self.number + 1
-        self.pending = ShardRecord(ShardInfo("", "", 0, 0, ""), 0)
+        self.current, self.sequence = None, self.sequence + 1
+        if not self.aligned:
+            self.number += 1
+        self.pending = _empty_record()
+
+
+def _empty_record() -> ShardRecord:
+    return ShardRecord(ShardInfo("", "", 0, 0, ""), 0)
 
 
 @dataclass
@@ -376,17 +394,22 @@ def write_split(
     max_shard_bytes: int | None,
     samples_per_shard: int | None,
     progress: ProgressStore,
+    positions: range | None = None,
+    prefix: str | None = None,
     on_error: str = "skip",
     on_items: Callable[[int], None] = lambda n: None,
 ) -> SplitResult:
-    """Encode `plan` in order and pack it into `out_dir/<split>-NNNNNN.tar` shards, resuming after the
-    shards `progress` already records. `describe(item)` names an item in skip lists and errors."""
-    done = progress.finished(split, out_dir)
-    start = done[-1].next_position if done else 0
-    on_items(start)
-    work = [(position, plan[position]) for position in range(start, len(plan))]
-    with ShardWriter(out_dir, split, max_bytes=max_shard_bytes, max_samples=samples_per_shard, progress=progress,
-                     first_number=len(done)) as writer:
+    """Encode `plan[positions]` (all of it by default) in order and pack it into `out_dir/<prefix>-NNNNNN.tar`
+    shards (prefix: the split's name), resuming after the shards `progress` already records. `describe(item)`
+    names an item in skip lists and errors."""
+    positions = positions if positions is not None else range(len(plan))
+    prefix = prefix or split
+    done = progress.finished(prefix, out_dir)
+    start = done[-1].next_position if done else positions.start
+    on_items(start - positions.start)
+    work = [(position, plan[position]) for position in range(start, positions.stop)]
+    with ShardWriter(out_dir, prefix, max_bytes=max_shard_bytes, max_samples=samples_per_shard, progress=progress,
+                     progress_key=prefix, first_number=len(done), first_record=len(done)) as writer:
         results = ordered_map(functools.partial(_encode_and_pack, encode), work, workers)
         for position, result in enumerate(results, start=start):
             on_items(1)
@@ -396,9 +419,9 @@ def write_split(
                 writer.skip({"path": describe(plan[position]), "reason": result.reason})
             else:
                 writer.write(result, position)
-        trailing_skips = writer.finish(len(plan))
+        trailing_skips = writer.finish(positions.stop)
     records = done + writer.records
-    totals = ShardRecord(ShardInfo("", "", 0, 0, ""), 0)
+    totals = _empty_record()
     for r in records:
         totals.skipped += r.skipped
         _add_counts(totals.reencoded, r.reencoded)
@@ -420,10 +443,11 @@ def _add_counts(total: dict[str, int], more: dict[str, int]) -> None:
 
 
 def remove_outputs(out_dir: Path) -> None:
-    """Delete what a conversion writes (shards, indexes, manifest, progress) and nothing else."""
-    ours = re.compile(r"^\.?[A-Za-z0-9_]+-\d{6}\.(tar|idx)(\.tmp(-\d+)?)?$")
+    """Delete what a conversion writes (shards, indexes, manifest, progress, job records) and nothing else."""
+    ours = re.compile(r"^\.?[A-Za-z0-9_]+(-j\d{4})?-\d{6}\.(tar|idx)(\.tmp(-\d+)?)?$")
     for p in out_dir.iterdir():
         if p.is_file() and (ours.match(p.name) or p.name in ("manifest.json", "convert.json")):
             p.unlink()
-    ProgressStore(out_dir).remove()
+    for folder in (PROGRESS_DIR, JOBS_DIR):
+        ProgressStore(out_dir / folder).remove()
 
