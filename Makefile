@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BUILD  ?= build
 
-.PHONY: venv demo test test-fast test-kernels bench docker clean
+.PHONY: venv demo test test-fast test-kernels test-gpu lint bench docker clean
 
 venv: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(PY) -m dalifeed.demo --workdir $(BUILD)/demo $(DEMO_ARGS)
 
-test: venv
+test: venv lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: venv
@@ -28,9 +28,21 @@ test-fast: venv
 
 # The tests whose numbers depend on the CPU's SIMD kernels, again on AVX2 kernels for torch and oneDNN: on
 # an AVX-512 machine this is the other kernel family users have; on an AVX2 one it repeats the default.
-KERNEL_TESTS := tests/test_train.py tests/test_pipelines.py tests/test_loader.py tests/test_encodings.py
+KERNEL_TESTS := tests/test_train.py tests/test_pipelines.py tests/test_loader.py tests/test_encodings.py tests/test_coco.py
 test-kernels: venv
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q $(KERNEL_TESTS) $(PYTEST_ARGS)
+
+# The tests marked gpu (tests/test_gpu.py): they need a CUDA GPU that torch and DALI both see, and are
+# skipped elsewhere (so `make test` on a CPU machine runs them as skips).
+test-gpu: venv
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+# The shell scripts and the Dockerfile, checked with the tools the dev extra installs (no Docker needed).
+SHELL_SCRIPTS := $(wildcard examples/slurm/*.sbatch) .ci/run
+lint: venv
+	for f in $(SHELL_SCRIPTS); do bash -n "$$f" || exit 1; done
+	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)
+	$(VENV)/bin/hadolint docker/Dockerfile
 
 bench: venv
 	$(PY) -m dalifeed.bench.make_bench --workdir $(BUILD)/bench --doc docs/benchmarks.md

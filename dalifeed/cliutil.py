@@ -19,6 +19,7 @@ from typing import Callable, TypeVar
 import click
 
 from .runtime import Stopped, stop_on_signals
+from .storage import is_s3_url
 
 T = TypeVar("T")
 
@@ -60,6 +61,18 @@ def size_option(ctx, param, value):
         return parse_size(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+
+
+class Location(click.ParamType):
+    """A local folder (a Path) or an s3://bucket/prefix URL (kept as text: a Path folds its '//')."""
+
+    name = "path|s3url"
+
+    def convert(self, value, param, ctx):
+        return value if isinstance(value, Path) or is_s3_url(value) else Path(value)
+
+
+LOCATION = Location()
 
 
 def write_traceback(log: Path | None, error: BaseException) -> Path | None:

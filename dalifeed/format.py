@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .atomic import write_json_atomic
@@ -33,6 +33,12 @@ class ShardInfo:
     samples: int
     bytes: int
     sha256: str
+    index_sha256: str | None = None  # of the .idx; absent in manifests written before it was added
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "ShardInfo":
+        """Keys this version does not know (added by a later one) are ignored, not refused."""
+        return cls(**{k: v for k, v in doc.items() if k in _SHARD_FIELDS})
 
 
 @dataclass
@@ -74,6 +80,18 @@ class ShardManifest:
     warnings: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # converter-specific fields (COCO categories, ...)
     summary: object | None = field(default=None, repr=False, compare=False)  # set by a converter run
+    # s3://bucket/prefix when the shards live in object storage (dalifeed.storage): `root` then holds the
+    # cached manifest and indexes, and the tars are read from the store
+    url: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def location(self) -> str:
+        """Where the shard folder is, for messages: its s3:// URL or its local path."""
+        return self.url or str(self.root)
+
+    def shard_location(self, shard: ShardInfo) -> str:
+        """Where DALI reads a tar from: an s3:// URL or a local path."""
+        return f"{self.url}/{shard.path}" if self.url else str(self.root / shard.path)
 
     @property
     def num_classes(self) -> int:
@@ -142,7 +160,8 @@ class ShardManifest:
                  "warnings", "job", "summary"}
         try:
             splits = {
-                name: SplitInfo([ShardInfo(**s) for s in info["shards"]], info.get("class_counts"), info.get("listing"))
+                name: SplitInfo([ShardInfo.from_json(s) for s in info["shards"]], info.get("class_counts"),
+                                info.get("listing"))
                 for name, info in doc["splits"].items()
             }
             return cls(
@@ -160,6 +179,9 @@ class ShardManifest:
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(f"{path}: malformed manifest ({e!r})") from None
+
+
+_SHARD_FIELDS = {f.name for f in fields(ShardInfo)}
 
 
 def listing_digest(entries) -> dict:
@@ -219,19 +241,27 @@ def check_shard(root: Path, shard: ShardInfo, sha256: bool = False) -> list[str]
     if not idx.is_file():
         problems.append(f"{idx}: missing (the DALI index of {tar.name}; rebuild it with wds2idx or re-convert)")
     else:
-        try:
-            count = index_sample_count(idx)
-            if count != shard.samples:
-                problems.append(f"{idx}: indexes {count} samples, the manifest says {shard.samples}")
-            end = index_data_end(idx)
-            if end > size:
-                problems.append(f"{tar}: ends at byte {size} but its index points at data up to byte {end} "
-                                f"(truncated)")
-        except (OSError, ValueError) as e:
-            problems.append(f"{idx}: unreadable index ({e})")
+        problems += check_index(idx, shard, size, str(tar))
     if sha256 and not problems and file_sha256(tar) != shard.sha256:
         problems.append(f"{tar}: sha256 differs from the manifest (modified or corrupt)")
     return problems
+
+
+def check_index(idx: Path, shard: ShardInfo, tar_size: int, tar_name: str) -> list[str]:
+    """What is wrong with a tar's index against the manifest and the tar's size (`tar_name` names the tar
+    in messages: a path or an s3:// URL)."""
+    try:
+        problems = []
+        count = index_sample_count(idx)
+        if count != shard.samples:
+            problems.append(f"{idx}: indexes {count} samples, the manifest says {shard.samples}")
+        end = index_data_end(idx)
+        if end > tar_size:
+            problems.append(f"{tar_name}: ends at byte {tar_size} but its index points at data up to byte {end} "
+                            f"(truncated)")
+        return problems
+    except (OSError, ValueError) as e:
+        return [f"{idx}: unreadable index ({e})"]
 
 
 def check_split_files(manifest: ShardManifest, split: str, sha256: bool = False) -> list[str]:

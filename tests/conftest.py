@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import time
 from pathlib import Path
 
 import pytest
 
-from helpers import jpeg_bytes, random_image, write_imagefolder  # noqa: F401  (older tests import them from here)
+from helpers import start_s3_server, stop_s3_server, write_imagefolder
 
 
 def has_gpu() -> bool:
@@ -36,3 +40,68 @@ def imagefolder(tmp_path: Path) -> Path:
 @pytest.fixture
 def small_imagefolder(tmp_path: Path) -> Path:
     return write_imagefolder(tmp_path / "small", {"a": 13, "b": 11, "c": 7})
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory):
+    """A local S3 server for the session (moto, a subprocess), with the standard AWS variables pointing at it
+    set in os.environ until the session ends, then restored. Set for the session, not per test, because
+    DALI's S3 client reads them once per process, when the first s3:// pipeline is built; they change
+    nothing for tests that do not use s3://. ~/.aws is kept out (AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE)
+    and dalifeed's cache goes to a session folder. Yields the endpoint URL."""
+    pytest.importorskip("moto.server")
+    tmp = tmp_path_factory.mktemp("s3")
+    server, endpoint = start_s3_server(tmp / "moto.log")
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
+           "AWS_SHARED_CREDENTIALS_FILE": os.devnull, "DALIFEED_CACHE": str(tmp / "cache")}
+    cleared = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION", "AWS_ENDPOINT_URL_S3", "AWS_MAX_ATTEMPTS")
+    saved = {name: os.environ.get(name) for name in (*env, *cleared)}
+    os.environ.update(env)
+    for name in cleared:
+        os.environ.pop(name, None)
+    try:
+        yield endpoint
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        stop_s3_server(server)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, request) -> str:
+    """A new, empty bucket for one test: its s3:// URL."""
+    import boto3
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:50].strip("-") + f"-{time.monotonic_ns() % 10**6}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def make_shards(tmp_path_factory):
+    """Shards from a spec, built once per session: `make_shards({"a": 13, "b": 11}, samples_per_shard=5)`
+    writes an ImageFolder tree of generated JPEGs (`write_imagefolder`; `{"train": {...}, "val": {...}}`
+    for a tree with both splits) and converts it with the given ConvertConfig options. Returns (tree, shards).
+    Tests that only read the shards share one copy; a test that damages them must build its own."""
+    from dalifeed.tools import ConvertConfig, convert_imagefolder
+
+    built: dict[str, tuple[Path, Path]] = {}
+
+    def build(spec: dict, *, size=(24, 20), seed: int = 0, **options) -> tuple[Path, Path]:
+        key = json.dumps([spec, size, seed, options], sort_keys=True)
+        if key not in built:
+            tmp = tmp_path_factory.mktemp("shards")
+            if set(spec) <= {"train", "val"} and all(isinstance(v, dict) for v in spec.values()):
+                for i, (split, counts) in enumerate(spec.items()):
+                    write_imagefolder(tmp / "src" / split, counts, seed=seed + i, size=size)
+            else:
+                write_imagefolder(tmp / "src", spec, seed=seed, size=size)
+            convert_imagefolder(ConvertConfig(src=tmp / "src", out=tmp / "shards", progress=False, **options))
+            built[key] = (tmp / "src", tmp / "shards")
+        return built[key]
+
+    return build

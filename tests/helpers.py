@@ -1,8 +1,15 @@
-"""Builders of small, real test data (images, ImageFolder trees), imported by the tests."""
+"""Builders of small, real test data (images, ImageFolder trees) and a local S3 server, imported by the tests."""
 
 from __future__ import annotations
 
 import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -48,3 +55,100 @@ def write_imagefolder(root: Path, counts: dict[str, int], seed: int = 0, size=(2
         for i in range(n):
             (folder / f"{name}_{i:04d}.jpg").write_bytes(jpeg_bytes(random_image(rng, size, label)))
     return root
+
+
+def write_coco(root: Path, seed: int = 0) -> tuple[Path, Path]:
+    """A small COCO-format dataset with the cases a converter must account for: categories with sparse ids
+    including 0 (listed out of order), crowd annotations with RLE, polygons, an image without annotations,
+    a record whose file is missing, an annotation of a missing image record, a repeated annotation id, boxes
+    partly and wholly outside their image and one of no area, a PNG, extra keys everywhere, odd counts.
+    Returns (images folder, instances file)."""
+    rng = np.random.default_rng(seed)
+    images_dir = root / "images"
+    images_dir.mkdir(parents=True, exist_ok=True)
+    sizes = {1: (64, 48), 2: (40, 50), 3: (56, 56), 4: (30, 30), 5: (80, 60), 6: (48, 64), 7: (72, 40),
+             8: (50, 36), 9: (44, 52)}
+    images = []
+    for image_id, (w, h) in sizes.items():
+        name = f"{image_id:012d}.png" if image_id == 2 else f"{image_id:012d}.jpg"
+        record = {"id": image_id, "file_name": name, "width": w, "height": h}
+        if image_id == 6:
+            record |= {"license": 3, "coco_url": "http://example.invalid/6.jpg", "date_captured": "2013-11-14"}
+        images.append(record)
+        if image_id == 4:  # its file is missing
+            continue
+        pixels = random_image(rng, (h, w), label=image_id)
+        if name.endswith(".png"):
+            (images_dir / name).write_bytes(png_bytes(Image.fromarray(pixels)))
+        else:
+            (images_dir / name).write_bytes(jpeg_bytes(pixels))
+
+    def ann(ann_id, image_id, category_id, bbox, **more):
+        x, y, w, h = bbox
+        doc = {"id": ann_id, "image_id": image_id, "category_id": category_id, "bbox": bbox, "iscrowd": 0,
+               "area": float(w * h), "segmentation": [[x, y, x + w, y, x + w, y + h, x, y + h]]}
+        return doc | more
+
+    annotations = [
+        ann(101, 1, 3, [4.0, 5.0, 20.0, 15.0]),
+        ann(102, 1, 0, [30.5, 10.25, 25.0, 30.0]),
+        # a crowd region with uncompressed RLE, as COCO stores crowds
+        {"id": 103, "image_id": 1, "category_id": 7, "bbox": [0, 0, 10, 8], "iscrowd": 1, "area": 80.0,
+         "segmentation": {"counts": [0, 8, 40, 8, 40, 8, 40, 8, 40, 8, 40, 8, 40, 8, 40, 8, 40, 8, 40, 8,
+                                     2592 - 8 * 10 - 40 * 9], "size": [48, 64]}},
+        ann(201, 2, 90, [2, 3, 30, 40]),
+        ann(401, 4, 3, [1, 1, 10, 10]),  # its image file is missing
+        ann(501, 5, 7, [70, 50, 20, 20]),  # partly outside the 80x60 image: clipped
+        ann(502, 5, 7, [100, 10, 10, 10]),  # wholly outside: no training target
+        ann(503, 5, 0, [10, 10, 0, 5]),  # no area
+        ann(504, 5, 3, [5, 6, 30, 20], attributes={"occluded": True}),
+        ann(601, 6, 90, [1, 2, 40, 50]),
+        ann(701, 7, 0, [0, 0, 72, 40]),
+        ann(702, 7, 3, [10, 5, 20, 10]),
+        ann(703, 7, 7, [40, 20, 12, 12]),
+        ann(703, 7, 7, [41, 21, 12, 12]),  # a repeated id
+        ann(801, 8, 90, [5, 5, 10, 10]),
+        ann(901, 9, 3, [3, 4, 30, 30]),
+        ann(999, 12345, 3, [1, 1, 5, 5]),  # an image record that does not exist
+    ]
+    categories = [{"id": 7, "name": "car", "supercategory": "vehicle"}, {"id": 0, "name": "background-thing",
+                  "supercategory": "misc"}, {"id": 90, "name": "toothbrush", "supercategory": "indoor"},
+                  {"id": 3, "name": "bird", "supercategory": "animal"}]
+    doc = {"info": {"description": "dalifeed test set", "year": 2026}, "licenses": [{"id": 3, "name": "CC"}],
+           "images": images, "annotations": annotations, "categories": categories}
+    path = root / "instances_mini.json"
+    path.write_text(json.dumps(doc))
+    return images_dir, path
+
+
+def start_s3_server(log: Path, **env) -> tuple[subprocess.Popen, str]:
+    """moto's standalone S3 server as a subprocess on a free loopback port; returns it and its endpoint
+    once it answers. `env`: extra variables for the server (e.g. INITIAL_NO_AUTH_ACTION_COUNT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"  # an IP: DALI's AWS SDK then addresses buckets path-style
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                  stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+    deadline = time.monotonic() + 60
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"moto server exited with {server.returncode}: {log.read_text()[-500:]}")
+        try:
+            urllib.request.urlopen(endpoint + "/", timeout=1).read()
+            return server, endpoint
+        except OSError:
+            if time.monotonic() > deadline:
+                server.kill()
+                raise
+            time.sleep(0.05)
+
+
+def stop_s3_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()

@@ -13,17 +13,13 @@ from dalifeed.bench.cli import main as bench_cli
 from dalifeed.bench.convert_rate import measure, render_markdown
 from dalifeed.bench.loaders import build_loader
 from dalifeed.bench.make_bench import BEGIN, END, update_doc
-from dalifeed.tools import ConvertConfig, convert_imagefolder
 
-from conftest import write_imagefolder
+from helpers import write_imagefolder
 
 
 @pytest.fixture(scope="module")
-def bench_data(tmp_path_factory) -> tuple[Path, Path]:
-    tmp = tmp_path_factory.mktemp("bench")
-    src = write_imagefolder(tmp / "src", {"a": 21, "b": 19, "c": 17}, size=(40, 52))
-    convert_imagefolder(ConvertConfig(src=src, out=tmp / "shards", samples_per_shard=8, progress=False))
-    return src, tmp / "shards"
+def bench_data(make_shards) -> tuple[Path, Path]:
+    return make_shards({"a": 21, "b": 19, "c": 17}, size=(40, 52), samples_per_shard=8)
 
 
 @pytest.mark.parametrize("name", ["baseline", "webdataset", "dali-cpu"])

@@ -21,7 +21,7 @@ from PIL import Image
 from dalifeed.tools import ConvertConfig, convert_imagefolder, verify_shards
 from dalifeed.tools.cli import main as cli
 
-from conftest import jpeg_bytes, random_image, write_imagefolder
+from helpers import jpeg_bytes, random_image, write_imagefolder
 
 
 def run_cli(*args: str):

@@ -16,7 +16,7 @@ import webdataset as wds
 
 from dalifeed.tools import ConvertConfig, ShardManifest, convert_imagefolder
 
-from conftest import write_imagefolder
+from helpers import write_imagefolder
 
 
 def convert(src: Path, out: Path, **options) -> ShardManifest:

@@ -22,7 +22,7 @@ from dalifeed.train.cli import main as train_cli
 from dalifeed.train.trainer import RunLog, TrainState, amp_dtype, train_one_epoch, warmup_cosine
 from dalifeed.train.distributed import Dist
 
-from conftest import write_imagefolder
+from helpers import write_imagefolder
 
 # A recipe stable on any x86-64 CPU's kernels: batch 8 of ResNet-18 with BatchNorm on 45 images is too
 # small and too short for SGD at a classic learning rate (it diverged on AVX2 kernels and not on AVX-512),
@@ -40,13 +40,11 @@ def fast_cli_args(shards: Path, epochs: int, **overrides) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
+def shards(make_shards) -> Path:
     """3 colour-coded classes: 45 train (odd), 21 val images. Learnable in a few epochs."""
-    tmp = tmp_path_factory.mktemp("train")
-    write_imagefolder(tmp / "src" / "train", {"red": 17, "green": 15, "blue": 13}, seed=0)
-    write_imagefolder(tmp / "src" / "val", {"red": 7, "green": 7, "blue": 7}, seed=1)
-    convert_imagefolder(ConvertConfig(src=tmp / "src", out=tmp / "shards", samples_per_shard=10, progress=False))
-    return tmp / "shards"
+    _, shards = make_shards({"train": {"red": 17, "green": 15, "blue": 13}, "val": {"red": 7, "green": 7, "blue": 7}},
+                            samples_per_shard=10)
+    return shards
 
 
 def metrics(run: Path) -> list[dict]:

@@ -106,7 +106,7 @@ def time_loader(loader: Iterable, device: torch.device, *, warmup_batches: int, 
             start = time.perf_counter()
             while True:
                 images, labels = next(stream)
-                count += labels.shape[0]
+                count += len(labels)  # a tensor of labels, or a list of detection targets
                 n_batches += 1
                 if batches is not None and n_batches >= batches:
                     break
@@ -114,9 +114,16 @@ def time_loader(loader: Iterable, device: torch.device, *, warmup_batches: int, 
                     break
             synchronize(device)
             rates.append(count / (time.perf_counter() - start))
-    output = f"{tuple(images.shape)} {str(images.dtype).removeprefix('torch.')} {images.device.type}"
+    output = describe_batch(images)
     cpu_percent = 100 * monitor.cpu_seconds / (monitor.wall_seconds * cores)
     return Timing(rates, cpu_percent, monitor.peak_rss / 2**20, output)
+
+
+def describe_batch(images) -> str:
+    """Shape, dtype and device of a batch (of a list of images: how many, and the first one's)."""
+    if isinstance(images, (list, tuple)):
+        return f"{len(images)} x {describe_batch(images[0])}"
+    return f"{tuple(images.shape)} {str(images.dtype).removeprefix('torch.')} {images.device.type}"
 
 
 def train_steps_per_s(model: torch.nn.Module, batches: Iterator, device: torch.device, steps: int,

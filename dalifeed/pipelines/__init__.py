@@ -17,6 +17,8 @@ _WHERE = {
     "read_shards": "graphs", "shard_pipeline": "graphs", "train_augment": "graphs", "val_transform": "graphs",
     "DaliLoader": "loader", "make_loader": "loader", "resolve_device": "loader",
     "ShardDataError": "checks",
+    "DetectionConfig": "detection", "DetectionLoader": "detection", "detection_pipeline": "detection",
+    "make_detection_loader": "detection",
 }
 __all__ = list(_WHERE)
 

@@ -61,7 +61,8 @@ def summarize_dali_error(error: BaseException) -> str:
 
 @dataclass(frozen=True)
 class SampleRef:
-    """Where one sample's image member lies: which tar, its key, and the member's data offset and size."""
+    """Where one sample's image member lies: which tar (a path or an s3:// URL), its key, and the member's data
+    offset and size."""
 
     tar: str
     key: str
@@ -70,6 +71,10 @@ class SampleRef:
     size: int
 
     def read(self) -> bytes:
+        if self.tar.startswith("s3://"):
+            from dalifeed.storage import read_range
+
+            return read_range(self.tar, self.offset, self.size)
         with open(self.tar, "rb") as f:
             f.seek(self.offset)
             return f.read(self.size)

@@ -58,10 +58,12 @@ ADJUST_ORIENTATION = True
 
 
 def read_shards(paths: list[str], index_paths: list[str], *, shard_id: int, num_shards: int, shuffle: bool,
-                initial_fill: int):
-    """(jpegs, labels) from webdataset shards; labels are the int64 `.label` members, shape (1,)."""
+                initial_fill: int, label_member: str = "label"):
+    """(jpegs, labels) from webdataset shards; labels are the int64 `.label` members, shape (1,) (ImageFolder
+    shards), or with `label_member="labels"` the int32 `.labels` of COCO shards, shape (N,)."""
+    label_type = types.INT64 if label_member == "label" else types.INT32
     jpegs, labels = fn.readers.webdataset(
-        paths=paths, index_paths=index_paths, ext=["jpg", "label"], dtypes=[types.UINT8, types.INT64],
+        paths=paths, index_paths=index_paths, ext=["jpg", label_member], dtypes=[types.UINT8, label_type],
         missing_component_behavior="error", shard_id=shard_id, num_shards=num_shards,
         random_shuffle=shuffle, initial_fill=initial_fill, pad_last_batch=True, name="Reader",
         # DALI moves each rank to the next shard every epoch unless told to stick; the loader decides the
@@ -121,12 +123,22 @@ def normalize(images, cfg: AugmentConfig, mirror=0, crop=None):
     )
 
 
+def multi_hot(labels, num_classes: int):
+    """(N,) class indices -> (num_classes,) float 0/1: which classes the image holds (none: all zeros)."""
+    # (N, 1) rather than (N,): DALI's one_hot treats a shape-(1,) sample as a scalar
+    one_hot = fn.one_hot(fn.reshape(labels, shape=[-1, 1]), num_classes=num_classes, dtype=types.FLOAT)
+    return fn.cast(fn.reductions.sum(one_hot, axes=[0, 1]) > 0, dtype=types.FLOAT)
+
+
 @pipeline_def(enable_conditionals=False)
 def shard_pipeline(paths: list[str], index_paths: list[str], cfg: AugmentConfig, train: bool, device: str,
-                   shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024):
-    """Reader -> train_augment or val_transform. Returns (images, labels)."""
+                   shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024, multilabel_classes: int = 0):
+    """Reader -> train_augment or val_transform. Returns (images, labels): labels int64 (1,) per image, or
+    with `multilabel_classes=K` (COCO shards) a float multi-hot (K,) built from the `.labels` member."""
     jpegs, labels = read_shards(paths, index_paths, shard_id=shard_id, num_shards=num_shards, shuffle=train,
-                                initial_fill=initial_fill)
+                                initial_fill=initial_fill, label_member="labels" if multilabel_classes else "label")
+    if multilabel_classes:
+        labels = multi_hot(labels, multilabel_classes)
     images = train_augment(jpegs, cfg, device) if train else val_transform(jpegs, cfg, device)
     if device == "gpu":
         labels = labels.gpu()

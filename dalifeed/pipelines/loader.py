@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-from dalifeed.format import ShardInfo, ShardManifest, check_split_files
+from dalifeed import storage
+from dalifeed.format import ShardInfo, ShardManifest
 
 from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, dali_sees_gpu, find_undecodable,
                      index_named_in, indexed_samples, sample_named_in, summarize_dali_error, tar_of_index)
@@ -61,7 +62,7 @@ class DaliLoader:
     def __init__(self, manifest: ShardManifest, split: str, batch_size: int, *, train: bool, rank: int,
                  world_size: int, seed: int, device: str, augment: AugmentConfig, num_threads: int,
                  prefetch_queue_depth: int, initial_fill: int, device_id: int | None, checkpointing: bool = False,
-                 check: str = "size"):
+                 check: str = "size", multilabel: bool = False):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
         if batch_size < 1:
@@ -70,6 +71,7 @@ class DaliLoader:
         self.rank, self.world_size, self.seed, self.device, self.augment = rank, world_size, seed, device, augment
         self.num_threads, self.prefetch_queue_depth, self.initial_fill = num_threads, prefetch_queue_depth, initial_fill
         self.device_id, self.checkpointing = device_id, checkpointing
+        self.multilabel_classes = manifest.num_classes if multilabel else 0
         self._shards = manifest.split_info(split).shards
         self.total_samples = manifest.num_samples(split)
         if self.total_samples == 0:
@@ -133,20 +135,26 @@ class DaliLoader:
 
     def _epoch_files(self) -> tuple[list[str], list[str]]:
         shards = self._epoch_shards()
-        root = self.manifest.root
-        return [str(root / s.path) for s in shards], [str(root / s.index) for s in shards]
+        root = self.manifest.root  # a store's indexes are in the cache (check_files fetched them), its tars not
+        return [self.manifest.shard_location(s) for s in shards], [str(root / s.index) for s in shards]
+
+    outputs = ("images", "labels")  # what the pipeline returns, in order
+
+    def _pipeline(self, tars: list[str], indexes: list[str], **pipeline_args):
+        return shard_pipeline(tars, indexes, self.augment, self.train, self.device,
+                              multilabel_classes=self.multilabel_classes, **pipeline_args)
 
     def _build_iterator(self, checkpoint: str | None = None) -> DALIGenericIterator:
         tars, indexes = self._epoch_files()
-        pipe = shard_pipeline(
-            tars, indexes, self.augment, self.train, self.device, shard_id=self.rank, num_shards=self.world_size,
+        pipe = self._pipeline(
+            tars, indexes, shard_id=self.rank, num_shards=self.world_size,
             initial_fill=self.initial_fill, batch_size=self.batch_size, num_threads=self.num_threads,
             device_id=self.device_id, seed=self._pipeline_seed(), prefetch_queue_depth=self.prefetch_queue_depth,
             enable_checkpointing=self.checkpointing, checkpoint=checkpoint,
         )
         pipe.build()
         policy = LastBatchPolicy.DROP if self.train else LastBatchPolicy.PARTIAL
-        return DALIGenericIterator([pipe], ["images", "labels"], reader_name="Reader", last_batch_policy=policy,
+        return DALIGenericIterator([pipe], list(self.outputs), reader_name="Reader", last_batch_policy=policy,
                                    last_batch_padded=False, auto_reset=False)
 
     def _pipeline_seed(self) -> int:
@@ -178,12 +186,16 @@ class DaliLoader:
         self.epoch += 1
 
     # -- when DALI fails ---------------------------------------------------------------------------
-    def _explain(self, error: RuntimeError) -> ShardDataError:
+    def _explain(self, error: RuntimeError) -> ShardDataError | storage.StorageError:
         """One line for a failed pipeline: the tar, and the sample when DALI names it or a re-decode of what
-        this rank had read finds it."""
+        this rank had read finds it; or what DALI's S3 client met."""
         tars, indexes = self._epoch_files()
         summary = summarize_dali_error(error)
         named, bad_index = sample_named_in(summary), index_named_in(summary)
+        if self.manifest.url and (summary.startswith("S3 ") or "curlCode" in summary):  # the store, not the data
+            detail = " ".join(str(error).rsplit("encountered:", 1)[-1].split("Current pipeline object")[0].split())
+            return storage.StorageError(f"{self.manifest.location}: DALI could not read from the store: "
+                                        f"{detail.lstrip(': ')}")
         if named:
             tar, key, ext = named
             line = f"{tar}: sample {key}: DALI cannot decode its .{ext}"
@@ -198,8 +210,8 @@ class DaliLoader:
                 ref, why = found
                 line = f"{ref.tar}: sample {ref.key}: DALI cannot decode its .{ref.ext} ({why})"
             else:
-                line = f"{self.manifest.root}: DALI failed reading split {self.split!r} ({summary})"
-        return ShardDataError(f"{line}; {VERIFY_HINT.format(root=self.manifest.root)}")
+                line = f"{self.manifest.location}: DALI failed reading split {self.split!r} ({summary})"
+        return ShardDataError(f"{line}; {VERIFY_HINT.format(root=self.manifest.location)}")
 
     def _suspects(self):
         """This rank's samples of the epoch that DALI may have read before it failed, most recently read
@@ -213,8 +225,8 @@ class DaliLoader:
             if position >= end:
                 break
             if position + shard.samples > start:
-                root = self.manifest.root
-                refs = list(indexed_samples(str(root / shard.path), str(root / shard.index)))
+                tar, idx = self.manifest.shard_location(shard), str(self.manifest.root / shard.index)
+                refs = list(indexed_samples(tar, idx))
                 window += refs[max(0, start - position):end - position]
             position += shard.samples
         read = min(read, len(window))
@@ -227,7 +239,8 @@ class DaliLoader:
             # DALI wrote NHWC; as a permuted view it is an NCHW tensor in channels_last memory format,
             # which is what a channels_last model consumes, with no copy.
             images = images.permute(0, 3, 1, 2)
-        return images, batch["labels"].view(-1)
+        labels = batch["labels"]
+        return images, labels if self.multilabel_classes else labels.view(-1)
 
 
 def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, rank: int = 0, world_size: int = 1,
@@ -235,19 +248,23 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
                 crop_scale: tuple[float, float] = (0.08, 1.0), flip: bool = True,
                 dtype: torch.dtype = torch.float32, channels_last: bool = False, num_threads: int | None = None,
                 prefetch_queue_depth: int = 2, initial_fill: int = 1024, device_id: int | None = None,
-                checkpointing: bool = False, check: str = "size") -> DaliLoader:
-    """Batches of split `split` of the shard folder `shards_dir` for this rank; see the module docstring.
+                checkpointing: bool = False, check: str = "size", multilabel: bool = False) -> DaliLoader:
+    """Batches of split `split` of the shard folder `shards_dir` (a path, or s3://bucket/prefix: DALI then reads
+    the tars from the store, docs/storage.md) for this rank; see the module docstring.
 
     `device`: 'auto' (GPU when torch and DALI see one), 'gpu' or 'cpu'. `device_id` defaults to the current
     CUDA device (set it from LOCAL_RANK under torchrun). `dtype` float32 or float16; `channels_last` gives
     NHWC. `num_threads` defaults to the cores this process may use. `checkpointing` enables DALI's
     checkpointing so that `state_dict()` can be taken mid-epoch (see the module docstring). `check`: what
     is compared with the manifest before reading, 'size' (sizes and indexes: two stats and two small
-    reads per shard) or 'sha256' (also hashes every byte of the split).
+    reads per shard) or 'sha256' (also hashes every byte of the split). `multilabel` (COCO shards): labels are
+    float multi-hot (B, num_classes) vectors of the categories each image holds, built in the DALI graph.
     """
     if dtype not in (torch.float32, torch.float16):
         raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
-    manifest = ShardManifest.load(Path(shards_dir))
+    manifest = storage.load_manifest(shards_dir)  # a folder, or s3://bucket/prefix
+    if multilabel and manifest.kind != "coco":
+        raise ValueError(f"{shards_dir}: multi-label targets need COCO shards (.labels members), this is {manifest.kind}")
     resolved = resolve_device(device)
     if resolved == "gpu" and device_id is None:
         device_id = torch.cuda.current_device()
@@ -257,14 +274,15 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     return DaliLoader(manifest, split, batch_size, train=split == "train" if train is None else train, rank=rank,
                       world_size=world_size, seed=seed, device=resolved, augment=augment, num_threads=threads,
                       prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
-                      device_id=device_id if resolved == "gpu" else None, checkpointing=checkpointing, check=check)
+                      device_id=device_id if resolved == "gpu" else None, checkpointing=checkpointing, check=check,
+                      multilabel=multilabel)
 
 
 def check_files(manifest: ShardManifest, split: str, check: str) -> None:
     """Refuse, in one line, a split whose files disagree with its manifest (see `make_loader`'s `check`)."""
     if check not in SHARD_CHECKS:
         raise ValueError(f"check must be one of {', '.join(SHARD_CHECKS)}, got {check!r}")
-    problems = check_split_files(manifest, split, sha256=check == "sha256")
+    problems = storage.check_split(manifest, split, sha256=check == "sha256")  # on disk, or HEADs in a store
     if problems:
         more = f" (and {len(problems) - 1} more: see shard-convert verify)" if len(problems) > 1 else ""
-        raise ShardDataError(f"{problems[0]}{more}; {VERIFY_HINT.format(root=manifest.root)}")
+        raise ShardDataError(f"{problems[0]}{more}; {VERIFY_HINT.format(root=manifest.location)}")

@@ -10,13 +10,16 @@ from pathlib import Path
 import click
 from tqdm import tqdm
 
-from ..cliutil import default, run_command, size_option
+from ..cliutil import LOCATION, default, run_command, size_option
+from ..atomic import write_json_atomic
 from ..format import ManifestError, ShardManifest
 from ..runtime import DiskFull, FolderInUse
+from ..storage import StorageError, is_s3_url, load_manifest
 from .convert import MergeError, merge
+from .coco import CocoConfig, ExportError, convert_coco, export_coco
 from .imagefolder import ConvertConfig, UsageError, convert_imagefolder
 from .info import describe_folder, folder_info
-from .shards import ConversionFailed, WorkerCrashed
+from .shards import JOBS_DIR, ConversionFailed, WorkerCrashed
 from .verify import verify_shards
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -31,6 +34,7 @@ def main() -> None:
       shard-convert imagefolder /data/imagenet /data/imagenet-shards --workers 16
       shard-convert verify /data/imagenet-shards --decode
       shard-convert info /data/imagenet-shards
+      shard-convert imagefolder /data/imagenet s3://bucket/imagenet-shards   (docs/storage.md)
 
     Each shard `<split>-NNNNNN.tar` has a DALI index `<split>-NNNNNN.idx` beside it and the folder has a
     `manifest.json` (classes, shards with sizes and sha256, skipped files with reasons), written last.
@@ -58,37 +62,55 @@ def jobs_options(command):
              "`shard-convert merge OUT`) writes manifest.json. See docs/scaling.md.")(command)
 
 
+def staging_option(command):
+    """--staging, shared by the converters: where shards wait for their upload to an s3:// OUT."""
+    return click.option(
+        "--staging", type=click.Path(path_type=Path), default=None,
+        help="With an s3://bucket/prefix OUT: the local folder shards are written to and uploaded from; each is "
+             "deleted once it is in the store, so the folder holds a few shards at most. Default: a folder in "
+             "$TMPDIR named after OUT, removed when done. See docs/storage.md.")(command)
+
+
+def shard_options(command):
+    """The options every converter shares (seed, shard size, encoding, workers, errors, jobs)."""
+    command = staging_option(jobs_options(command))
+    for option in reversed([
+        click.option("--seed", type=int, default=d("seed"), show_default=True,
+                     help="Seeds the split and the write-time shuffle. DALI shuffles only inside a buffer, so "
+                          "shards are written globally shuffled."),
+        click.option("--max-shard-bytes", callback=size_option, default=None,
+                     help="Start a new shard before one would exceed this size: 512MB (10^6), 256MiB (2^20), 1GiB. "
+                          "Default: 256MiB, unless --samples-per-shard is given alone. Given both, a shard ends at "
+                          "whichever it reaches first."),
+        click.option("--samples-per-shard", type=int, default=d("samples_per_shard"),
+                     help="At most this many samples per shard."),
+        click.option("--jpeg-quality", type=int, default=d("jpeg_quality"), show_default=True,
+                     help="Quality for images that must be re-encoded: non-JPEG, JPEG encodings that not every decoder "
+                          "reads alike (CMYK, YCCK, lossless, arithmetic, 12-bit), EXIF-rotated, or shrunk by --max-side. "
+                          "Baseline/progressive 8-bit RGB and greyscale JPEGs pass through byte for byte (docs/format.md)."),
+        click.option("--max-side", type=int, default=d("max_side"),
+                     help="Re-encode images whose long side exceeds N pixels down to N (less decode work later)."),
+        click.option("--max-pixels", type=int, default=d("max_pixels"), show_default=True,
+                     help="Skip images with more pixels than this (reason 'image larger than --max-pixels'): a "
+                          "decompression bomb is refused before it is decoded. Applies only inside the conversion."),
+        click.option("--workers", type=int, default=d("workers"), show_default=True,
+                     help="Worker processes that decode-check and encode. The output bytes do not depend on it."),
+        click.option("--on-error", type=click.Choice(["skip", "fail"]), default=d("on_error"), show_default=True,
+                     help="skip: list undecodable or non-image files in the manifest's 'skipped' with the reason; "
+                          "fail: stop at the first one (exit 1)."),
+        click.option("--overwrite", is_flag=True, help="Replace an OUT that was made from other input or options."),
+    ]):
+        command = option(command)
+    return command
+
+
 @main.command("imagefolder", context_settings=CONTEXT)
 @click.argument("src", type=click.Path(path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=LOCATION)
 @click.option("--val-fraction", type=float, default=d("val_fraction"), show_default=True,
               help="Hold out this fraction of every class as split 'val' (seeded, stratified). "
                    "Not allowed when SRC already has train/ and val/.")
-@click.option("--seed", type=int, default=d("seed"), show_default=True,
-              help="Seeds the split and the write-time shuffle. DALI shuffles only inside a buffer, so "
-                   "shards are written globally shuffled.")
-@click.option("--max-shard-bytes", callback=size_option, default=None,
-              help="Start a new shard before one would exceed this size: 512MB (10^6), 256MiB (2^20), 1GiB. "
-                   "Default: 256MiB, unless --samples-per-shard is given alone. Given both, a shard ends at "
-                   "whichever it reaches first.")
-@click.option("--samples-per-shard", type=int, default=d("samples_per_shard"),
-              help="At most this many samples per shard.")
-@click.option("--jpeg-quality", type=int, default=d("jpeg_quality"), show_default=True,
-              help="Quality for images that must be re-encoded: non-JPEG, JPEG encodings that not every decoder "
-                   "reads alike (CMYK, YCCK, lossless, arithmetic, 12-bit), EXIF-rotated, or shrunk by --max-side. "
-                   "Baseline/progressive 8-bit RGB and greyscale JPEGs pass through byte for byte (docs/format.md).")
-@click.option("--max-side", type=int, default=d("max_side"),
-              help="Re-encode images whose long side exceeds N pixels down to N (less decode work later).")
-@click.option("--max-pixels", type=int, default=d("max_pixels"), show_default=True,
-              help="Skip images with more pixels than this (reason 'image larger than --max-pixels'): a "
-                   "decompression bomb is refused before it is decoded. Applies only inside the conversion.")
-@click.option("--workers", type=int, default=d("workers"), show_default=True,
-              help="Worker processes that decode-check and encode. The output bytes do not depend on it.")
-@click.option("--on-error", type=click.Choice(["skip", "fail"]), default=d("on_error"), show_default=True,
-              help="skip: list undecodable or non-image files in the manifest's 'skipped' with the reason; "
-                   "fail: stop at the first one (exit 1).")
-@click.option("--overwrite", is_flag=True, help="Replace an OUT that was made from other input or options.")
-@jobs_options
+@shard_options
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def imagefolder_cmd(src, out, quiet, debug, **options):
@@ -100,20 +122,92 @@ def imagefolder_cmd(src, out, quiet, debug, **options):
     as skipped. Interrupted (Ctrl-C, SIGTERM, kill -9)? Run the same command again: finished shards are kept
     and the result is byte-identical to an uninterrupted run. One run at a time per OUT (a lock refuses a
     second one).
+
+    OUT may be s3://bucket/prefix (endpoint and credentials from the standard AWS variables and files):
+    each shard is uploaded once finished, manifest.json last; see --staging and docs/storage.md.
     """
     cfg = ConvertConfig(src=src, out=out, progress=not quiet and sys.stderr.isatty(), **options)
     click.echo(f"shard-convert imagefolder: {json.dumps(cfg.to_json())}", err=True)
     manifest = run_command(
         lambda: convert_imagefolder(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
-        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull), log=lambda: out / "convert-error.log",
+        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError),
+        log=lambda: cfg.out / "convert-error.log",
         stopped=lambda e: f"finished shards in {out} are kept; run the same command again to resume")
     click.echo(describe_result(manifest))
+
+
+@main.command("coco", context_settings=CONTEXT)
+@click.argument("out", type=LOCATION)
+@click.option("--images", "images", multiple=True, required=True, type=click.Path(path_type=Path),
+              help="Folder the instances file's file_names are relative to (e.g. coco/train2017). Repeat it, "
+                   "once per --annotations, for several splits.")
+@click.option("--annotations", "annotations", multiple=True, required=True, type=click.Path(path_type=Path),
+              help="A COCO instances file (images, annotations, categories), e.g. "
+                   "coco/annotations/instances_train2017.json. Repeatable, paired in order with --images.")
+@click.option("--split", "split", multiple=True,
+              help="Name of each split, in order. Default: the instances file's name without 'instances_' "
+                   "(instances_val2017.json -> val2017).")
+@click.option("--skip-empty", is_flag=True,
+              help="Leave out images without annotations (listed in the manifest's skipped). Default: keep them "
+                   "(detectors learn from background images too).")
+@shard_options
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+def coco_cmd(out, quiet, debug, **options):
+    """Convert COCO-format data (images + instances JSON) to shards in OUT, one sample per image record.
+
+    \b
+      shard-convert coco /data/coco-shards \\
+        --images coco/train2017 --annotations coco/annotations/instances_train2017.json \\
+        --images coco/val2017   --annotations coco/annotations/instances_val2017.json
+
+    Each sample holds the image, its record and annotations exactly as given (.json), the training boxes
+    (.boxes float32 x0 y0 x1 y1 relative to the image; crowd ones in .crowdboxes) with contiguous labels
+    (.labels int32; categories sorted by id), and the image id (.id). Nothing is dropped silently: missing
+    image files, annotations of unknown images or categories, repeated ids, undecodable images and boxes
+    that cannot be training targets are counted and listed in the manifest (shard-convert info shows
+    them). `shard-convert export-coco` gives the instances file back. docs/coco.md has the details.
+    Resumable and deterministic like `imagefolder`; OUT may be s3://bucket/prefix (docs/storage.md).
+    """
+    cfg = CocoConfig(out=out, progress=not quiet and sys.stderr.isatty(), **options)
+    click.echo(f"shard-convert coco: {json.dumps(cfg.to_json())}", err=True)
+    manifest = run_command(
+        lambda: convert_coco(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
+        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError),
+        log=lambda: cfg.out / "convert-error.log",
+        stopped=lambda e: f"finished shards in {out} are kept; run the same command again to resume")
+    click.echo(describe_result(manifest))
+    counts = manifest.extra.get("counts", {})
+    if manifest.kind == "coco" and manifest.summary.status in ("fresh", "resume", "merged"):
+        click.echo(f"Boxes: {counts.get('boxes', 0)} training targets, {counts.get('crowd_boxes', 0)} crowd, "
+                   f"{counts.get('boxes_clipped', 0)} clipped to their image, {counts.get('boxes_dropped', 0)} left "
+                   f"out (no area in the image); {counts.get('annotations_not_converted', 0)} annotations not "
+                   f"converted (see the manifest's coco.skipped_annotations).")
+
+
+@main.command("export-coco", context_settings=CONTEXT)
+@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("dest", type=click.Path(path_type=Path))
+@click.option("--split", default=None, help="Which split to export (required when OUT has several).")
+def export_coco_cmd(out: Path, dest: Path, split: str | None):
+    """Rebuild a COCO instances file DEST from the shards in OUT: the same images, annotations (ids, boxes,
+    categories, crowd flags, areas, segmentation, extra keys), categories and other top-level keys (info,
+    licenses) as the file OUT was made from, less what the conversion listed as skipped.
+    pycocotools.coco.COCO(DEST) loads it."""
+    def run():
+        doc = export_coco(out, split)
+        write_json_atomic(dest, doc)
+        return doc
+
+    doc = run_command(run, debug=False, usage_errors=(ExportError, ManifestError), stopped=lambda e: "nothing was written")
+    click.echo(f"{dest}: {len(doc['images'])} images, {len(doc['annotations'])} annotations, "
+               f"{len(doc['categories'])} categories")
 
 
 def describe_result(manifest: ShardManifest) -> str:
     s = manifest.summary
     if s.status == "done":
-        return f"{manifest.root}: already converted with these options; nothing to do ({s.samples} samples)."
+        return f"{manifest.location}: already converted with these options; nothing to do ({s.samples} samples)."
     if s.status == "merged":
         return (f"This job wrote its part in {s.seconds:.1f} s and, the last of the jobs to finish, merged them: "
                 f"{s.samples} samples in {s.shards} shards, {s.skipped} skipped; manifest: "
@@ -130,10 +224,11 @@ def describe_result(manifest: ShardManifest) -> str:
     skipped = "; ".join(f"{n} {r}" for r, n in sorted(reasons.items())) or "none"
     resumed = " (resumed)" if s.status == "resume" else ""
     warnings = f" {len(manifest.warnings)} warning(s): see shard-convert info." if manifest.warnings else ""
-    return (f"Converted {s.samples} of {manifest.found} files into {s.shards} shards ({splits}), "
+    found = "image records" if manifest.kind == "coco" else "files"
+    return (f"Converted {s.samples} of {manifest.found} {found} into {s.shards} shards ({splits}), "
             f"{s.bytes / 2**20:.1f} MiB, {len(manifest.classes)} classes, {s.reencoded} re-encoded, "
             f"skipped {s.skipped} ({skipped}), in {s.seconds:.1f} s = {s.images_per_s:.0f} images/s{resumed}. "
-            f"Manifest: {manifest.root / 'manifest.json'}; run log: {manifest.root / 'convert.json'}.{warnings}")
+            f"Manifest: {manifest.location}/manifest.json; run log: {manifest.location}/convert.json.{warnings}")
 
 
 @main.command("merge", context_settings=CONTEXT)
@@ -142,15 +237,16 @@ def merge_cmd(out: Path):
     """Write OUT/manifest.json from the records of the --num-jobs jobs that converted into OUT, after checking
     that every job finished and all ran the same command (but --job-index). The last job to finish does
     this by itself; run it to be sure, or after re-running a failed job. Safe to run again."""
-    manifest = run_command(lambda: merge(out), debug=False, usage_errors=(MergeError,),
+    manifest = run_command(lambda: merge(out), debug=False, usage_errors=(MergeError, FolderInUse),
                            stopped=lambda e: "nothing was written")
     splits = ", ".join(f"{name} {info.samples} in {len(info.shards)} shards" for name, info in manifest.splits.items())
-    click.echo(f"{out}: merged {manifest.extra['fingerprint']['num_jobs']} jobs into {out / 'manifest.json'} "
+    jobs = len(list((out / JOBS_DIR).glob("job-*-of-*.json")))  # the manifest's fingerprint is a single job's
+    click.echo(f"{out}: merged {jobs} jobs into {out / 'manifest.json'} "
                f"({splits}; {len(manifest.skipped)} skipped).")
 
 
 @main.command("verify", context_settings=CONTEXT)
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=LOCATION)
 @click.option("--decode", is_flag=True,
               help="Also decode every image, with PIL and with DALI's decoder (nvJPEG on a GPU): slower, and finds "
                    "every sample that would stop a training run.")
@@ -158,17 +254,22 @@ def merge_cmd(out: Path):
 def verify_cmd(out: Path, decode: bool, as_json: bool):
     """Check every shard in OUT against its manifest: tar integrity, sample counts, sha256, index files,
     labels within range, each JPEG's encoding (and with --decode, every image). Prints one line per
-    problem and a verdict on stdout (progress on stderr); exit 1 if any problem."""
-    if not out.is_dir():
+    problem and a verdict on stdout (progress on stderr); exit 1 if any problem. OUT may be s3://bucket/prefix
+    (every tar is downloaded once, into memory)."""
+    if not is_s3_url(out) and not out.is_dir():
         raise click.UsageError(f"{out}: no such shard folder")
-    try:
-        total = sum(len(s.shards) for s in ShardManifest.load(out).splits.values())
-    except ManifestError:
-        total = None
+
+    def count_shards() -> int | None:  # a store that cannot be reached fails here, once
+        try:
+            return sum(len(s.shards) for s in load_manifest(out).splits.values())
+        except ManifestError:
+            return None
+
+    total = run_command(count_shards, debug=False, runtime_errors=(StorageError,))
     show = sys.stderr.isatty() and not as_json
     with tqdm(total=total, unit="shard", desc="verify", disable=not show) as bar:
         report = run_command(lambda: verify_shards(out, decode=decode, on_shard=lambda: bar.update(1)), debug=False,
-                             stopped=lambda e: "nothing was changed")
+                             runtime_errors=(StorageError,), stopped=lambda e: "nothing was changed")
     if as_json:
         click.echo(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
     else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +30,9 @@ from ..atomic import write_json_atomic
 from ..format import MANIFEST_NAME, ShardInfo, ShardManifest, SplitInfo
 from ..runtime import LOCK_NAME, DiskFull, FolderInUse, folder_lock, free_bytes, mib
 from .images import DEFAULT_MAX_PIXELS
-from .shards import JOBS_DIR, PROGRESS_DIR, ProgressStore, remove_outputs, write_split
+from ..storage import StorageError, is_s3_url, parse_s3_url
+from . import remote
+from .shards import JOBS_DIR, PROGRESS_DIR, ProgressStore, is_output_file, remove_outputs, write_split
 
 DEFAULT_MAX_SHARD_BYTES = 256 * 2**20
 
@@ -56,8 +59,15 @@ class ShardOptions:
     progress: bool = True
     num_jobs: int = 1
     job_index: int = 0
+    staging: Path | None = None  # with an s3:// OUT: the local folder shards wait in until uploaded
+    remote: str | None = None  # set from an s3:// OUT, whose staging folder `out` then is (tools/remote.py)
 
     def __post_init__(self) -> None:
+        self._temporary_staging = False
+        if is_s3_url(self.out):  # the core writes into a local staging folder; StoreProgress uploads
+            self.remote, self._temporary_staging = str(self.out).rstrip("/"), self.staging is None
+            self.staging = Path(self.staging) if self.staging is not None else remote.default_staging(self.remote)
+            self.out = self.staging
         self.out = Path(self.out)
         # One limit given: that one. Both: a shard ends at whichever it reaches first. Neither: 256 MiB.
         if self.max_shard_bytes is None and self.samples_per_shard is None:
@@ -80,10 +90,22 @@ class ShardOptions:
              f"--job-index must be in 0..{self.num_jobs - 1} (--num-jobs {self.num_jobs}), got {self.job_index}"),
             (not (self.overwrite and self.num_jobs > 1),
              "--overwrite with --num-jobs would delete other jobs' shards: empty OUT first instead"),
+            (self.staging is None or self.remote is not None, "--staging applies only to an s3://bucket/prefix OUT"),
+            (self.remote is None or not self.jobs,
+             "--num-jobs with an s3:// OUT is not supported yet: run one job, or convert to a shared folder"),
         ]
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
+        if self.remote is not None:
+            try:
+                parse_s3_url(self.remote)
+            except StorageError as e:
+                raise UsageError(str(e)) from None
+            stray = [p.name for p in self.out.iterdir() if not (_ours(p.name) or is_output_file(p.name))] \
+                if self.out.is_dir() else []
+            if stray:
+                raise UsageError(f"--staging {self.out}: holds other files ({stray[0]}); give an empty or new folder")
         if self.out.exists() and not self.out.is_dir():
             raise UsageError(f"{self.out}: output exists and is not a folder")
 
@@ -94,11 +116,20 @@ class ShardOptions:
                 "max_shard_bytes": self.max_shard_bytes}
 
     def to_json(self) -> dict:
-        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+        def plain(value):
+            if isinstance(value, Path):
+                return str(value)
+            return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+        return {k: plain(v) for k, v in asdict(self).items()}
 
     @property
     def jobs(self) -> bool:
         return self.num_jobs > 1
+
+    @property
+    def location(self) -> str:
+        """Where the shards go, for messages: OUT, or its s3:// URL."""
+        return self.remote or str(self.out)
 
 
 @dataclass
@@ -117,6 +148,7 @@ class Plan:
     found: int = 0  # what the accounting adds up to: converted + skipped
     warnings: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # kind-specific manifest fields (COCO categories, ...)
+    counts: dict[str, int] = field(default_factory=dict)  # kind-specific tallies known before encoding
     source_bytes: int = 0
 
 
@@ -141,7 +173,7 @@ def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
     started = time.perf_counter()
     fingerprint = {**plan.fingerprint, "num_jobs": opts.num_jobs} if opts.jobs else plan.fingerprint
     with folder_lock(opts.out, command, name=job_lock_name(opts)):
-        status = prepare_output(opts, fingerprint)
+        status = prepare_remote_output(opts, fingerprint) if opts.remote else prepare_output(opts, fingerprint)
         if status == "done":
             manifest = load_done(opts)
         else:
@@ -154,6 +186,10 @@ def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
                                f"command again to resume") from e
     summary = summarize(manifest, time.perf_counter() - started, status if not opts.jobs or status == "done" else "job")
     manifest.summary = summary
+    if opts.remote:
+        manifest.url = opts.remote
+        if opts._temporary_staging:  # it holds only the manifest and the run log now
+            shutil.rmtree(opts.out, ignore_errors=True)
     if opts.jobs and status != "done":
         merged = merge_if_complete(opts.out)
         if merged is not None:  # this was the last job to finish
@@ -162,12 +198,29 @@ def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
     return manifest
 
 
+def prepare_remote_output(opts: ShardOptions, fingerprint: dict) -> str:
+    """`prepare_output` for an s3:// OUT, after copying the store's state into the staging folder. A refusal
+    leaves no default staging folder behind (it would hold nothing of use)."""
+    try:
+        try:
+            remote.pull_state(opts.remote, opts.out, opts.overwrite)
+        except remote.NotEmpty as e:
+            raise UsageError(f"{e}; use --overwrite to replace it or choose another OUT") from None
+        return prepare_output(opts, fingerprint)
+    except UsageError:
+        if opts._temporary_staging:
+            shutil.rmtree(opts.out, ignore_errors=True)
+        raise
+
+
 def job_lock_name(opts: ShardOptions) -> str:
     return f".dalifeed-job-{opts.job_index:04d}.lock" if opts.jobs else LOCK_NAME
 
 
 def progress_store(opts: ShardOptions) -> ProgressStore:
     folder = opts.out / PROGRESS_DIR
+    if opts.remote:
+        return remote.StoreProgress(folder, opts.remote, opts.out)
     return ProgressStore(folder / f"job-{opts.job_index:04d}" if opts.jobs else folder)
 
 
@@ -193,9 +246,10 @@ def prepare_output(opts: ShardOptions, fingerprint: dict) -> str:
             raise UsageError(f"{out}: made with other input: {describe_difference(existing or other, fingerprint)}; "
                              f"every job of a conversion must run the same command (but --job-index)")
         return "fresh"
-    if any(not _ours(p.name) for p in out.iterdir()):
+    # in a store, records of another run may exist without a shard in the staging folder
+    if any(not _ours(p.name) for p in out.iterdir()) or (opts.remote and existing is not None):
         why = f"made with other input: {describe_difference(existing, fingerprint)}" if existing else "not empty"
-        raise UsageError(f"{out}: output folder {why}; use --overwrite to replace it or choose another OUT")
+        raise UsageError(f"{opts.location}: output folder {why}; use --overwrite to replace it or choose another OUT")
     return "fresh"
 
 
@@ -242,6 +296,8 @@ def write_all(plan: Plan, opts: ShardOptions, fingerprint: dict) -> ShardManifes
               for split, items in plan.splits.items()}
     accounted_here = plan.skipped if opts.job_index == 0 else []  # job 0 accounts for the pre-skipped
     splits, skipped, reencoded, warnings = {}, [], {}, list(plan.warnings) if opts.job_index == 0 else []
+    counts = dict(plan.counts) if opts.job_index == 0 else {}
+    by_split = {}  # this job's skips and warnings per split, for `merge` to list them in a single job's order
     total = sum(len(r) for r in ranges.values()) + len(accounted_here)
     bar = tqdm(total=total, unit="img", desc="shard-convert", disable=not opts.progress, dynamic_ncols=True,
                mininterval=0.5)
@@ -254,16 +310,22 @@ def write_all(plan: Plan, opts: ShardOptions, fingerprint: dict) -> ShardManifes
                 max_shard_bytes=opts.max_shard_bytes, samples_per_shard=opts.samples_per_shard, progress=store,
                 positions=ranges[split], prefix=prefix, on_error=opts.on_error, on_items=bar.update,
             )
+            store.flush()  # every shard of the split uploaded (s3:// OUT) before the next split forks workers
             class_counts = [result.classes.get(str(label), 0) for label in range(len(plan.classes))]
             splits[split] = SplitInfo(result.shards, class_counts, plan.listings.get(split))
             skipped += result.skipped
             warnings += result.warnings
+            by_split[split] = {"skipped": result.skipped, "warnings": result.warnings}
             for reason, n in result.reencoded.items():
                 reencoded[reason] = reencoded.get(reason, 0) + n
+            for name, n in result.counts.items():
+                counts[name] = counts.get(name, 0) + n
         skipped += accounted_here
         bar.update(len(accounted_here))
 
     extra = {**plan.extra, "fingerprint": fingerprint}
+    if counts:
+        extra["counts"] = dict(sorted(counts.items()))
     if "source" in plan.listings:
         extra["source_listing"] = plan.listings["source"]
     manifest = ShardManifest(
@@ -276,11 +338,15 @@ def write_all(plan: Plan, opts: ShardOptions, fingerprint: dict) -> ShardManifes
     if opts.jobs:
         job = job_record_path(opts.out, opts.job_index, opts.num_jobs)
         job.parent.mkdir(exist_ok=True)
-        write_json_atomic(job, {**manifest.to_json(), "job": {"index": opts.job_index, "count": opts.num_jobs},
+        plan_part = {"skipped": accounted_here, "warnings": list(plan.warnings) if opts.job_index == 0 else []}
+        write_json_atomic(job, {**manifest.to_json(), "job": {"index": opts.job_index, "count": opts.num_jobs,
+                                                               "splits": by_split, "plan": plan_part},
                                 "summary": asdict(summary)})
     else:
         write_json_atomic(opts.out / "convert.json", {"config": opts.to_json(), "summary": asdict(summary)})
         manifest.save()  # last: its presence means the folder is complete
+        if opts.remote:
+            remote.publish(opts.out, opts.remote)  # after every shard's upload (flushed above), manifest last
     store.remove()
     return manifest
 
@@ -347,15 +413,35 @@ def merge(out: Path) -> ShardManifest:
             reasons[reason] = reasons.get(reason, 0) + n
     # the fingerprint of the whole conversion, as a single job would have written it: the folder is the same
     whole = {k: v for k, v in reference.items() if k != "num_jobs"}
+    counts: dict[str, int] = {}
+    for part in parts:
+        for name, n in part.extra.get("counts", {}).items():
+            counts[name] = counts.get(name, 0) + n
+    extra = {**first.extra, "fingerprint": whole}
+    if counts:
+        extra["counts"] = dict(sorted(counts.items()))
+    skipped, warnings = in_single_job_order([found[i] for i in range(count)], list(first.splits))
     manifest = ShardManifest(
         root=out, kind=first.kind, source=first.source, options=first.options, classes=first.classes,
-        splits=splits, skipped=[entry for part in parts for entry in part.skipped], found=first.found,
+        splits=splits, skipped=skipped, found=first.found,
         reencoded={"count": sum(reasons.values()), "by_reason": dict(sorted(reasons.items()))},
-        warnings=[w for part in parts for w in part.warnings], extra={**first.extra, "fingerprint": whole},
+        warnings=warnings, extra=extra,
     )
     with folder_lock(out, "shard-convert merge"):
         manifest.save()
     return manifest
+
+
+def in_single_job_order(records: list[dict], splits: list[str]) -> tuple[list[dict], list[str]]:
+    """The jobs' skipped files and warnings in the order a single job lists them: the plan's warnings, then
+    split by split (within a split, job by job: plan order), then the files the plan skipped before encoding.
+    Concatenating whole records instead puts job 0's val skips and strays before job 1's train skips."""
+    if any("splits" not in record["job"] for record in records):  # a record of an older version: job order
+        return [e for r in records for e in r["skipped"]], [w for r in records for w in r["warnings"]]
+    parts = [record["job"]["splits"][split] for split in splits for record in records]
+    plan = records[0]["job"]["plan"]  # job 0 accounts for what the plan itself skipped or warned about
+    return ([e for part in parts for e in part["skipped"]] + plan["skipped"],
+            plan["warnings"] + [w for part in parts for w in part["warnings"]])
 
 
 def merge_if_complete(out: Path) -> ShardManifest | None:

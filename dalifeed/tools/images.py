@@ -215,13 +215,20 @@ def _unreadable(data: bytes, error: Exception | None) -> str:
     return "not an image (no known image format, PIL cannot identify it)"
 
 
-def to_jpeg(data: bytes, quality: int, max_side: int | None, max_pixels: int = DEFAULT_MAX_PIXELS) -> EncodedImage:
+def to_jpeg(data: bytes, quality: int, max_side: int | None, max_pixels: int = DEFAULT_MAX_PIXELS,
+            apply_orientation=True) -> EncodedImage:
     """Decode-check `data`; return it unchanged when it is a JPEG every decoder reads alike, upright and
-    within `max_side`; else re-encode it to an RGB JPEG (upright, shrunk so its long side is `max_side`)."""
+    within `max_side`; else re-encode it to an RGB JPEG (upright, shrunk so its long side is `max_side`).
+    `apply_orientation=False` keeps an EXIF-rotated image in its stored pixel frame instead (dropping the
+    tag, so no reader rotates it): what COCO annotations made on the stored frame need. It may also be a
+    function (orientation, stored width, stored height) -> bool, asked only for an EXIF-rotated image."""
     img = decode_check(data, max_pixels)
     width, height = img.size
     too_big = max_side is not None and max(width, height) > max_side
-    rotated = img.getexif().get(EXIF_ORIENTATION, 1) not in (1, None)
+    orientation = img.getexif().get(EXIF_ORIENTATION, 1)
+    rotated = orientation not in (1, None)
+    if rotated and callable(apply_orientation):
+        apply_orientation = apply_orientation(orientation, width, height)
     fmt = (img.format or "unknown").lower()
     frame_reason = None
     if fmt == "jpeg":
@@ -236,7 +243,7 @@ def to_jpeg(data: bytes, quality: int, max_side: int | None, max_pixels: int = D
         reason = "exif-orientation"
     else:
         reason = frame_reason or fmt
-    rgb = _to_rgb(ImageOps.exif_transpose(img) if rotated else img)
+    rgb = _to_rgb(ImageOps.exif_transpose(img) if rotated and apply_orientation else img)
     if too_big:
         scale = max_side / max(rgb.width, rgb.height)
         size = (max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale)))

@@ -24,7 +24,8 @@ def folder_info(manifest: ShardManifest) -> dict:
         "folder": str(manifest.root), "kind": manifest.kind, "source": manifest.source, "options": manifest.options,
         "found": manifest.found, "classes": len(manifest.classes), "splits": splits,
         "reencoded": manifest.reencoded.get("by_reason", {}), "skipped": dict(sorted(skipped.items())),
-        "warnings": manifest.warnings,
+        "warnings": manifest.warnings, "counts": manifest.extra.get("counts", {}),
+        "category_ids": manifest.extra.get("coco", {}).get("category_ids"),
     }
 
 
@@ -46,8 +47,13 @@ def describe_folder(info: dict) -> str:
         elif counts is None:
             lines.append("    classes: counts not recorded (made by an older dalifeed)")
     converted = sum(s["samples"] for s in info["splits"].values())
-    lines.append(f"  files found {info['found']}: {converted} converted, {sum(info['skipped'].values())} skipped")
-    for title, counts in (("re-encoded", info["reencoded"]), ("skipped", info["skipped"])):
+    found = "image records" if info["kind"] == "coco" else "files found"
+    lines.append(f"  {found} {info['found']}: {converted} converted, {sum(info['skipped'].values())} skipped")
+    if info.get("category_ids"):
+        lines.append(f"  categories: ids {info['category_ids'][:12]}{' ...' if len(info['category_ids']) > 12 else ''}"
+                     f" are training indices 0..{len(info['category_ids']) - 1} (class counts: images holding one)")
+    for title, counts in (("re-encoded", info["reencoded"]), ("skipped", info["skipped"]),
+                          ("counts", info.get("counts", {}))):
         if counts:
             lines.append(f"  {title}: " + ", ".join(f"{reason} {n}" for reason, n in counts.items()))
     for warning in info["warnings"]:

@@ -4,12 +4,15 @@
   and written as RGB JPEG, ImageFolder `train/` + `val/`, classes "0".."9". The demo trains on it.
 - `make_photos_imagefolder`: ImageNet-like photos (about 500x375, JPEG quality 90) cut from the colour
   sample photos of scikit-image and scikit-learn; one class per source photo. The benchmark reads it.
+- `make_photos_coco`: the same photos as COCO-format data (images + instances JSON with random boxes), for
+  the COCO conversion and detection benchmarks (docs/coco.md).
 
 Run `python -m dalifeed.tools.sample_data digits OUT` or `... photos OUT --per-class 50`.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -130,3 +133,36 @@ def photos(out: Path, per_class: int, seed: int) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def make_photos_coco(out: Path, per_class: int = 50, seed: int = 0) -> tuple[Path, Path]:
+    """COCO-format data from the photo set: `out/images/*.jpg` (500x375 photos) and `out/instances_photos.json`
+    with 0-6 seeded random boxes per image over 12 categories with sparse ids (COCO's are 1..90 with gaps),
+    some crowd. The boxes mean nothing; they exercise conversion, the detection graph and the benchmarks."""
+    out = Path(out)
+    photos = make_photos_imagefolder(out / "tree", per_class=per_class, seed=seed, val_fraction=0.0)
+    rng = np.random.default_rng(seed)
+    images_dir = out / "images"
+    images_dir.mkdir(parents=True, exist_ok=True)
+    category_ids = [1, 2, 3, 5, 8, 13, 21, 34, 55, 67, 89, 90]
+    images, annotations = [], []
+    for image_id, path in enumerate(sorted(p for p in photos.rglob("*.jpg")), start=1):
+        name = f"{image_id:012d}.jpg"
+        target = images_dir / name
+        if not target.exists():
+            path.replace(target)
+        with Image.open(target) as img:
+            width, height = img.size
+        images.append({"id": image_id, "file_name": name, "width": width, "height": height})
+        for _ in range(int(rng.integers(0, 7))):
+            w, h = rng.uniform(0.05, 0.6) * width, rng.uniform(0.05, 0.6) * height
+            x, y = rng.uniform(0, width - w), rng.uniform(0, height - h)
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": int(rng.choice(category_ids)),
+                                "bbox": [round(x, 2), round(y, 2), round(w, 2), round(h, 2)], "area": round(w * h, 2),
+                                "iscrowd": int(rng.random() < 0.05), "segmentation": [[x, y, x + w, y, x + w, y + h, x, y + h]]})
+    shutil.rmtree(out / "tree")
+    doc = {"images": images, "annotations": annotations,
+           "categories": [{"id": c, "name": f"category-{c}", "supercategory": "thing"} for c in category_ids]}
+    instances = out / "instances_photos.json"
+    instances.write_text(json.dumps(doc))
+    return images_dir, instances

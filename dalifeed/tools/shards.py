@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from ..atomic import temp_name, write_atomic, write_json_atomic
-from ..format import INDEX_VERSION, TAR_BLOCK, ShardInfo
+from ..format import INDEX_VERSION, TAR_BLOCK, ShardInfo, file_sha256
 from ..runtime import DiskFull, die_with_parent, is_disk_full
 
 PROGRESS_DIR = ".dalifeed-progress"
@@ -73,6 +73,8 @@ class Sample:
     members: list[tuple[str, bytes | SourceFile]]
     reencoded: str | None = None
     classes: tuple[int, ...] = ()
+    warnings: list[str] = field(default_factory=list)  # kept in the manifest's `warnings`
+    counts: dict[str, int] = field(default_factory=dict)  # converter-specific tallies, summed into the manifest
 
 
 @dataclass
@@ -90,14 +92,15 @@ class ShardRecord:
     reencoded: dict[str, int] = field(default_factory=dict)
     classes: dict[str, int] = field(default_factory=dict)  # class index (as JSON keys are) -> samples holding it
     warnings: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {**asdict(self), "shard": asdict(self.shard)}
 
     @classmethod
     def from_json(cls, doc: dict) -> "ShardRecord":
-        return cls(ShardInfo(**doc["shard"]), doc["next_position"], doc["skipped"], doc["reencoded"],
-                   doc.get("classes", {}), doc.get("warnings", []))
+        return cls(ShardInfo.from_json(doc["shard"]), doc["next_position"], doc["skipped"], doc["reencoded"],
+                   doc.get("classes", {}), doc.get("warnings", []), doc.get("counts", {}))
 
 
 def shard_name(prefix: str, number: int) -> str:
@@ -129,6 +132,8 @@ class PackedSample:
     entries: list[tuple[str, int, int, str]]  # (ext, data offset inside the sample, size, member name)
     reencoded: str | None
     classes: tuple[int, ...] = ()
+    warnings: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -145,7 +150,7 @@ def pack_sample(key: str, sample: Sample) -> PackedSample:
         entries.append((ext, offset + len(header), size, name))
         parts += [header, payload, padding]
         offset += len(header) + size + len(padding)
-    return PackedSample(parts, entries, sample.reencoded, sample.classes)
+    return PackedSample(parts, entries, sample.reencoded, sample.classes, sample.warnings, sample.counts)
 
 
 class ShardFile:
@@ -190,11 +195,11 @@ class ShardFile:
                 raise DiskFull(f"{self.tar_path}: {e.strerror}") from e
             raise
         self._file.close()
-        index = f"{INDEX_VERSION} {self.samples}\n" + "".join(line + "\n" for line in self._index_lines)
-        write_atomic(self.idx_path, index.encode())
+        index = (f"{INDEX_VERSION} {self.samples}\n" + "".join(line + "\n" for line in self._index_lines)).encode()
+        write_atomic(self.idx_path, index)
         os.replace(self._tmp_tar, self.tar_path)
         return ShardInfo(self.tar_path.name, self.idx_path.name, self.samples, self.bytes_so_far,
-                         self._sha256.hexdigest())
+                         self._sha256.hexdigest(), hashlib.sha256(index).hexdigest())
 
     def abandon(self) -> None:
         try:
@@ -265,21 +270,32 @@ class ProgressStore:
     def save(self, split: str, sequence: int, record: ShardRecord) -> None:
         write_json_atomic(self.dir / f"{split}-{sequence:06d}.json", record.to_json())
 
-    def finished(self, split: str, out_dir: Path) -> list[ShardRecord]:
-        """The consecutive finished shards of `split`, stopping at the first whose record or files are missing
-        or whose tar has the wrong size (that one and later ones get rewritten)."""
+    def flush(self) -> None:
+        """Wait for what `save` started in the background (nothing here; uploads in an s3:// conversion)."""
+
+    def records(self, split: str) -> list[ShardRecord]:
+        """The consecutive readable records of `split`, in the order its shards were finished."""
         records = []
         for sequence in range(10**7):
             path = self.dir / f"{split}-{sequence:06d}.json"
             if not path.is_file():
                 break
             try:
-                record = ShardRecord.from_json(json.loads(path.read_text()))
+                records.append(ShardRecord.from_json(json.loads(path.read_text())))
             except (OSError, json.JSONDecodeError, KeyError, TypeError):
                 break
+        return records
+
+    def finished(self, split: str, out_dir: Path) -> list[ShardRecord]:
+        """The consecutive finished shards of `split`, stopping at the first whose record or files are missing
+        or whose tar has the wrong size (that one and later ones get rewritten)."""
+        records = []
+        for record in self.records(split):
             tar, idx = out_dir / record.shard.path, out_dir / record.shard.index
             if not (idx.is_file() and tar.is_file() and tar.stat().st_size == record.shard.bytes):
                 break
+            if record.shard.index_sha256 is None:  # recorded by an older version
+                record.shard.index_sha256 = file_sha256(idx)
             records.append(record)
         return records
 
@@ -340,6 +356,8 @@ class ShardWriter:
         if sample.reencoded:
             _add_counts(self.pending.reencoded, {sample.reencoded: 1})
         _add_counts(self.pending.classes, {str(c): 1 for c in set(sample.classes)})
+        _add_counts(self.pending.counts, sample.counts)
+        self.pending.warnings += sample.warnings
 
     def skip(self, entry: dict) -> None:
         """A source item that produced no sample; recorded with the next finished shard."""
@@ -381,6 +399,7 @@ class SplitResult:
     classes: dict[str, int]  # class index (as a string) -> samples holding that class
     warnings: list[str]
     resumed_shards: int
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 def write_split(
@@ -427,8 +446,9 @@ def write_split(
         _add_counts(totals.reencoded, r.reencoded)
         _add_counts(totals.classes, r.classes)
         totals.warnings += r.warnings
+        _add_counts(totals.counts, r.counts)
     return SplitResult([r.shard for r in records], totals.skipped + trailing_skips, totals.reencoded,
-                       totals.classes, totals.warnings, len(done))
+                       totals.classes, totals.warnings, len(done), totals.counts)
 
 
 def _encode_and_pack(encode: Callable, work: tuple[int, object]) -> PackedSample | Skip:
@@ -442,11 +462,19 @@ def _add_counts(total: dict[str, int], more: dict[str, int]) -> None:
         total[k] = total.get(k, 0) + v
 
 
+_SHARD_FILE = re.compile(r"^\.?[A-Za-z0-9_]+(-j\d{4})?-\d{6}\.(tar|idx)(\.tmp(-\d+)?)?$")
+
+
+def is_output_file(name: str) -> bool:
+    """Whether a file name in OUT is one a conversion writes: a shard, an index (or a temporary one of
+    them), the manifest, the run log."""
+    return bool(_SHARD_FILE.match(name)) or name in ("manifest.json", "convert.json")
+
+
 def remove_outputs(out_dir: Path) -> None:
     """Delete what a conversion writes (shards, indexes, manifest, progress, job records) and nothing else."""
-    ours = re.compile(r"^\.?[A-Za-z0-9_]+(-j\d{4})?-\d{6}\.(tar|idx)(\.tmp(-\d+)?)?$")
     for p in out_dir.iterdir():
-        if p.is_file() and (ours.match(p.name) or p.name in ("manifest.json", "convert.json")):
+        if p.is_file() and is_output_file(p.name):
             p.unlink()
     for folder in (PROGRESS_DIR, JOBS_DIR):
         ProgressStore(out_dir / folder).remove()

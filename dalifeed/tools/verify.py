@@ -9,12 +9,14 @@ GPU, libjpeg-turbo on the CPU), so a sample that would stop a training run is fo
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import struct
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import storage
 from ..format import INDEX_VERSION, TAR_BLOCK, ManifestError, ShardInfo, ShardManifest
 from .images import DEFAULT_MAX_PIXELS, EXIF_ORIENTATION, ImageError, decode_check, read_jpeg_frame
 
@@ -33,26 +35,28 @@ class VerifyReport:
 
 
 def verify_shards(root: Path, decode: bool = False, on_shard=lambda: None) -> VerifyReport:
-    """Every problem found, one line each (`<file>: <what>`); an empty list means the folder is sound."""
-    root = Path(root)
+    """Every problem found, one line each (`<file>: <what>`); an empty list means the folder is sound.
+    `root` may be an s3://bucket/prefix URL (its manifest and indexes go to the cache, each tar into memory)."""
     try:
-        manifest = ShardManifest.load(root)
+        manifest = storage.load_manifest(root)
     except ManifestError as e:
         return VerifyReport([str(e)], 0, 0)
+    root, remote = manifest.root, manifest if manifest.url else None
     decoder = dali_decoder() if decode else None
     max_pixels = manifest.options.get("max_pixels") or DEFAULT_MAX_PIXELS
     problems: list[str] = []
     n_shards = n_samples = 0
+    check_labels = label_check(manifest)
     for split, info in manifest.splits.items():
         for shard in info.shards:
-            problems += verify_shard(root, shard, manifest.num_classes, decoder, max_pixels)
+            problems += verify_shard(root, shard, manifest.num_classes, decoder, max_pixels, check_labels, remote)
             n_shards += 1
             n_samples += shard.samples
             on_shard()
     accounted = n_samples + len(manifest.skipped)
     if manifest.found and accounted != manifest.found:
-        problems.append(f"{root / 'manifest.json'}: {manifest.found} files found but {accounted} accounted for "
-                        f"({n_samples} converted + {len(manifest.skipped)} skipped)")
+        problems.append(f"{manifest.location}/manifest.json: {manifest.found} files found but {accounted} "
+                        f"accounted for ({n_samples} converted + {len(manifest.skipped)} skipped)")
     return VerifyReport(problems, n_shards, n_samples)
 
 
@@ -63,31 +67,61 @@ def dali_decoder():
     return DaliDecoder("gpu", 0) if dali_sees_gpu() else DaliDecoder("cpu")
 
 
+def label_check(manifest: ShardManifest):
+    """The check of a sample's non-image members for the manifest's kind: (where, members) -> problems."""
+    if manifest.kind == "coco":
+        from .coco import check_coco_sample
+
+        index_of = {cid: i for i, cid in enumerate(manifest.extra["coco"]["category_ids"])}
+        return lambda where, members: check_coco_sample(where, members, index_of)
+    return lambda where, members: check_class_labels(where, members, manifest.num_classes)
+
+
 def verify_shard(root: Path, shard: ShardInfo, num_classes: int, decoder=None,
-                 max_pixels: int = DEFAULT_MAX_PIXELS) -> list[str]:
-    """Problems of one shard; with `decoder` (a DaliDecoder) every image is also decoded, by PIL and DALI."""
+                 max_pixels: int = DEFAULT_MAX_PIXELS, check_labels=None,
+                 remote: ShardManifest | None = None) -> list[str]:
+    """Problems of one shard; with `decoder` (a DaliDecoder) every image is also decoded, by PIL and DALI.
+    `remote`: the manifest of a shard folder in a store, which the tar and its index are read from."""
     tar_path, idx_path = root / shard.path, root / shard.index
-    if not tar_path.is_file():
+    if remote is not None:
+        tar_path, idx_path = remote.shard_location(shard), None
+        try:
+            data = storage.get_bytes(tar_path)
+        except storage.ObjectProblem:
+            return [f"{tar_path}: missing in the store"]
+    elif not tar_path.is_file():
         return [f"{tar_path}: missing"]
+    else:
+        data = tar_path.read_bytes()
     problems = []
-    data = tar_path.read_bytes()
     if len(data) != shard.bytes:
         problems.append(f"{tar_path}: {len(data)} bytes, the manifest says {shard.bytes} (truncated or replaced)")
     if hashlib.sha256(data).hexdigest() != shard.sha256:
         problems.append(f"{tar_path}: sha256 differs from the manifest (modified or corrupt)")
     try:
-        samples, index = read_samples(tar_path)
+        samples, index = read_samples(data)
     except (tarfile.TarError, EOFError, OSError) as e:
         return problems + [f"{tar_path}: unreadable tar: {e}"]
     if len(samples) != shard.samples:
         problems.append(f"{tar_path}: {len(samples)} samples, the manifest says {shard.samples}")
-    if not idx_path.is_file():
+    if remote is not None:
+        try:
+            idx_path = storage.fetch_index(remote, shard)
+        except storage.ObjectProblem as e:
+            problems.append(str(e))
+    if idx_path is None:
+        pass
+    elif not idx_path.is_file():
         problems.append(f"{idx_path}: missing")
     elif idx_path.read_text() != index:
         problems.append(f"{idx_path}: does not match the tar (rebuild it with wds2idx or re-convert)")
+    check_labels = check_labels or (lambda where, members: check_class_labels(where, members, num_classes))
     for key, members in samples.items():
-        problems += check_sample(f"{tar_path}: sample {key}{source_of(members)}", members, num_classes,
-                                 decode=decoder is not None, max_pixels=max_pixels)
+        where = f"{tar_path}: sample {key}{source_of(members)}"
+        label_problems = check_labels(where, members)
+        problems += label_problems
+        if "jpg" in members and not any(p.startswith(f"{where}: missing") for p in label_problems):
+            problems += check_image(where, members["jpg"], decoder is not None, max_pixels)
     if decoder is not None:
         keys = [key for key, members in samples.items() if "jpg" in members]
         for i, why in decoder.failures([samples[key]["jpg"] for key in keys]):
@@ -99,24 +133,26 @@ def verify_shard(root: Path, shard: ShardInfo, num_classes: int, decoder=None,
 def source_of(members: dict[str, bytes]) -> str:
     """' (source <path>)' from the sample's .json provenance, or '' when it has none."""
     try:
-        path = json.loads(members["json"]).get("path")
+        doc = json.loads(members["json"])
+        path = doc.get("path") or doc.get("image", {}).get("file_name")
     except (KeyError, ValueError, AttributeError):
         return ""
     return f" (source {path})" if path else ""
 
 
-def read_samples(tar_path: Path) -> tuple[dict[str, dict[str, bytes]], str]:
+def read_samples(tar: Path | bytes) -> tuple[dict[str, dict[str, bytes]], str]:
     """Members grouped by key (as webdataset groups them: consecutive, split at the first dot), and the
     DALI index the tar should have, derived from the offsets tarfile reads."""
     samples: dict[str, dict[str, bytes]] = {}
     lines: list[list[str]] = []
     last_key = None
-    with tarfile.open(tar_path, "r:") as tar:
-        for member in tar:
+    opened = tarfile.open(fileobj=io.BytesIO(tar), mode="r:") if isinstance(tar, bytes) else tarfile.open(tar, "r:")
+    with opened as archive:
+        for member in archive:
             if not member.isreg():
                 continue
             key, _, ext = member.name.partition(".")
-            payload = tar.extractfile(member).read()
+            payload = archive.extractfile(member).read()
             if len(payload) != member.size:
                 raise EOFError(f"member {member.name} is cut short")
             if key != last_key:
@@ -130,8 +166,8 @@ def read_samples(tar_path: Path) -> tuple[dict[str, dict[str, bytes]], str]:
     return samples, index
 
 
-def check_sample(where: str, members: dict[str, bytes], num_classes: int, decode: bool,
-                 max_pixels: int = DEFAULT_MAX_PIXELS) -> list[str]:
+def check_class_labels(where: str, members: dict[str, bytes], num_classes: int) -> list[str]:
+    """An ImageFolder sample: .jpg, and the same label in .cls, .label and .json, within range."""
     missing = [ext for ext in REQUIRED_MEMBERS if ext not in members]
     if missing:
         return [f"{where}: missing {', '.join('.' + m for m in missing)}"]
@@ -146,7 +182,6 @@ def check_sample(where: str, members: dict[str, bytes], num_classes: int, decode
         problems.append(f"{where}: labels disagree (.cls={ascii_label}, .label={binary_label}, .json={meta_label})")
     if not 0 <= binary_label < num_classes:
         problems.append(f"{where}: label {binary_label} outside 0..{num_classes - 1}")
-    problems += check_image(where, members["jpg"], decode, max_pixels)
     return problems
 
 

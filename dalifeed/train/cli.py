@@ -12,6 +12,7 @@ from click.core import ParameterSource
 from dalifeed.cliutil import default, run_command
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.runtime import DiskFull, FolderInUse
+from dalifeed.storage import StorageError
 
 from . import checkpoint
 from .config import ConfigError, TrainConfig
@@ -34,13 +35,22 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--data", help="Shard folder made by shard-convert (its train split trains, its val split evaluates).")
+@click.option("--data", help="Shard folder made by shard-convert (its train split trains, its val split evaluates), "
+                             "or s3://bucket/prefix (DALI reads the tars from the store; docs/storage.md).")
 @click.option("--out", help="Run folder: config.json, metrics.jsonl, last.pt, best.pt, tensorboard/. If it holds a "
                             "run made with the same options, that run continues (what a restarted job wants).")
 @click.option("--resume", default="auto", show_default=True, metavar="RUN|auto",
               help="RUN: continue the run in this folder from its last.pt with its saved config (options given "
                    "must agree with it, except --epochs, --workers, --profile, --compile, --checkpoint-every, "
                    "--check-shards). auto: continue --out's run if it has one and the options are the same.")
+@click.option("--task", type=click.Choice(["classify", "multilabel"]), default=d("task"), show_default=True,
+              help="classify: one class per image (cross-entropy; top-1/top-5). multilabel: COCO shards, predict "
+                   "which categories an image holds (multi-hot targets built in the DALI graph from .labels, "
+                   "binary cross-entropy; mean average precision reported as `map`).")
+@click.option("--train-split", default=d("train_split"), show_default=True,
+              help="The split that trains (COCO shards: e.g. train2017).")
+@click.option("--val-split", default=d("val_split"), show_default=True,
+              help="The split that evaluates after each epoch; none if the shards lack it (e.g. val2017).")
 @click.option("--model", default=d("model"), show_default=True, help="Any torchvision classification model name.")
 @click.option("--width", type=int, default=d("width"),
               help="ResNets only: channels of the first stage (torchvision's: 64; the stages are w, 2w, 4w, 8w). "
@@ -124,7 +134,7 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
 
     run_dir: list[Path] = []
     run_command(run, debug=debug, usage_errors=(ConfigError, FolderInUse),
-                runtime_errors=(ShardDataError, TrainingDiverged, DiskFull), prefix=rank_prefix(),
+                runtime_errors=(ShardDataError, TrainingDiverged, DiskFull, StorageError), prefix=rank_prefix(),
                 log=lambda: error_log(run_dir[0]) if run_dir else None,
                 stopped=lambda e: (e.detail if isinstance(e, TrainingStopped) else
                                    "stopped before training began; run the same command again") if rank0 else None)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from dalifeed.storage import is_s3_url
+
 
 class ConfigError(Exception):
     """A bad option or an unusable run folder/checkpoint: one line for the user, exit 2."""
@@ -14,6 +16,9 @@ class ConfigError(Exception):
 class TrainConfig:
     data: str
     out: str
+    task: str = "classify"  # classify (one label, cross-entropy, top-1) | multilabel (COCO: BCE, mAP)
+    train_split: str = "train"
+    val_split: str = "val"  # trained without validation when the shards have no such split
     model: str = "resnet50"
     width: int | None = None  # ResNets only: stage widths (w, 2w, 4w, 8w) instead of torchvision's 64
     epochs: int = 90
@@ -49,6 +54,7 @@ class TrainConfig:
         if self.warmup_epochs is None:
             self.warmup_epochs = min(5.0, self.epochs / 10)
         checks = [
+            (self.task in ("classify", "multilabel"), f"--task must be classify or multilabel, got {self.task!r}"),
             (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
@@ -74,7 +80,7 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        if not Path(self.data).is_dir():
+        if not is_s3_url(self.data) and not Path(self.data).is_dir():
             raise ConfigError(f"--data {self.data}: no such shard folder")
         if self.pretrained and not Path(self.pretrained).is_file():
             raise ConfigError(f"--pretrained {self.pretrained}: no such file")

@@ -37,8 +37,26 @@ def setup(device: str) -> Dist:
     else:
         dev = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_gpu else "gloo", device_id=dev if use_gpu else None)
+        dist.init_process_group(backend="nccl" if use_gpu else "gloo", device_id=dev if use_gpu else None,
+                                **attempt_store(rank, world_size))
     return Dist(rank, world_size, local_rank, dev)
+
+
+def attempt_store(rank: int, world_size: int) -> dict:
+    """`init_process_group` arguments that keep each torchrun attempt's keys apart, or none.
+
+    With the c10d rendezvous, torchrun's agent hosts one TCPStore for the workers (TORCHELASTIC_USE_AGENT_STORE)
+    and keeps it across `--max-restarts` restarts, with the keys of the attempt that failed still in it: the
+    restarted ranks read the dead ranks' addresses and wait for them (seen here: gloo's set-up waited until killed;
+    pytorch/pytorch#135712). Under a prefix per attempt they meet only each other. The restart count agrees
+    between the ranks of one node; on several nodes it may not (a node whose workers did not fail restarts
+    them without counting), so multi-node jobs export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every
+    attempt a fresh store and turns this off (docs/scaling.md)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"dalifeed/attempt-{attempt}", store), "rank": rank, "world_size": world_size}
 
 
 def teardown() -> None:

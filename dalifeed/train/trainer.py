@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from dalifeed.atomic import write_atomic, write_json_atomic
+from dalifeed import storage
 from dalifeed.format import ManifestError, ShardManifest
 from dalifeed.pipelines import make_loader
 from dalifeed.runtime import DiskFull, Stopped, folder_lock, free_bytes, is_disk_full, mib
@@ -115,7 +116,9 @@ class TrainState:
 class Stop:
     """A stop request from SIGINT or SIGTERM, honoured between optimizer steps: the signal only records itself,
     the ranks agree on it in the all-reduce every step already does (see `optimizer_step`), and the loop
-    saves a mid-epoch checkpoint and raises `TrainingStopped`. A second signal stops at once."""
+    saves a mid-epoch checkpoint and raises `TrainingStopped`. A second Ctrl-C (SIGINT) stops at once; a
+    repeated SIGTERM is the same request, not an order to hurry: under Slurm a rank gets one from Slurm (which
+    signals every process of a job step) and one from torchrun (which forwards the one it got)."""
 
     def __init__(self) -> None:
         self.requested = 0  # signal number seen by this process
@@ -124,9 +127,9 @@ class Stop:
     @contextmanager
     def listening(self):
         def handler(signum, frame):
-            if self.requested:
-                raise Stopped(signum)  # the second one: no more waiting
-            self.requested = signum
+            if self.requested and signum == signal.SIGINT:
+                raise Stopped(signum)  # Ctrl-C again: no more waiting
+            self.requested = self.requested or signum
 
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -163,7 +166,7 @@ def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: Train
         sync = nullcontext() if last_micro or not dist.enabled else model.no_sync()
         with sync:
             with torch.autocast(dist.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                loss = F.cross_entropy(model(images), labels, label_smoothing=cfg.label_smoothing)
+                loss = task_loss(cfg, model(images), labels)
             scaler.scale(loss / cfg.accum_steps).backward()
         finite *= torch.isfinite(loss.detach()).float()
         loss_sum += torch.stack([loss.detach().float().nan_to_num(0.0), torch.ones((), device=dist.device)])
@@ -244,6 +247,44 @@ def grad_norm(model: torch.nn.Module) -> torch.Tensor:
     if not grads:
         return torch.zeros(())
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+
+def task_loss(cfg: TrainConfig, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """classify: cross-entropy against class indices; multilabel: binary cross-entropy per class against
+    multi-hot targets (each class present or not, independently)."""
+    if cfg.task == "multilabel":
+        return F.binary_cross_entropy_with_logits(logits.float(), targets.float())
+    return F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
+
+
+def average_precision(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per class (columns), the mean of the precisions at the rank of each positive when samples are sorted by
+    score (sklearn's average_precision_score, no interpolation); NaN for a class with no positive."""
+    order = scores.argsort(dim=0, descending=True, stable=True)
+    hits = targets.gather(0, order).double()
+    precision = hits.cumsum(0) / torch.arange(1, len(scores) + 1, dtype=torch.float64, device=scores.device)[:, None]
+    positives = hits.sum(0)
+    return torch.where(positives > 0, (precision * hits).sum(0) / positives.clamp(min=1), torch.nan)
+
+
+@torch.no_grad()
+def evaluate_multilabel(model, loader, dist: Dist, dtype: torch.dtype | None) -> dict:
+    """BCE loss and mean average precision over the classes present in the split (`map`), over exactly the
+    whole split: AP needs every score at once, so each rank's scores are gathered (small: N x classes)."""
+    model.eval()
+    scores, targets = [], []
+    for images, labels in loader:
+        with torch.autocast(dist.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            logits = model(images)
+        scores.append(logits.float().cpu())
+        targets.append(labels.float().cpu())
+    parts = gather_objects((torch.cat(scores), torch.cat(targets)))
+    scores, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    loss = F.binary_cross_entropy_with_logits(scores, targets).item()
+    ap = average_precision(scores, targets)
+    present = ~ap.isnan()
+    return {"val_loss": loss, "map": float(ap[present].mean()) if present.any() else float("nan"),
+            "map_classes": int(present.sum()), "val_samples": len(scores)}
 
 
 @torch.no_grad()
@@ -360,9 +401,15 @@ class Run:
         if self.val_loader is None:
             return {}
         k = self.manifest.num_classes
-        record = evaluate(self.train_model, self.val_loader, self.dist, self.dtype, k)
+        if self.cfg.task == "multilabel":
+            def score(model):
+                return evaluate_multilabel(model, self.val_loader, self.dist, self.dtype)
+        else:
+            def score(model):
+                return evaluate(model, self.val_loader, self.dist, self.dtype, k)
+        record = score(self.train_model)
         if self.ema is not None:
-            ema = evaluate(self.ema.module, self.val_loader, self.dist, self.dtype, k)
+            ema = score(self.ema.module)
             record.update({f"ema_{name}": v for name, v in ema.items() if name != "val_samples"})
         return record
 
@@ -396,7 +443,7 @@ class Run:
         """Rank 0: metrics line first, then last.pt (and best.pt); a crash between them only replays the epoch."""
         if not self.dist.is_main:
             return
-        top1 = record.get("top1", -record["train_loss"])
+        top1 = record.get("top1", record.get("map", -record["train_loss"]))  # the score best.pt keeps
         is_best = top1 > self.state.best_top1
         self.state.best_top1 = max(self.state.best_top1, top1)
         self.log.write(record)
@@ -424,7 +471,7 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     if dist.is_main:
         print(f"dali-train config: {json.dumps(cfg.to_json())}")
         print(f"world size {dist.world_size}, device {dist.device}, {manifest.num_classes} classes, "
-              f"{manifest.num_samples('train')} train samples")
+              f"{manifest.num_samples(cfg.train_split)} train samples")
         write_json_atomic(out / "config.json", cfg.to_json())
         if dtype == torch.float16 and dist.device.type == "cpu":
             print("warning: --amp fp16 on the CPU runs about 10x slower than fp32 (PyTorch has few fp16 CPU "
@@ -444,10 +491,11 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
                        device_id=dist.local_rank if dist.device.type == "cuda" else None, check=cfg.check_shards)
     # DALI's checkpointing costs nothing measurable (docs; 575-625 images/s either way here) and lets any
     # step become a mid-epoch checkpoint: when --checkpoint-every says, and when a signal stops the run
-    train_loader = make_loader(cfg.data, "train", cfg.batch_size, seed=cfg.seed, crop_scale=cfg.crop_scale,
-                               flip=cfg.flip, checkpointing=True, **loader_args)
-    val_loader = make_loader(cfg.data, "val", cfg.batch_size, seed=cfg.seed, train=False, **loader_args) \
-        if "val" in manifest.splits and manifest.num_samples("val") else None
+    loader_args["multilabel"] = cfg.task == "multilabel"
+    train_loader = make_loader(cfg.data, cfg.train_split, cfg.batch_size, seed=cfg.seed, crop_scale=cfg.crop_scale,
+                               flip=cfg.flip, checkpointing=True, train=True, **loader_args)
+    val_loader = make_loader(cfg.data, cfg.val_split, cfg.batch_size, seed=cfg.seed, train=False, **loader_args) \
+        if cfg.val_split in manifest.splits and manifest.num_samples(cfg.val_split) else None
 
     global_batch = cfg.batch_size * dist.world_size * cfg.accum_steps
     lr = cfg.lr * global_batch / 256
@@ -510,11 +558,11 @@ def check_resumable(cfg: TrainConfig, dist: Dist, resume: dict, manifest: ShardM
 
 
 def check_batch_fits(cfg: TrainConfig, dist: Dist, manifest: ShardManifest) -> None:
-    per_rank = manifest.num_samples("train") // dist.world_size
+    per_rank = manifest.num_samples(cfg.train_split) // dist.world_size
     if per_rank < cfg.batch_size * cfg.accum_steps:
         raise ConfigError(f"--batch-size {cfg.batch_size} (x --accum-steps {cfg.accum_steps}) is more than the "
                           f"{per_rank} training samples each of {dist.world_size} process(es) gets "
-                          f"({manifest.num_samples('train')} in {cfg.data}); lower it")
+                          f"({manifest.num_samples(cfg.train_split)} in {cfg.data}); lower it")
 
 
 class RunLog:
@@ -591,9 +639,12 @@ def make_profiler(cfg: TrainConfig, out: Path, dist: Dist):
 
 def load_manifest(cfg: TrainConfig) -> ShardManifest:
     try:
-        manifest = ShardManifest.load(cfg.data)
+        manifest = storage.load_manifest(cfg.data)  # a folder, or s3://bucket/prefix
     except ManifestError as e:
         raise ConfigError(str(e)) from None
-    if "train" not in manifest.splits:
-        raise ConfigError(f"--data {cfg.data}: has no 'train' split")
+    if cfg.train_split not in manifest.splits:
+        raise ConfigError(f"--data {cfg.data}: has no split {cfg.train_split!r} (has: {', '.join(manifest.splits)}; "
+                          f"choose one with --train-split)")
+    if cfg.task == "multilabel" and manifest.kind != "coco":
+        raise ConfigError(f"--task multilabel needs COCO shards (shard-convert coco); {cfg.data} holds {manifest.kind}")
     return manifest

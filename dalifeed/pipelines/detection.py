@@ -1,0 +1,201 @@
+"""Detection: COCO shards -> DALI graph -> torchvision-style `(images, targets)` batches (docs/coco.md).
+
+    from dalifeed.pipelines import make_detection_loader
+    loader = make_detection_loader("/data/coco-shards", "train2017", batch_size=16, rank=rank, world_size=world)
+    for images, targets in loader:            # images: list of (3, H, W) float tensors
+        losses = model(images, targets)       # targets: [{"boxes": (N, 4) xyxy pixels, "labels", "image_id"}]
+
+The graph is SSD's: `fn.random_bbox_crop` draws a crop window that keeps boxes (IoU thresholds), the
+window goes to `fn.decoders.image_slice` so only it is decoded, image and boxes are flipped together
+(`fn.flip` + `fn.bb_flip`), resized and normalised. Boxes stay relative (0..1) inside DALI; the loader
+scales them to the pixels of each output image. DALI pads the per-image box lists to the longest in the
+batch; the loader trims them with the per-image counts. Same epoch contract as `make_loader`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from nvidia.dali import fn, pipeline_def, types
+
+from dalifeed.format import ShardManifest
+
+from .graphs import ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, decoder_device
+from .loader import DaliLoader, resolve_device
+
+# SSD's sampler (Liu et al. 2016, as DALI's SSD example and torchvision's RandomIoUCrop): minimum IoU of a
+# kept box with the window, window scale and aspect ratio; 0 = any window; "no crop" is one of the choices.
+IOU_THRESHOLDS = (0.0, 0.1, 0.3, 0.5, 0.7, 0.9)
+CROP_SCALING = (0.3, 1.0)
+CROP_ASPECT_RATIO = (0.5, 2.0)
+DETECTION_OUTPUTS = ("images", "boxes", "labels", "counts", "ids", "sizes")
+
+
+@dataclass(frozen=True)
+class DetectionConfig:
+    """Output size: `size` (square, like SSD), or `min_size`/`max_size` (shorter side to min_size, longer side
+    at most max_size, aspect kept, like torchvision's GeneralizedRCNNTransform)."""
+
+    size: int | None = 512
+    min_size: int | None = None
+    max_size: int | None = None
+    crop: bool = True
+    flip: bool = True
+    include_crowd: bool = False  # crowd regions are not instances: left out of training targets by default
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+
+    def __post_init__(self) -> None:
+        if (self.size is None) == (self.min_size is None):
+            raise ValueError("give either size (square output) or min_size (and max_size), not both or neither")
+        if self.size is not None and self.size < 8:
+            raise ValueError(f"size must be >= 8, got {self.size}")
+        if self.max_size is not None and self.min_size is not None and self.max_size < self.min_size:
+            raise ValueError(f"max_size {self.max_size} < min_size {self.min_size}")
+
+
+def read_detection_shards(paths, index_paths, *, shard_id: int, num_shards: int, shuffle: bool, initial_fill: int,
+                          include_crowd: bool):
+    """(jpegs, boxes (N, 4) relative xyxy, labels (N,) int32, image ids (1,) int64)."""
+    ext = ["jpg", "boxes", "labels", "id"] + (["crowdboxes", "crowdlabels"] if include_crowd else [])
+    dtypes = [types.UINT8, types.FLOAT, types.INT32, types.INT64] + ([types.FLOAT, types.INT32] if include_crowd else [])
+    jpegs, boxes, labels, ids, *crowd = fn.readers.webdataset(
+        paths=paths, index_paths=index_paths, ext=ext, dtypes=dtypes, missing_component_behavior="error",
+        shard_id=shard_id, num_shards=num_shards, random_shuffle=shuffle, initial_fill=initial_fill,
+        pad_last_batch=True, name="Reader", stick_to_shard=True,
+    )
+    boxes = fn.reshape(boxes, shape=[-1, 4])
+    if include_crowd:
+        boxes = fn.cat(boxes, fn.reshape(crowd[0], shape=[-1, 4]), axis=0)
+        labels = fn.cat(labels, crowd[1], axis=0)
+    return jpegs, boxes, labels, ids
+
+
+def random_crop_and_flip(jpegs, boxes, labels, cfg: DetectionConfig, device: str):
+    """Decode only a window that keeps boxes, then flip image and boxes together. Also returns the window
+    (anchor, shape, relative) and the flip flag, which tests use to check the boxes independently."""
+    if cfg.crop:
+        anchor, shape, boxes, labels = fn.random_bbox_crop(
+            boxes, labels, device="cpu", aspect_ratio=list(CROP_ASPECT_RATIO), thresholds=list(IOU_THRESHOLDS),
+            scaling=list(CROP_SCALING), bbox_layout="xyXY", allow_no_crop=True, num_attempts=50)
+        images = fn.decoders.image_slice(jpegs, anchor, shape, device=decoder_device(device), output_type=types.RGB,
+                                         adjust_orientation=ADJUST_ORIENTATION)
+    else:
+        anchor, shape = fn.constant(fdata=[0.0, 0.0]), fn.constant(fdata=[1.0, 1.0])
+        images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
+                                   adjust_orientation=ADJUST_ORIENTATION)
+    flip = fn.random.coin_flip(probability=0.5) if cfg.flip else fn.constant(idata=0)
+    if cfg.flip:
+        boxes = fn.bb_flip(boxes, ltrb=True, horizontal=flip)
+        images = fn.flip(images, horizontal=flip)
+    return images, boxes, labels, (anchor, shape, flip)
+
+
+def resize_and_normalize(images, cfg: DetectionConfig):
+    if cfg.size is not None:
+        images = fn.resize(images, resize_x=cfg.size, resize_y=cfg.size, interp_type=types.INTERP_TRIANGULAR,
+                           antialias=False)
+    else:
+        limit = {"max_size": cfg.max_size} if cfg.max_size else {}
+        images = fn.resize(images, resize_shorter=cfg.min_size, interp_type=types.INTERP_TRIANGULAR, antialias=False,
+                           **limit)
+    return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
+                                    mean=[m * 255 for m in cfg.mean], std=[s * 255 for s in cfg.std])
+
+
+@pipeline_def(enable_conditionals=False)
+def detection_pipeline(paths: list[str], index_paths: list[str], cfg: DetectionConfig, train: bool, device: str,
+                       shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024, debug: bool = False):
+    """Returns images (3, H, W) padded to the batch's largest, boxes (N, 4) relative xyxy padded with zeros,
+    labels (N,) padded with -1, the box count, the image id and the image's (3, H, W) before padding; with
+    `debug`, also the crop window (anchor, shape) and the flip flag."""
+    jpegs, boxes, labels, ids = read_detection_shards(
+        paths, index_paths, shard_id=shard_id, num_shards=num_shards, shuffle=train, initial_fill=initial_fill,
+        include_crowd=cfg.include_crowd)
+    if train:
+        images, boxes, labels, window = random_crop_and_flip(jpegs, boxes, labels, cfg, device)
+    else:
+        images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
+                                   adjust_orientation=ADJUST_ORIENTATION)
+        window = None
+    images = resize_and_normalize(images, cfg)
+    sizes = images.shape()
+    counts = labels.shape()
+    images = fn.pad(images, axes=(1, 2), fill_value=0) if cfg.size is None else images
+    boxes = fn.pad(boxes, axes=(0,), fill_value=0)
+    labels = fn.pad(labels, axes=(0,), fill_value=-1)
+    outputs = [images, boxes, labels, counts, ids, sizes]
+    if device == "gpu":
+        outputs[1:] = [x.gpu() for x in outputs[1:]]
+    if debug:
+        if window is None:
+            window = (fn.constant(fdata=[0.0, 0.0]), fn.constant(fdata=[1.0, 1.0]), fn.constant(idata=0))
+        outputs += list(window)
+    return tuple(outputs)
+
+
+def targets_from_batch(batch: dict) -> tuple[list[torch.Tensor], list[dict]]:
+    """DALI's padded batch -> a list of images and torchvision detection targets, trimmed per image."""
+    images, targets = [], []
+    for i in range(batch["images"].shape[0]):
+        _, height, width = (int(v) for v in batch["sizes"][i])
+        n = int(batch["counts"][i][0])
+        scale = torch.tensor([width, height, width, height], dtype=torch.float32, device=batch["boxes"].device)
+        images.append(batch["images"][i, :, :height, :width])
+        targets.append({"boxes": batch["boxes"][i, :n].float() * scale, "labels": batch["labels"][i, :n].long(),
+                        "image_id": int(batch["ids"][i][0])})
+    return images, targets
+
+
+class DetectionLoader(DaliLoader):
+    """An iterable of `(images, targets)` for torchvision detection models: `images` a list of normalised
+    (3, H, W) float tensors, `targets` a list of {"boxes": (N, 4) float xyxy in pixels of that image,
+    "labels": (N,) int64 contiguous category index (the manifest's `coco.category_ids` order), "image_id"}.
+    For a model whose class 0 is background (torchvision's), add 1 to the labels."""
+
+    outputs = DETECTION_OUTPUTS
+
+    def __init__(self, *args, detection: DetectionConfig, **kwargs):
+        self.detection = detection
+        super().__init__(*args, **kwargs)
+
+    def _pipeline(self, tars, indexes, **pipeline_args):
+        return detection_pipeline(tars, indexes, self.detection, self.train, self.device, **pipeline_args)
+
+    def _to_torch(self, batch: dict):
+        return targets_from_batch(batch)
+
+
+def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, rank: int = 0,
+                          world_size: int = 1, seed: int = 0, device: str = "auto", train: bool | None = None,
+                          size: int | None = None, min_size: int | None = None, max_size: int | None = None,
+                          crop: bool = True, flip: bool = True, include_crowd: bool = False,
+                          num_threads: int | None = None, prefetch_queue_depth: int = 2, initial_fill: int = 1024,
+                          device_id: int | None = None, checkpointing: bool = False,
+                          check: str = "size") -> DetectionLoader:
+    """Detection batches of `split` of a COCO shard folder for this rank: the epoch contract of `make_loader`
+    (exact validation across ranks, equal training batch counts, `(seed, epoch)` order, mid-epoch state).
+
+    Output size: `size` (square) or `min_size`/`max_size` (torchvision's resize); default `size=512`.
+    Training crops (SSD sampler; `crop=False` skips it) and flips (`flip`); validation only resizes.
+    `include_crowd` adds `iscrowd` boxes to the targets (left out by default)."""
+    manifest = ShardManifest.load(Path(shards_dir))
+    if manifest.kind != "coco":
+        raise ValueError(f"{shards_dir}: made from {manifest.kind}, not COCO: detection needs boxes "
+                         f"(shard-convert coco)")
+    if size is None and min_size is None:
+        size = 512
+    detection = DetectionConfig(size=size, min_size=min_size, max_size=max_size, crop=crop, flip=flip,
+                                include_crowd=include_crowd)
+    resolved = resolve_device(device)
+    if resolved == "gpu" and device_id is None:
+        device_id = torch.cuda.current_device()
+    return DetectionLoader(
+        manifest, split, batch_size, train=split.startswith("train") if train is None else train, rank=rank,
+        world_size=world_size, seed=seed, device=resolved, augment=AugmentConfig(), detection=detection,
+        num_threads=num_threads or len(os.sched_getaffinity(0)), prefetch_queue_depth=prefetch_queue_depth,
+        initial_fill=initial_fill, device_id=device_id if resolved == "gpu" else None, checkpointing=checkpointing,
+        check=check)

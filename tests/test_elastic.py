@@ -1,0 +1,230 @@
+"""dali-train under torchrun as a cluster runs it, with real processes on the CPU (gloo): a worker killed with
+SIGKILL mid-epoch is restarted by torchrun (`--max-restarts 1`) and the run continues from its mid-epoch
+checkpoint; SIGTERM to the torchrun agent (what Slurm sends) stops every rank after its step with a
+mid-epoch checkpoint, and the same command continues the run. Either way the final weights equal an
+uninterrupted run's, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from dalifeed.runtime import Stopped
+from dalifeed.tools import ConvertConfig, convert_imagefolder
+from dalifeed.train.trainer import Stop
+
+from helpers import write_imagefolder
+
+PY = sys.executable
+# 405 train samples, batch 4 on each of 2 ranks: 50 steps an epoch, a mid-epoch checkpoint every 3
+TRAIN = ["--model", "resnet18", "--width", "8", "--image-size", "32", "--batch-size", "4", "--epochs", "2",
+         "--optimizer", "adamw", "--lr", "0.032", "--crop-scale", "0.5,1", "--workers", "1", "--checkpoint-every", "3"]
+STEPS = 50
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("elastic")
+    write_imagefolder(tmp / "src" / "train", {"red": 137, "green": 135, "blue": 133}, seed=0)
+    write_imagefolder(tmp / "src" / "val", {"red": 7, "green": 7, "blue": 7}, seed=1)
+    convert_imagefolder(ConvertConfig(src=tmp / "src", out=tmp / "shards", samples_per_shard=20, progress=False))
+    return tmp / "shards"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_torchrun(shards: Path, out: Path, log: Path) -> subprocess.Popen:
+    """`torchrun --nproc-per-node 2 --max-restarts 1 --rdzv-backend c10d ... -m dalifeed.train.cli`, its output
+    (the agent's and every rank's) in `log`. The environment is the user's, without the opt-out of torchrun's
+    shared store, so the default store is what restarts are tested on."""
+    command = [PY, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+               "-m", "dalifeed.train.cli", "--data", str(shards), "--out", str(out), *TRAIN]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    with open(log, "w") as f:
+        return subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def finish(agent: subprocess.Popen, timeout: float) -> int:
+    """The agent's exit code; on a time-out, the agent and its workers are killed and the test fails."""
+    try:
+        return agent.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+        raise AssertionError(f"torchrun did not finish within {timeout} s") from None
+
+
+def mid_epoch_checkpoint(run: Path) -> dict | None:
+    try:
+        saved = torch.load(run / "last.pt", weights_only=False)
+    except Exception:  # not written yet
+        return None
+    return saved if saved.get("midway") else None
+
+
+def wait_for_mid_epoch_checkpoint(run: Path, agent: subprocess.Popen, timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and agent.poll() is None:
+        saved = mid_epoch_checkpoint(run)
+        if saved is not None:
+            return saved
+        time.sleep(0.02)
+    os.killpg(agent.pid, signal.SIGKILL)
+    raise AssertionError(f"no mid-epoch checkpoint in {run} (torchrun exit code {agent.poll()})")
+
+
+def workers(agent: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The agent's worker processes by rank (read from their environment)."""
+    return {int(p.environ()["RANK"]): p for p in psutil.Process(agent.pid).children()
+            if "dalifeed.train.cli" in " ".join(p.cmdline())}
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / "last.pt", weights_only=False)["model"]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa), [k for k in wa if not torch.equal(wa[k], wb[k])][:5]
+
+
+def epoch_lines(log: Path) -> list[str]:
+    """Rank 0's per-epoch lines without the timings (which never repeat)."""
+    lines = [line for line in log.read_text().splitlines() if line.startswith("epoch ")]
+    return [re.sub(r", (images_per_s|epoch_seconds|data_wait_share) [^,]+", "", line) for line in lines]
+
+
+@pytest.fixture(scope="module")
+def straight(shards, tmp_path_factory) -> Path:
+    """The uninterrupted run: the same command, never signalled."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    agent = start_torchrun(shards, run, run.parent / "log.txt")
+    assert finish(agent, timeout=600) == 0, (run.parent / "log.txt").read_text()[-3000:]
+    return run
+
+
+@pytest.mark.slow  # each torchrun test runs two or three 2-process trainings: about 40 s on 2 cores
+@pytest.mark.parametrize("victim", [0, 1])
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_one(shards, straight, tmp_path, victim):
+    run, log = tmp_path / "run", tmp_path / "log.txt"
+    agent = start_torchrun(shards, run, log)
+    saved = wait_for_mid_epoch_checkpoint(run, agent)
+    assert saved["state"]["epoch"] == 0
+    workers(agent)[victim].send_signal(signal.SIGKILL)  # the OOM killer, a dying GPU: no handler runs
+    assert finish(agent, timeout=600) == 0, log.read_text()[-3000:]
+    output = log.read_text()
+    assert f"failed (exitcode: -9) local_rank: {victim}" in output
+    # torchrun restarted both workers once; they continued from the mid-epoch checkpoint, not from scratch
+    assert output.count(f"--out {run} holds this run: continuing it from last.pt") == 1
+    resumed = re.search(r"starting at epoch (\d+), batch (\d+) of 50", output)
+    assert resumed and resumed[1] == "0" and 0 < int(resumed[2]) < STEPS, output[-3000:]
+    assert epoch_lines(log) == epoch_lines(straight.parent / "log.txt")
+    assert_same_weights(straight, run)
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_every_rank_with_a_checkpoint_and_the_same_command_continues(shards, straight,
+                                                                                              tmp_path):
+    run, log = tmp_path / "run", tmp_path / "log.txt"
+    agent = start_torchrun(shards, run, log)
+    wait_for_mid_epoch_checkpoint(run, agent)
+    ranks = workers(agent)
+    agent.send_signal(signal.SIGTERM)  # to the agent only, as Slurm's --signal or scancel does
+    sent = time.monotonic()
+    code = finish(agent, timeout=60)
+    assert time.monotonic() - sent < 60
+    assert code != 0  # torchrun itself reports the signal as a failure (its SignalException), not us
+    assert all(not p.is_running() for p in ranks.values())
+    output = log.read_text()
+    assert "Received 15 death signal, shutting down workers" in output
+    assert "forcefully exiting" not in output  # every rank exited by itself inside torchrun's grace period
+    assert not re.search(r"^\[rank\d\]:|^Error:", output, re.M), output[-3000:]  # no rank failed
+    stopped = re.search(rf"rank 0: stopped by SIGTERM: continue with: dali-train --resume {run} "
+                        rf"\(last.pt holds epoch 0, step (\d+) of {STEPS}\)", output)
+    assert stopped, output[-3000:]
+    saved = mid_epoch_checkpoint(run)
+    step = int(stopped[1])
+    assert saved is not None and 0 < step < STEPS
+    # both ranks finished the same step and their readers were saved there
+    assert [loader["batches_done"] for loader in saved["midway"]["loaders"]] == [step, step]
+    assert saved["state"]["step"] == step
+
+    again = start_torchrun(shards, run, tmp_path / "again.txt")  # the job requeued: the same command
+    assert finish(again, timeout=600) == 0, (tmp_path / "again.txt").read_text()[-3000:]
+    output = (tmp_path / "again.txt").read_text()
+    assert f"starting at epoch 0, batch {step} of {STEPS}" in output
+    assert epoch_lines(tmp_path / "again.txt") == epoch_lines(straight.parent / "log.txt")
+    assert_same_weights(straight, run)
+
+
+def test_a_repeated_sigterm_is_the_same_request_and_a_second_ctrl_c_stops_at_once():
+    """Under Slurm a rank gets SIGTERM twice (from Slurm, which signals every process of the step, and from
+    torchrun); the second must not cut the stop short before its checkpoint. Ctrl-C twice still does."""
+    stop = Stop()
+    with stop.listening():
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)  # Python runs signal handlers between bytecodes
+        assert stop.requested == signal.SIGTERM
+        with pytest.raises(Stopped) as stopped:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+        assert stopped.value.signum == signal.SIGINT
+
+
+SBATCH = Path(__file__).parent.parent / "examples" / "slurm" / "train.sbatch"
+FAKE_SRUN = """#!/bin/bash
+echo "$*" > "$FAKE_LOG/srun-args"
+trap 'echo TERM >> "$FAKE_LOG/srun-signals"; sleep 0.5; exit 143' TERM
+touch "$FAKE_LOG/srun-started"
+sleep 60 >/dev/null 2>&1 & wait
+"""
+FAKE_SCONTROL = """#!/bin/bash
+case "$1 $2" in
+  "show hostnames") printf 'node7\\nnode8\\n' ;;
+  *) echo "$*" >> "$FAKE_LOG/scontrol" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("sig, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)],
+                         ids=["time-limit", "scancel"])
+def test_the_slurm_script_passes_a_stop_to_every_rank_and_requeues_only_at_the_time_limit(tmp_path, sig, requeued):
+    """examples/slurm/train.sbatch's signal handling, with stand-ins for srun and scontrol (no Slurm here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_LOG": str(tmp_path),
+           "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4242"}
+    script = subprocess.Popen(["bash", str(SBATCH)], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "srun-started").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert script.poll() is None, script.communicate()[1]
+    script.send_signal(sig)  # what Slurm's --signal=B:USR1@120 or scancel sends to the batch shell
+    _, stderr = script.communicate(timeout=30)
+    assert script.returncode == 143, stderr  # srun's status: the ranks' "stopped by SIGTERM"
+    assert (tmp_path / "srun-signals").read_text() == "TERM\n"
+    args = (tmp_path / "srun-args").read_text()
+    assert "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node7:29500" in args
+    assert "--max-restarts 3" in args and "-m dalifeed.train.cli" in args and "--checkpoint-every" in args
+    assert ((tmp_path / "scontrol").exists() and (tmp_path / "scontrol").read_text()) == \
+        ("requeue 4242\n" if requeued else False)
