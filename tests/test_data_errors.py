@@ -17,7 +17,7 @@ import torch
 import webdataset as wds
 from click.testing import CliRunner
 
-from dalifeed.format import ShardManifest, file_sha256
+from dalifeed.format import file_sha256
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.tools import ConvertConfig, convert_imagefolder

@@ -20,10 +20,7 @@ import pytest
 import torch
 
 from dalifeed.runtime import Stopped
-from dalifeed.tools import ConvertConfig, convert_imagefolder
 from dalifeed.train.trainer import Stop
-
-from helpers import write_imagefolder
 
 PY = sys.executable
 # 405 train samples, batch 4 on each of 2 ranks: 50 steps an epoch, a mid-epoch checkpoint every 3
@@ -33,12 +30,9 @@ STEPS = 50
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("elastic")
-    write_imagefolder(tmp / "src" / "train", {"red": 137, "green": 135, "blue": 133}, seed=0)
-    write_imagefolder(tmp / "src" / "val", {"red": 7, "green": 7, "blue": 7}, seed=1)
-    convert_imagefolder(ConvertConfig(src=tmp / "src", out=tmp / "shards", samples_per_shard=20, progress=False))
-    return tmp / "shards"
+def shards(make_shards) -> Path:
+    return make_shards({"train": {"red": 137, "green": 135, "blue": 133}, "val": {"red": 7, "green": 7, "blue": 7}},
+                       samples_per_shard=20)[1]
 
 
 def free_port() -> int:

@@ -9,7 +9,6 @@ import io
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import imagecodecs
 import numpy as np

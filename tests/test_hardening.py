@@ -5,7 +5,6 @@ locks, real file-size limits."""
 from __future__ import annotations
 
 import json
-import os
 import resource
 import signal
 import subprocess
@@ -124,12 +123,9 @@ def test_one_run_per_folder_and_a_killed_holder_leaves_no_stale_lock(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("train")
-    write_imagefolder(tmp / "src" / "train", {"red": 17, "green": 15, "blue": 13}, seed=0)
-    write_imagefolder(tmp / "src" / "val", {"red": 7, "green": 7, "blue": 7}, seed=1)
-    convert_imagefolder(ConvertConfig(src=tmp / "src", out=tmp / "shards", samples_per_shard=10, progress=False))
-    return tmp / "shards"
+def shards(make_shards) -> Path:
+    return make_shards({"train": {"red": 17, "green": 15, "blue": 13}, "val": {"red": 7, "green": 7, "blue": 7}},
+                       samples_per_shard=10)[1]
 
 
 def test_two_trainings_into_one_out_are_refused(shards, tmp_path):

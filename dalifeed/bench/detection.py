@@ -5,8 +5,6 @@ SSD-style IoU crop, a horizontal flip and a resize to S x S."""
 
 from __future__ import annotations
 
-import json
-from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -14,31 +12,27 @@ import torch
 
 from dalifeed.format import ShardManifest, listing_digest
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
+from dalifeed.tools.coco import SplitPlan, load_instances, plan_split, training_boxes
 
 from .loaders import dataloader_options
 
 DETECTION_LOADERS = ("baseline", "dali-cpu", "dali-gpu")
 
 
-def coco_records(images: Path, annotations: Path, manifest: ShardManifest) -> list[tuple[dict, list[dict]]]:
-    """The image records (with their annotations) a conversion of `annotations` would have converted: those
-    whose file exists, and with `--skip-empty` those with annotations. Sorted by id."""
-    doc = json.loads(Path(annotations).read_text())
-    by_image = defaultdict(list)
-    for ann in doc["annotations"]:
-        by_image[ann["image_id"]].append(ann)
-    skip_empty = manifest.options.get("skip_empty", False)
-    records = {r["id"]: r for r in reversed(doc["images"])}  # the first of a repeated id, as the converter
-    return [(r, by_image[r["id"]]) for _, r in sorted(records.items())
-            if (Path(images) / r["file_name"]).is_file() and not (skip_empty and not by_image[r["id"]])]
+def coco_split(images: Path, annotations: Path, manifest: ShardManifest, split: str) -> SplitPlan:
+    """What a conversion of `annotations` into `split` would convert, planned by the converter itself: the
+    records whose file exists (with `--skip-empty`, only those with annotations), each with its annotations
+    as the shards hold them."""
+    index_of = {cid: i for i, cid in enumerate(manifest.extra["coco"]["category_ids"])}
+    return plan_split(split, Path(images), load_instances(annotations), index_of,
+                      skip_empty=manifest.options.get("skip_empty", False), seed=manifest.options.get("seed", 0))
 
 
 def same_coco_data_problem(images: Path, annotations: Path, manifest: ShardManifest, split: str) -> str | None:
     """None when the COCO source holds exactly the files `split` of the shards was converted from."""
     if manifest.kind != "coco":
         return f"--shards holds {manifest.kind} shards, not COCO (shard-convert coco)"
-    mine = listing_digest((r["file_name"], (Path(images) / r["file_name"]).stat().st_size)
-                          for r, _ in coco_records(images, annotations, manifest))
+    mine = listing_digest(coco_split(images, annotations, manifest, split).entries)
     made_from = manifest.splits[split].listing
     if made_from is not None and mine != made_from:
         return (f"--images/--annotations give {mine['files']} image files ({mine['bytes']} bytes), --shards split "
@@ -50,12 +44,11 @@ class CocoDetection(torch.utils.data.Dataset):
     """COCO records -> (uint8 image tensor, {"boxes": BoundingBoxes xyxy, "labels"}) through transforms.v2:
     what a torchvision reference training script feeds a detector."""
 
-    def __init__(self, images: Path, annotations: Path, manifest: ShardManifest, size: int):
+    def __init__(self, images: Path, annotations: Path, manifest: ShardManifest, split: str, size: int):
         from torchvision.transforms import v2
 
         self.folder = Path(images)
-        self.items = coco_records(images, annotations, manifest)
-        self.index_of = {cid: i for i, cid in enumerate(manifest.extra["coco"]["category_ids"])}
+        self.items = coco_split(images, annotations, manifest, split).items
         self.transform = v2.Compose([v2.RandomIoUCrop(), v2.RandomHorizontalFlip(), v2.Resize((size, size)),
                                      v2.SanitizeBoundingBoxes()])
 
@@ -67,21 +60,16 @@ class CocoDetection(torch.utils.data.Dataset):
         from torchvision import tv_tensors
         from torchvision.transforms.v2 import functional as F
 
-        record, anns = self.items[i]
-        with Image.open(self.folder / record["file_name"]) as img:
+        item = self.items[i]
+        with Image.open(self.folder / item.file_name) as img:
             image = F.pil_to_tensor(img.convert("RGB"))
-        boxes, labels = [], []
-        for a in anns:
-            x, y, w, h = a["bbox"]
-            if a.get("iscrowd", 0) or w <= 0 or h <= 0 or a["category_id"] not in self.index_of:
-                continue
-            boxes.append([x, y, x + w, y + h])
-            labels.append(self.index_of[a["category_id"]])
+        boxes, _, _ = training_boxes(item, [])  # the converter's targets: relative, clipped, non-crowd
         height, width = image.shape[1:]
-        target = {"boxes": tv_tensors.BoundingBoxes(torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4),
-                                                    format="XYXY", canvas_size=(height, width)),
-                  "labels": torch.tensor(labels, dtype=torch.int64), "image_id": record["id"]}
-        target["boxes"] = F.clamp_bounding_boxes(target["boxes"])
+        pixels = torch.tensor([b for b, _ in boxes], dtype=torch.float32).reshape(-1, 4) * \
+            torch.tensor([width, height, width, height], dtype=torch.float32)
+        target = {"boxes": tv_tensors.BoundingBoxes(pixels, format="XYXY", canvas_size=(height, width)),
+                  "labels": torch.tensor([label for _, label in boxes], dtype=torch.int64),
+                  "image_id": item.record["id"]}
         return self.transform(image, target)
 
 
@@ -109,7 +97,7 @@ class NormalizedLists:
 def build_detection_loader(name: str, *, images: Path, annotations: Path, shards: Path, split: str, batch_size: int,
                            image_size: int, workers: int, device: torch.device) -> Iterable:
     if name == "baseline":
-        dataset = CocoDetection(images, annotations, ShardManifest.load(shards), image_size)
+        dataset = CocoDetection(images, annotations, ShardManifest.load(shards), split, image_size)
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
                                              collate_fn=collate_lists, **dataloader_options(workers, device))
         return NormalizedLists(loader, device)

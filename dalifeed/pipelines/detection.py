@@ -23,7 +23,7 @@ from nvidia.dali import fn, pipeline_def, types
 
 from dalifeed.format import ShardManifest
 
-from .graphs import ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, decoder_device
+from .graphs import ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, decoder_device, read_members
 from .loader import DaliLoader, resolve_device
 
 # SSD's sampler (Liu et al. 2016, as DALI's SSD example and torchvision's RandomIoUCrop): minimum IoU of a
@@ -60,13 +60,11 @@ class DetectionConfig:
 def read_detection_shards(paths, index_paths, *, shard_id: int, num_shards: int, shuffle: bool, initial_fill: int,
                           include_crowd: bool):
     """(jpegs, boxes (N, 4) relative xyxy, labels (N,) int32, image ids (1,) int64)."""
-    ext = ["jpg", "boxes", "labels", "id"] + (["crowdboxes", "crowdlabels"] if include_crowd else [])
-    dtypes = [types.UINT8, types.FLOAT, types.INT32, types.INT64] + ([types.FLOAT, types.INT32] if include_crowd else [])
-    jpegs, boxes, labels, ids, *crowd = fn.readers.webdataset(
-        paths=paths, index_paths=index_paths, ext=ext, dtypes=dtypes, missing_component_behavior="error",
-        shard_id=shard_id, num_shards=num_shards, random_shuffle=shuffle, initial_fill=initial_fill,
-        pad_last_batch=True, name="Reader", stick_to_shard=True,
-    )
+    members = {"jpg": types.UINT8, "boxes": types.FLOAT, "labels": types.INT32, "id": types.INT64}
+    if include_crowd:
+        members |= {"crowdboxes": types.FLOAT, "crowdlabels": types.INT32}
+    jpegs, boxes, labels, ids, *crowd = read_members(paths, index_paths, members, shard_id=shard_id,
+                                                     num_shards=num_shards, shuffle=shuffle, initial_fill=initial_fill)
     boxes = fn.reshape(boxes, shape=[-1, 4])
     if include_crowd:
         boxes = fn.cat(boxes, fn.reshape(crowd[0], shape=[-1, 4]), axis=0)

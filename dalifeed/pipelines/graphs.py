@@ -57,19 +57,27 @@ def decoder_device(device: str) -> str:
 ADJUST_ORIENTATION = True
 
 
-def read_shards(paths: list[str], index_paths: list[str], *, shard_id: int, num_shards: int, shuffle: bool,
-                initial_fill: int, label_member: str = "label"):
-    """(jpegs, labels) from webdataset shards; labels are the int64 `.label` members, shape (1,) (ImageFolder
-    shards), or with `label_member="labels"` the int32 `.labels` of COCO shards, shape (N,)."""
-    label_type = types.INT64 if label_member == "label" else types.INT32
-    jpegs, labels = fn.readers.webdataset(
-        paths=paths, index_paths=index_paths, ext=["jpg", label_member], dtypes=[types.UINT8, label_type],
+def read_members(paths: list[str], index_paths: list[str], members: dict, *, shard_id: int, num_shards: int,
+                 shuffle: bool, initial_fill: int):
+    """The reader every dalifeed graph uses: the tar members `members` names (extension -> DALI type) of each
+    sample, in that order. The loaders' epoch contract rests on its sharding arguments."""
+    return fn.readers.webdataset(
+        paths=paths, index_paths=index_paths, ext=list(members), dtypes=list(members.values()),
         missing_component_behavior="error", shard_id=shard_id, num_shards=num_shards,
         random_shuffle=shuffle, initial_fill=initial_fill, pad_last_batch=True, name="Reader",
         # DALI moves each rank to the next shard every epoch unless told to stick; the loader decides the
         # slice itself (a fresh pipeline per training epoch), so every pipeline keeps its own shard.
         stick_to_shard=True,
     )
+
+
+def read_shards(paths: list[str], index_paths: list[str], *, shard_id: int, num_shards: int, shuffle: bool,
+                initial_fill: int, label_member: str = "label"):
+    """(jpegs, labels) from webdataset shards; labels are the int64 `.label` members, shape (1,) (ImageFolder
+    shards), or with `label_member="labels"` the int32 `.labels` of COCO shards, shape (N,)."""
+    label_type = types.INT64 if label_member == "label" else types.INT32
+    jpegs, labels = read_members(paths, index_paths, {"jpg": types.UINT8, label_member: label_type},
+                                 shard_id=shard_id, num_shards=num_shards, shuffle=shuffle, initial_fill=initial_fill)
     return jpegs, labels
 
 

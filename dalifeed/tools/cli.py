@@ -49,31 +49,8 @@ def d(name: str):
     return default(ConvertConfig, name)
 
 
-def jobs_options(command):
-    """--num-jobs / --job-index, shared by the converters."""
-    command = click.option(
-        "--job-index", type=int, default=d("job_index"), show_default=True, envvar="DALIFEED_JOB_INDEX",
-        help="Which part this run converts, 0..N-1 (also $DALIFEED_JOB_INDEX; e.g. $SLURM_ARRAY_TASK_ID or "
-             "$JOB_COMPLETION_INDEX).")(command)
-    return click.option(
-        "--num-jobs", type=int, default=d("num_jobs"), show_default=True,
-        help="Split the conversion into N independent jobs (a Slurm array, a Kubernetes indexed Job): each "
-             "converts its part of the same plan and writes a job record; the last one to finish (or "
-             "`shard-convert merge OUT`) writes manifest.json. See docs/scaling.md.")(command)
-
-
-def staging_option(command):
-    """--staging, shared by the converters: where shards wait for their upload to an s3:// OUT."""
-    return click.option(
-        "--staging", type=click.Path(path_type=Path), default=None,
-        help="With an s3://bucket/prefix OUT: the local folder shards are written to and uploaded from; each is "
-             "deleted once it is in the store, so the folder holds a few shards at most. Default: a folder in "
-             "$TMPDIR named after OUT, removed when done. See docs/storage.md.")(command)
-
-
 def shard_options(command):
-    """The options every converter shares (seed, shard size, encoding, workers, errors, jobs)."""
-    command = staging_option(jobs_options(command))
+    """The options every converter shares (seed, shard size, encoding, workers, errors, jobs, staging)."""
     for option in reversed([
         click.option("--seed", type=int, default=d("seed"), show_default=True,
                      help="Seeds the split and the write-time shuffle. DALI shuffles only inside a buffer, so "
@@ -99,6 +76,17 @@ def shard_options(command):
                      help="skip: list undecodable or non-image files in the manifest's 'skipped' with the reason; "
                           "fail: stop at the first one (exit 1)."),
         click.option("--overwrite", is_flag=True, help="Replace an OUT that was made from other input or options."),
+        click.option("--staging", type=click.Path(path_type=Path), default=None,
+                     help="With an s3://bucket/prefix OUT: the local folder shards are written to and uploaded from; "
+                          "each is deleted once it is in the store, so the folder holds a few shards at most. "
+                          "Default: a folder in $TMPDIR named after OUT, removed when done. See docs/storage.md."),
+        click.option("--num-jobs", type=int, default=d("num_jobs"), show_default=True,
+                     help="Split the conversion into N independent jobs (a Slurm array, a Kubernetes indexed Job): "
+                          "each converts its part of the same plan and writes a job record; the last one to finish "
+                          "(or `shard-convert merge OUT`) writes manifest.json. See docs/scaling.md."),
+        click.option("--job-index", type=int, default=d("job_index"), show_default=True, envvar="DALIFEED_JOB_INDEX",
+                     help="Which part this run converts, 0..N-1 (also $DALIFEED_JOB_INDEX; e.g. "
+                          "$SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX)."),
     ]):
         command = option(command)
     return command

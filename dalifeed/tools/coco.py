@@ -184,9 +184,10 @@ class SplitPlan:
     other_keys: dict  # the instances file's keys besides images/annotations/categories (info, licenses)
 
 
-def plan_split(cfg: CocoConfig, split: str, folder: Path, doc: dict, index_of: dict[int, int]) -> SplitPlan:
+def plan_split(split: str, folder: Path, doc: dict, index_of: dict[int, int], *, skip_empty: bool,
+               seed: int) -> SplitPlan:
     """Index annotations by image once (COCO train2017 has 860k), account for every record, and order the
-    images with the seed."""
+    images with the seed. dali-bench's baseline reads the same items."""
     records, skipped, skipped_anns = {}, [], []
     for position, record in enumerate(doc["images"]):
         if record["id"] in records:
@@ -221,7 +222,7 @@ def plan_split(cfg: CocoConfig, split: str, folder: Path, doc: dict, index_of: d
             skipped.append({"path": record["file_name"], "image_id": image_id, "split": split,
                             "reason": f"missing: {e.strerror or e} ({len(anns)} annotations not converted)"})
             continue
-        if cfg.skip_empty and not anns:
+        if skip_empty and not anns:
             skipped.append({"path": record["file_name"], "image_id": image_id, "split": split,
                             "reason": "no annotations (--skip-empty)"})
             continue
@@ -229,7 +230,7 @@ def plan_split(cfg: CocoConfig, split: str, folder: Path, doc: dict, index_of: d
         entries.append((record["file_name"], st.st_size))
         lines.append(f"{split}\0{record['file_name']}\0{st.st_size}\0{st.st_mtime_ns}\n")
         total += st.st_size
-    random.Random(f"{cfg.seed}:{split}").shuffle(items)
+    random.Random(f"{seed}:{split}").shuffle(items)
     other = {k: v for k, v in doc.items() if k not in REQUIRED_KEYS}
     return SplitPlan(items, skipped, skipped_anns, entries, lines, total, other)
 
@@ -248,7 +249,7 @@ def build_plan(cfg: CocoConfig) -> Plan:
     fingerprint = hashlib.sha256()
     coco_splits = {}
     for split, folder, path, doc in zip(cfg.split, cfg.images, cfg.annotations, docs):
-        part = plan_split(cfg, split, folder, doc, index_of)
+        part = plan_split(split, folder, doc, index_of, skip_empty=cfg.skip_empty, seed=cfg.seed)
         splits[split] = part.items
         skipped += part.skipped
         skipped_anns += part.skipped_annotations

@@ -27,7 +27,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from ..atomic import write_json_atomic
-from ..format import MANIFEST_NAME, ShardInfo, ShardManifest, SplitInfo
+from ..format import MANIFEST_NAME, ShardManifest, SplitInfo
 from ..runtime import LOCK_NAME, DiskFull, FolderInUse, folder_lock, free_bytes, mib
 from .images import DEFAULT_MAX_PIXELS
 from ..storage import StorageError, is_s3_url, parse_s3_url
