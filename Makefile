@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BUILD  ?= build
 
-.PHONY: venv demo test test-fast test-kernels test-gpu lint bench docker clean
+.PHONY: venv demo test test-fast test-kernels test-gpu gpu-check lint bench docker clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,13 @@ lint: venv
 	for f in $(SHELL_SCRIPTS); do bash -n "$$f" || exit 1; done
 	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)
 	$(VENV)/bin/hadolint docker/Dockerfile
+
+# On a GPU node: the gpu tests, every loader, hw_decoder_load, a ResNet-50 training slice, a mixed checkpoint
+# round trip, the collectives -> build/gpu-check/gpu-check.{json,md} (docs/benchmarks.md). On a host without a
+# package registry, name the Python that has the stack: `make gpu-check PY=python3` (no .venv is made then).
+GPU_CHECK_DEPS := $(if $(filter command line,$(origin PY)),,venv)
+gpu-check: $(GPU_CHECK_DEPS)
+	$(PY) -m dalifeed.bench.gpu_check --workdir $(BUILD)/gpu-check $(GPU_CHECK_ARGS)
 
 bench: venv
 	$(PY) -m dalifeed.bench.make_bench --workdir $(BUILD)/bench --doc docs/benchmarks.md

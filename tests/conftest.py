@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu"):  # the marker, not the keyword: a test id like `[gpu]` is not one
             item.add_marker(skip)
 
 

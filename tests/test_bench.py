@@ -22,13 +22,14 @@ def bench_data(make_shards) -> tuple[Path, Path]:
     return make_shards({"a": 21, "b": 19, "c": 17}, size=(40, 52), samples_per_shard=8)
 
 
+@pytest.mark.parametrize("fp16", [False, True])
 @pytest.mark.parametrize("name", ["baseline", "webdataset", "dali-cpu"])
-def test_every_loader_yields_the_same_kind_of_batch(bench_data, name):
+def test_every_loader_yields_the_same_kind_of_batch(bench_data, name, fp16):
     src, shards = bench_data
     loader = build_loader(name, imagefolder=src, shards=shards, split="train", batch_size=4, image_size=24, workers=0,
-                          device=torch.device("cpu"))
+                          device=torch.device("cpu"), fp16=fp16)
     images, labels = next(iter(loader))
-    assert images.shape == (4, 3, 24, 24) and images.dtype == torch.float32
+    assert images.shape == (4, 3, 24, 24) and images.dtype == (torch.float16 if fp16 else torch.float32)
     assert labels.shape == (4,) and labels.dtype == torch.int64 and int(labels.max()) < 3
     # normalised with ImageNet statistics: the conftest images' channel means are known per class
     assert -2.2 < float(images.min()) and float(images.max()) < 2.7
@@ -62,6 +63,7 @@ def test_dali_bench_cli_writes_table_json_and_plot(bench_data, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--loaders", "baseline,turbo"], "unknown turbo"),
     (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--hw-decoder-load", "2"], "--hw-decoder-load must be in [0, 1]"),
 ])
 def test_bad_usage_is_one_line_exit_2(bench_data, args, message):
     src, shards = bench_data

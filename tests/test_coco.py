@@ -375,7 +375,7 @@ def test_dali_bench_detection_races_the_same_data(coco, tmp_path):
                       split="mini", batch_size=2, image_size=48, seconds=0.5, repeats=1, warmup_batches=1, workers=1,
                       out=tmp_path / "bench")
     cfg.validate()
-    assert cfg.loaders == ["baseline", "dali-cpu", "dali-gpu"]
+    assert cfg.loaders == ["baseline", "dali-cpu", "dali-hybrid", "dali-gpu"]
     report = run_bench(cfg, log=lambda msg: None)
     results = {r["loader"]: r for r in report["results"]}
     assert set(results) >= {"baseline", "dali-cpu"} and all(r["images_per_s"] > 0 for r in results.values())

@@ -48,9 +48,10 @@ def test_dali_gpu_loader_in_the_bench(shards):
     assert images.is_cuda and images.shape == (8, 3, 32, 32)
 
 
-def test_gpu_detection_loader_matches_the_cpu_boxes(tmp_path):
-    """The detection graph with `mixed` decoding: validation boxes and labels equal the CPU graph's (the
-    boxes do not depend on the decoder), images close, everything on the GPU."""
+@pytest.mark.parametrize("device", ["gpu", "hybrid"])
+def test_gpu_detection_loader_matches_the_cpu_boxes(tmp_path, device):
+    """The detection graph with `mixed` decoding (or CPU decoding, `hybrid`): validation boxes and labels
+    equal the CPU graph's (the boxes do not depend on the decoder), images close, everything on the GPU."""
     from dalifeed.pipelines import make_detection_loader
     from dalifeed.tools.coco import CocoConfig, convert_coco
     from helpers import write_coco
@@ -58,7 +59,7 @@ def test_gpu_detection_loader_matches_the_cpu_boxes(tmp_path):
     images, annotations = write_coco(tmp_path / "coco")
     out = tmp_path / "out"
     convert_coco(CocoConfig(images=[images], annotations=[annotations], out=out, progress=False, workers=1))
-    gpu = list(make_detection_loader(out, "mini", 4, train=False, size=64, device="gpu"))
+    gpu = list(make_detection_loader(out, "mini", 4, train=False, size=64, device=device))
     cpu = list(make_detection_loader(out, "mini", 4, train=False, size=64, device="cpu"))
     for (gi, gt), (ci, ct) in zip(gpu, cpu):
         assert all(x.is_cuda for x in gi) and all(t["boxes"].is_cuda for t in gt)
@@ -67,6 +68,90 @@ def test_gpu_detection_loader_matches_the_cpu_boxes(tmp_path):
             torch.testing.assert_close(a["boxes"].cpu(), b["boxes"])
         for a, b in zip(gi, ci):
             assert (a.cpu() - b).abs().mean() < 0.05
-    train = make_detection_loader(out, "mini", 4, train=True, size=64, device="gpu")
+    train = make_detection_loader(out, "mini", 4, train=True, size=64, device=device)
     batch_images, targets = next(iter(train))
     assert len(batch_images) == 4 and batch_images[0].shape == (3, 64, 64)
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_hybrid_decodes_on_the_cpu_and_hands_out_gpu_batches(shards, train):
+    """dali-hybrid: the CPU decoder, then crop/resize/normalise on the GPU. Validation (no randomness) agrees
+    closely with the all-CPU graph: the same decoder, resize kernels on another device."""
+    loader = make_loader(shards, "train", 25, train=train, image_size=64, device="hybrid", dtype=torch.float16)
+    batches = [(x.cpu(), y.cpu()) for x, y in loader]
+    assert all(x.dtype == torch.float16 and x.shape[1:] == (3, 64, 64) for x, _ in batches)
+    assert len(batches) == len(loader)
+    if not train:
+        cpu = list(make_loader(shards, "train", 25, train=False, image_size=64, device="cpu", dtype=torch.float16))
+        for (xh, yh), (xc, yc) in zip(batches, cpu):
+            assert torch.equal(yh, yc)
+            assert (xh.float() - xc.float()).abs().mean() < 0.01
+
+
+@pytest.mark.parametrize("name", ["dali-hybrid", "dali-gpu"])
+def test_bench_gpu_loaders_hand_out_fp16_on_the_gpu(shards, name):
+    from dalifeed.bench.loaders import build_loader
+
+    loader = build_loader(name, imagefolder=shards, shards=shards, split="train", batch_size=8, image_size=32,
+                          workers=2, device=torch.device("cuda"), fp16=True, hw_decoder_load=0.99)
+    images, labels = next(iter(loader))
+    assert images.is_cuda and labels.is_cuda and images.dtype == torch.float16 and images.shape == (8, 3, 32, 32)
+
+
+@pytest.mark.parametrize("load", [0.0, 0.99])
+def test_mixed_checkpoint_restores_bit_identical_batches(shards, load):
+    """DALI's checkpoint of a `mixed` random-crop decoder: a fresh loader restored from it yields exactly the
+    batches the first one went on to yield (whichever decoder, hardware or CUDA, took the images)."""
+    from dalifeed.bench.gpu_check import checkpoint_step
+
+    result = checkpoint_step(shards, "gpu", batch_size=8, image_size=32, workers=2, before=3, after=4,
+                             hw_decoder_load=load)
+    assert result["bit_identical"], result
+
+
+def test_nccl_collectives_at_world_size_one():
+    from dalifeed.bench.gpu_check import nccl_step
+
+    result = nccl_step(has_gpu=True)
+    assert result["backend"] == "nccl" and result["ok"], result
+
+
+@pytest.mark.parametrize("extra", [["--device", "hybrid"], ["--device", "gpu", "--amp", "fp16"],
+                                   ["--device", "gpu", "--synthetic", "--channels-last", "--amp", "bf16"]])
+def test_dali_train_on_the_gpu(shards, tmp_path, extra):
+    """One epoch through DALI's iterator into a CUDA model: hybrid decoding, fp16 with GradScaler, bf16
+    channels-last on synthetic data."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dalifeed.train.cli import main as train_cli
+
+    run = tmp_path / "run"
+    result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(run), "--model", "resnet18",
+                                            "--epochs", "1", "--batch-size", "16", "--image-size", "64", *extra])
+    assert result.exit_code == 0, result.output
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["images_per_s"] > 0 and record["gpu_max_memory_gb"] > 0
+
+
+def test_gpu_check_end_to_end_small(tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from dalifeed.bench.gpu_check import main as gpu_check_cli
+
+    workdir = tmp_path / "gc"
+    result = CliRunner().invoke(gpu_check_cli, [
+        "--workdir", str(workdir), "--per-class", "40", "--batch-size", "32", "--image-size", "64", "--seconds", "1",
+        "--repeats", "1", "--model", "resnet18", "--train-epochs", "2", "--hw-loads", "0,0.99",
+        "--steps", "loaders,hw-decoder,train,checkpoint,nccl"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((workdir / "gpu-check.json").read_text())
+    names = [r["loader"] for r in report["loaders"]["results"]]
+    assert names == ["baseline", "webdataset", "dali-cpu", "dali-hybrid", "dali-gpu"]
+    assert [r["hw_decoder_load"] for r in report["hw_decoder"]["runs"]] == [0.0, 0.99]
+    assert report["train"]["loader"] == "dali-gpu" and report["train"]["dali"]["gpu_util_percent"] is not None
+    assert report["checkpoint"]["bit_identical"] and report["nccl"]["ok"]
+    assert report["environment"]["driver"]

@@ -34,5 +34,7 @@ def test_photos_are_imagenet_like_jpegs(tmp_path):
     assert sizes <= {(500, 375), (375, 500)}
     pixels = np.asarray(Image.open(files[0]), dtype=np.float32)
     assert pixels.std() > 10  # a photograph, not a flat fill
-    again = make_photos_imagefolder(tmp_path / "again", per_class=5, seed=0)
-    assert (again / files[0].relative_to(root)).read_bytes() == files[0].read_bytes()
+    again = make_photos_imagefolder(tmp_path / "again", per_class=5, seed=0, workers=2)  # in parallel: same files
+    assert [f.read_bytes() for f in files] == [(again / f.relative_to(root)).read_bytes() for f in files]
+    other = make_photos_imagefolder(tmp_path / "other", per_class=5, seed=1)
+    assert (other / files[0].relative_to(root)).read_bytes() != files[0].read_bytes()

@@ -330,6 +330,7 @@ def test_pretrained_weights_load_and_a_different_head_is_replaced(shards, tmp_pa
     (["--crop-scale", "big"], "expected MIN,MAX"),
     (["--accum-steps", "0"], "--accum-steps must be >= 1"),
     (["--epochs", "0"], "--epochs must be >= 1"),
+    (["--hw-decoder-load", "1.5"], "--hw-decoder-load must be in [0, 1]"),
 ])
 def test_bad_flags_are_one_line_usage_errors(shards, tmp_path, extra, message):
     result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(tmp_path / "bad"), *extra])

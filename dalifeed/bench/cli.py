@@ -20,6 +20,7 @@ from dalifeed.storage import StorageError, is_s3_url, load_manifest
 from dalifeed.atomic import write_json_atomic
 from dalifeed.cliutil import LOCATION, default, run_command
 from dalifeed.pipelines.checks import ShardDataError
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 
 from .detection import DETECTION_LOADERS, build_detection_loader, same_coco_data_problem
 from .loaders import GPU_LOADERS, LOADERS, build_loader
@@ -51,6 +52,8 @@ class BenchConfig:
     model: str | None = None
     model_steps: int = 20
     amp: bool = True  # bf16 autocast for --model, on a GPU (on the CPU it would be emulated)
+    fp16: bool = False  # every loader hands out float16 batches (what an AMP model consumes)
+    hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # dali-gpu: share of JPEGs for the hardware decoder
     allow_different_data: bool = False
 
     def validate(self) -> None:
@@ -80,6 +83,10 @@ class BenchConfig:
                             ("--workers", self.workers), ("--image-size", self.image_size)):
             if value < 1:
                 raise BenchUsageError(f"{name} must be >= 1, got {value}")
+        if not 0 <= self.hw_decoder_load <= 1:
+            raise BenchUsageError(f"--hw-decoder-load must be in [0, 1], got {self.hw_decoder_load}")
+        if self.task == "detection" and self.fp16:
+            raise BenchUsageError("--fp16 applies to --task classify (the detection loaders hand out float32 lists)")
         images = manifest.num_samples(self.split)
         if images < self.batch_size:  # the torch loaders drop partial batches: they would never yield one
             raise BenchUsageError(f"--shards split {self.split!r} holds {images} images, fewer than one batch of "
@@ -144,7 +151,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         else:
             loader = on_device(build_loader(name, imagefolder=cfg.imagefolder, shards=cfg.shards, split=cfg.split,
                                             batch_size=cfg.batch_size, image_size=cfg.image_size,
-                                            workers=cfg.workers, device=device), device)
+                                            workers=cfg.workers, device=device, fp16=cfg.fp16,
+                                            hw_decoder_load=cfg.hw_decoder_load), device)
         timing = time_loader(loader, device, warmup_batches=cfg.warmup_batches, seconds=None if batches else cfg.seconds,
                              batches=batches, repeats=cfg.repeats, cores=len(os.sched_getaffinity(0)))
         record = {"loader": name, "images_per_s": timing.median, "images_per_s_runs": timing.images_per_s,
@@ -312,7 +320,7 @@ def d(name: str):
               help="detection: race make_detection_loader (IoU crop, flip, resize to --image-size square, boxes) "
                    "against a torchvision DataLoader with transforms.v2 (RandomIoUCrop, RandomHorizontalFlip, "
                    "Resize, SanitizeBoundingBoxes) on COCO shards; give --images and --annotations instead of "
-                   "--imagefolder. Loaders: baseline, dali-cpu, dali-gpu.")
+                   "--imagefolder. Loaders: baseline, dali-cpu, dali-hybrid, dali-gpu.")
 @click.option("--images", type=click.Path(path_type=Path), default=None,
               help="--task detection: the image folder the COCO shards were made from.")
 @click.option("--annotations", type=click.Path(path_type=Path), default=None,
@@ -321,7 +329,7 @@ def d(name: str):
               help="The shard folder shard-convert made from the same images (checked: see below), or "
                    "s3://bucket/prefix: DALI then reads the tars from the store (docs/storage.md).")
 @click.option("--loaders", default=",".join(d("loaders")), show_default=True,
-              help="Comma-separated subset to run. dali-gpu is skipped without a GPU.")
+              help="Comma-separated subset to run. dali-hybrid and dali-gpu are skipped without a GPU.")
 @click.option("--split", default=d("split"), show_default=True)
 @click.option("--batch-size", type=int, default=d("batch_size"), show_default=True)
 @click.option("--image-size", type=int, default=d("image_size"), show_default=True)
@@ -333,6 +341,11 @@ def d(name: str):
               help="Untimed batches first.")
 @click.option("--workers", type=int, default=d("workers"), show_default=True,
               help="DataLoader workers and DALI threads alike: the same cores for everyone.")
+@click.option("--fp16", is_flag=True, help="Every loader hands out float16 batches (what an AMP model consumes).")
+@click.option("--hw-decoder-load", type=float, default=d("hw_decoder_load"), show_default=True,
+              help="dali-gpu: share of the JPEGs given to the hardware JPEG decoder of A100/H100-class GPUs (the "
+                   "rest decode on CUDA cores); the best value depends on the GPU and the cores (make gpu-check "
+                   "measures 0, 0.65 and 0.99).")
 @click.option("--model", default=d("model"), help="Also time training steps of this torchvision model per loader, "
                                                   "against synthetic on-device data (e.g. resnet50).")
 @click.option("--model-steps", type=int, default=d("model_steps"), show_default=True)
@@ -352,7 +365,8 @@ def main(debug: bool, **options):
                   normalise on the device, persistent workers, prefetch) -- the fair baseline
       webdataset  plain webdataset over the shards + DataLoader, same transform
       dali-cpu    dalifeed's DALI pipeline on the CPU
-      dali-gpu    dalifeed's DALI pipeline decoding with nvJPEG on the GPU (GPU machines only)
+      dali-hybrid the same graph decoding on the CPU, cropping/resizing/normalising on the GPU (GPU only)
+      dali-gpu    the same graph decoding with nvJPEG on the GPU, everything on the GPU (GPU only)
 
     \b
     Example:

@@ -14,9 +14,9 @@ from dalifeed.format import ShardManifest, listing_digest
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
 from dalifeed.tools.coco import SplitPlan, load_instances, plan_split, training_boxes
 
-from .loaders import dataloader_options
+from .loaders import DALI_DEVICES, dataloader_options
 
-DETECTION_LOADERS = ("baseline", "dali-cpu", "dali-gpu")
+DETECTION_LOADERS = ("baseline", "dali-cpu", "dali-hybrid", "dali-gpu")
 
 
 def coco_split(images: Path, annotations: Path, manifest: ShardManifest, split: str) -> SplitPlan:
@@ -101,9 +101,9 @@ def build_detection_loader(name: str, *, images: Path, annotations: Path, shards
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
                                              collate_fn=collate_lists, **dataloader_options(workers, device))
         return NormalizedLists(loader, device)
-    if name in ("dali-cpu", "dali-gpu"):
+    if name in DALI_DEVICES:
         from dalifeed.pipelines import make_detection_loader
 
         return make_detection_loader(shards, split, batch_size, train=True, size=image_size, num_threads=workers,
-                                     device="gpu" if name == "dali-gpu" else "cpu")
+                                     device=DALI_DEVICES[name])
     raise ValueError(f"unknown detection loader {name!r} (choose from {', '.join(DETECTION_LOADERS)})")

@@ -1,5 +1,6 @@
 """The loaders dali-bench races, all producing the same thing: a normalised float (B, 3, S, S) batch of
-RandomResizedCrop + flip images and int64 labels on the device the model would use.
+RandomResizedCrop + flip images (float32, or float16 with `fp16`) and int64 labels on the device the model
+would use.
 
 The torch baselines get the care the field gives them (timm's PrefetchLoader): workers = cores, uint8
 collate (4x less to pickle and pin than float), pinned memory and normalisation on the GPU when there is
@@ -14,10 +15,12 @@ from typing import Iterable, Iterator
 import torch
 
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD, make_loader
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 from dalifeed.format import ShardManifest
 
-LOADERS = ("baseline", "webdataset", "dali-cpu", "dali-gpu")
-GPU_LOADERS = ("dali-gpu",)  # skipped where there is no GPU
+LOADERS = ("baseline", "webdataset", "dali-cpu", "dali-hybrid", "dali-gpu")
+GPU_LOADERS = ("dali-hybrid", "dali-gpu")  # skipped where there is no GPU
+DALI_DEVICES = {"dali-cpu": "cpu", "dali-hybrid": "hybrid", "dali-gpu": "gpu"}
 
 
 def train_transform(image_size: int):
@@ -30,21 +33,21 @@ class Normalize:
     """uint8 (B, 3, H, W) on the host -> normalised float on `device`: the copy is 4x smaller than a float
     batch and the arithmetic runs on the GPU when there is one."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, fp16: bool = False):
+        self.device, self.dtype = device, torch.float16 if fp16 else torch.float32
         self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         images = images.to(self.device, non_blocking=True).float().sub_(self.mean).div_(self.std)
-        return images, labels.to(self.device, non_blocking=True)
+        return images.to(self.dtype), labels.to(self.device, non_blocking=True)
 
 
 class TorchLoader:
     """A DataLoader of uint8 batches plus the device-side normalisation."""
 
-    def __init__(self, dataloader: torch.utils.data.DataLoader, device: torch.device):
-        self.dataloader, self.normalize = dataloader, Normalize(device)
+    def __init__(self, dataloader: torch.utils.data.DataLoader, device: torch.device, fp16: bool = False):
+        self.dataloader, self.normalize = dataloader, Normalize(device, fp16)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for images, labels in self.dataloader:
@@ -68,19 +71,19 @@ def upright_rgb(path: str):
         return ImageOps.exif_transpose(img).convert("RGB")
 
 
-def baseline_loader(imagefolder: Path, batch_size: int, image_size: int, workers: int,
-                    device: torch.device) -> TorchLoader:
+def baseline_loader(imagefolder: Path, batch_size: int, image_size: int, workers: int, device: torch.device,
+                    fp16: bool = False) -> TorchLoader:
     """torchvision ImageFolder + DataLoader: PIL decodes every JPEG in full on the CPU."""
     from torchvision.datasets import ImageFolder
 
     dataset = ImageFolder(str(imagefolder), transform=train_transform(image_size), loader=upright_rgb)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
                                          **dataloader_options(workers, device))
-    return TorchLoader(loader, device)
+    return TorchLoader(loader, device, fp16)
 
 
 def webdataset_loader(shards: Path, split: str, batch_size: int, image_size: int, workers: int,
-                      device: torch.device) -> TorchLoader:
+                      device: torch.device, fp16: bool = False) -> TorchLoader:
     """Plain webdataset over the same shards: sequential tar reads, PIL decode, same transform."""
     import webdataset as wds
 
@@ -95,20 +98,23 @@ def webdataset_loader(shards: Path, split: str, batch_size: int, image_size: int
         .batched(batch_size, partial=False)
     )
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, **dataloader_options(workers, device))
-    return TorchLoader(loader, device)
+    return TorchLoader(loader, device, fp16)
 
 
-def dali_loader(shards: Path, split: str, batch_size: int, image_size: int, threads: int, gpu: bool) -> Iterable:
-    return make_loader(shards, split, batch_size, device="gpu" if gpu else "cpu", image_size=image_size,
-                       num_threads=threads, train=True, prefetch_queue_depth=2)
+def dali_loader(shards: Path, split: str, batch_size: int, image_size: int, threads: int, device: str,
+                fp16: bool = False, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> Iterable:
+    return make_loader(shards, split, batch_size, device=device, image_size=image_size, num_threads=threads,
+                       train=True, prefetch_queue_depth=2, dtype=torch.float16 if fp16 else torch.float32,
+                       hw_decoder_load=hw_decoder_load)
 
 
 def build_loader(name: str, *, imagefolder: Path, shards: Path, split: str, batch_size: int, image_size: int,
-                 workers: int, device: torch.device) -> Iterable:
+                 workers: int, device: torch.device, fp16: bool = False,
+                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> Iterable:
     if name == "baseline":
-        return baseline_loader(imagefolder, batch_size, image_size, workers, device)
+        return baseline_loader(imagefolder, batch_size, image_size, workers, device, fp16)
     if name == "webdataset":
-        return webdataset_loader(shards, split, batch_size, image_size, workers, device)
-    if name in ("dali-cpu", "dali-gpu"):
-        return dali_loader(shards, split, batch_size, image_size, workers, gpu=name == "dali-gpu")
+        return webdataset_loader(shards, split, batch_size, image_size, workers, device, fp16)
+    if name in DALI_DEVICES:
+        return dali_loader(shards, split, batch_size, image_size, workers, DALI_DEVICES[name], fp16, hw_decoder_load)
     raise ValueError(f"unknown loader {name!r} (choose from {', '.join(LOADERS)})")

@@ -23,7 +23,8 @@ from nvidia.dali import fn, pipeline_def, types
 
 from dalifeed.format import ShardManifest
 
-from .graphs import ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, decoder_device, read_members
+from .graphs import (ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, after_decode, decoder_device,
+                     read_members, uses_gpu)
 from .loader import DaliLoader, resolve_device
 
 # SSD's sampler (Liu et al. 2016, as DALI's SSD example and torchvision's RandomIoUCrop): minimum IoU of a
@@ -85,6 +86,7 @@ def random_crop_and_flip(jpegs, boxes, labels, cfg: DetectionConfig, device: str
         anchor, shape = fn.constant(fdata=[0.0, 0.0]), fn.constant(fdata=[1.0, 1.0])
         images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
                                    adjust_orientation=ADJUST_ORIENTATION)
+    images = after_decode(images, device)
     flip = fn.random.coin_flip(probability=0.5) if cfg.flip else fn.constant(idata=0)
     if cfg.flip:
         boxes = fn.bb_flip(boxes, ltrb=True, horizontal=flip)
@@ -116,8 +118,8 @@ def detection_pipeline(paths: list[str], index_paths: list[str], cfg: DetectionC
     if train:
         images, boxes, labels, window = random_crop_and_flip(jpegs, boxes, labels, cfg, device)
     else:
-        images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
-                                   adjust_orientation=ADJUST_ORIENTATION)
+        images = after_decode(fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
+                                                adjust_orientation=ADJUST_ORIENTATION), device)
         window = None
     images = resize_and_normalize(images, cfg)
     sizes = images.shape()
@@ -126,7 +128,7 @@ def detection_pipeline(paths: list[str], index_paths: list[str], cfg: DetectionC
     boxes = fn.pad(boxes, axes=(0,), fill_value=0)
     labels = fn.pad(labels, axes=(0,), fill_value=-1)
     outputs = [images, boxes, labels, counts, ids, sizes]
-    if device == "gpu":
+    if uses_gpu(device):
         outputs[1:] = [x.gpu() for x in outputs[1:]]
     if debug:
         if window is None:
@@ -189,11 +191,11 @@ def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size:
     detection = DetectionConfig(size=size, min_size=min_size, max_size=max_size, crop=crop, flip=flip,
                                 include_crowd=include_crowd)
     resolved = resolve_device(device)
-    if resolved == "gpu" and device_id is None:
+    if uses_gpu(resolved) and device_id is None:
         device_id = torch.cuda.current_device()
     return DetectionLoader(
         manifest, split, batch_size, train=split.startswith("train") if train is None else train, rank=rank,
         world_size=world_size, seed=seed, device=resolved, augment=AugmentConfig(), detection=detection,
         num_threads=num_threads or len(os.sched_getaffinity(0)), prefetch_queue_depth=prefetch_queue_depth,
-        initial_fill=initial_fill, device_id=device_id if resolved == "gpu" else None, checkpointing=checkpointing,
+        initial_fill=initial_fill, device_id=device_id if uses_gpu(resolved) else None, checkpointing=checkpointing,
         check=check)

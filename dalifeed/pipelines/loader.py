@@ -37,27 +37,29 @@ from dalifeed.format import ShardInfo, ShardManifest
 
 from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, dali_sees_gpu, find_undecodable,
                      index_named_in, indexed_samples, sample_named_in, summarize_dali_error, tar_of_index)
-from .graphs import AugmentConfig, shard_pipeline
+from .graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, AugmentConfig, shard_pipeline, uses_gpu
 
 SHARD_CHECKS = ("size", "sha256")
 
 
 def resolve_device(device: str) -> str:
-    """'auto' -> 'gpu' when both torch and DALI can use a CUDA device, else 'cpu'."""
-    if device not in ("auto", "cpu", "gpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'gpu', got {device!r}")
+    """'auto' -> 'gpu' when both torch and DALI can use a CUDA device, else 'cpu'. 'hybrid' (decode on the
+    CPU, the rest on the GPU) needs a GPU as 'gpu' does."""
+    if device not in ("auto", "cuda", *DEVICES):
+        raise ValueError(f"device must be 'auto', 'cpu', 'gpu' or 'hybrid', got {device!r}")
     if device == "cuda":
         device = "gpu"
     if device == "auto":
         return "gpu" if torch.cuda.is_available() and dali_sees_gpu() else "cpu"
-    if device == "gpu" and not torch.cuda.is_available():
-        raise ValueError("device='gpu' but torch sees no CUDA device")
+    if uses_gpu(device) and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but torch sees no CUDA device")
     return device
 
 
 class DaliLoader:
     """An iterable of `(images, labels)`: images float (B, 3, H, W) or (B, H, W, 3) normalised, labels int64
-    (B,), both on the GPU for device 'gpu' and on the CPU otherwise. See the module docstring for epochs."""
+    (B,), both on the GPU for devices 'gpu' and 'hybrid', on the CPU for 'cpu'. See the module docstring for
+    epochs."""
 
     def __init__(self, manifest: ShardManifest, split: str, batch_size: int, *, train: bool, rank: int,
                  world_size: int, seed: int, device: str, augment: AugmentConfig, num_threads: int,
@@ -248,12 +250,16 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
                 crop_scale: tuple[float, float] = (0.08, 1.0), flip: bool = True,
                 dtype: torch.dtype = torch.float32, channels_last: bool = False, num_threads: int | None = None,
                 prefetch_queue_depth: int = 2, initial_fill: int = 1024, device_id: int | None = None,
-                checkpointing: bool = False, check: str = "size", multilabel: bool = False) -> DaliLoader:
+                checkpointing: bool = False, check: str = "size", multilabel: bool = False,
+                hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> DaliLoader:
     """Batches of split `split` of the shard folder `shards_dir` (a path, or s3://bucket/prefix: DALI then reads
     the tars from the store, docs/storage.md) for this rank; see the module docstring.
 
-    `device`: 'auto' (GPU when torch and DALI see one), 'gpu' or 'cpu'. `device_id` defaults to the current
-    CUDA device (set it from LOCAL_RANK under torchrun). `dtype` float32 or float16; `channels_last` gives
+    `device`: 'auto' (GPU when torch and DALI see one), 'gpu' (nvJPEG decode, GPU augmentation), 'hybrid' (CPU
+    decode, GPU augmentation: for when the GPU's decoder is the bottleneck) or 'cpu'. `hw_decoder_load`:
+    with 'gpu', the share of JPEGs given to the hardware decoder of A100/H100-class GPUs (the rest go to CUDA
+    cores; ignored where there is none). `device_id` defaults to the current CUDA device (set it from
+    LOCAL_RANK under torchrun). `dtype` float32 or float16; `channels_last` gives
     NHWC. `num_threads` defaults to the cores this process may use. `checkpointing` enables DALI's
     checkpointing so that `state_dict()` can be taken mid-epoch (see the module docstring). `check`: what
     is compared with the manifest before reading, 'size' (sizes and indexes: two stats and two small
@@ -266,15 +272,15 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     if multilabel and manifest.kind != "coco":
         raise ValueError(f"{shards_dir}: multi-label targets need COCO shards (.labels members), this is {manifest.kind}")
     resolved = resolve_device(device)
-    if resolved == "gpu" and device_id is None:
+    if uses_gpu(resolved) and device_id is None:
         device_id = torch.cuda.current_device()
     augment = AugmentConfig(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
-                            fp16=dtype == torch.float16, channels_last=channels_last)
+                            fp16=dtype == torch.float16, channels_last=channels_last, hw_decoder_load=hw_decoder_load)
     threads = num_threads or len(os.sched_getaffinity(0))
     return DaliLoader(manifest, split, batch_size, train=split == "train" if train is None else train, rank=rank,
                       world_size=world_size, seed=seed, device=resolved, augment=augment, num_threads=threads,
                       prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
-                      device_id=device_id if resolved == "gpu" else None, checkpointing=checkpointing, check=check,
+                      device_id=device_id if uses_gpu(resolved) else None, checkpointing=checkpointing, check=check,
                       multilabel=multilabel)
 
 

@@ -67,21 +67,34 @@ def _photo_sources() -> dict[str, np.ndarray]:
 
 
 def make_photos_imagefolder(out: Path, per_class: int = 50, seed: int = 0, val_fraction: float = 0.2,
-                            quality: int = 90) -> Path:
+                            quality: int = 90, workers: int = 1) -> Path:
     """Random crops of each photo, resized to 500x375 (or 375x500), lightly colour-jittered, saved as
-    JPEG: the size and compression of a typical ImageNet training image."""
+    JPEG: the size and compression of a typical ImageNet training image. Each class has its own seeded
+    generator, so `workers` processes (one class each) write the same files as one."""
     out = Path(out)
     _reset(out)
-    rng = np.random.default_rng(seed)
     n_val = int(round(per_class * val_fraction))
-    for name, photo in sorted(_photo_sources().items()):
-        source = Image.fromarray(photo)
-        for i in range(per_class):
-            split = "val" if i < n_val else "train"
-            folder = out / split / name
-            folder.mkdir(parents=True, exist_ok=True)
-            _random_view(source, rng).save(folder / f"{name}_{i:05d}.jpg", quality=quality)
+    jobs = [(out, name, photo, per_class, n_val, (seed, index), quality)
+            for index, (name, photo) in enumerate(sorted(_photo_sources().items()))]
+    if workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(min(workers, len(jobs))) as pool:
+            list(pool.map(_write_photo_class, *zip(*jobs)))
+    else:
+        for job in jobs:
+            _write_photo_class(*job)
     return out
+
+
+def _write_photo_class(out: Path, name: str, photo: np.ndarray, per_class: int, n_val: int, seed: tuple[int, int],
+                       quality: int) -> None:
+    rng = np.random.default_rng(seed)
+    source = Image.fromarray(photo)
+    for i in range(per_class):
+        folder = out / ("val" if i < n_val else "train") / name
+        folder.mkdir(parents=True, exist_ok=True)
+        _random_view(source, rng).save(folder / f"{name}_{i:05d}.jpg", quality=quality)
 
 
 def _random_view(photo: Image.Image, rng: np.random.Generator) -> Image.Image:

@@ -95,7 +95,15 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 @click.option("--checkpoint-every", type=int, default=d("checkpoint_every"), show_default=True, metavar="STEPS",
               help="Also save last.pt every STEPS optimizer steps inside an epoch, with DALI's reader state, so "
                    "a resume continues mid-epoch (0: at epoch ends, and when a signal stops the run).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "gpu"]), default=d("device"), show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "gpu", "hybrid"]), default=d("device"), show_default=True,
+              help="auto: the GPU when there is one. hybrid: train on the GPU but decode JPEGs on the CPU (crop, "
+                   "resize and normalise stay on the GPU): for when the GPU's JPEG decoder is the bottleneck.")
+@click.option("--hw-decoder-load", type=float, default=d("hw_decoder_load"), show_default=True,
+              help="On the GPU: share of the JPEGs given to the hardware JPEG decoder of A100/H100-class GPUs "
+                   "(the rest decode on CUDA cores). make gpu-check measures which value is best.")
+@click.option("--synthetic", is_flag=True,
+              help="Train on one real batch handed out again and again (no loading): the speed of the model "
+                   "and optimiser alone. Compare images/s with a run without it to see what loading costs.")
 @click.option("--check-shards", type=click.Choice(["size", "sha256"]), default=d("check_shards"), show_default=True,
               help="Before training, compare every shard with the manifest: size (sizes and DALI indexes, "
                    "instant) or sha256 (also hashes every byte: catches bit flips, costs a full read).")

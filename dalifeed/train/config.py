@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 from dalifeed.storage import is_s3_url
 
 
@@ -46,7 +47,9 @@ class TrainConfig:
     workers: int | None = None  # DALI threads per process; default: the cores this process may use
     profile: int = 0  # write a torch profiler trace of this many steps (0: off)
     checkpoint_every: int = 0  # also save last.pt every this many optimizer steps inside an epoch (0: off)
-    device: str = "auto"  # auto | cpu | gpu
+    device: str = "auto"  # auto | cpu | gpu | hybrid (train on the GPU, decode JPEGs on the CPU)
+    hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # gpu: share of JPEGs for the hardware decoder
+    synthetic: bool = False  # train on one real batch repeated: the speed of the model alone
     check_shards: str = "size"  # size | sha256: what is compared with the manifest before training
 
     def validate(self) -> None:
@@ -71,7 +74,9 @@ class TrainConfig:
             (self.image_size >= 8, f"--image-size must be >= 8, got {self.image_size}"),
             (self.width is None or self.width >= 4, f"--width must be >= 4, got {self.width}"),
             (self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}"),
-            (self.device in ("auto", "cpu", "gpu"), f"--device must be auto, cpu or gpu, got {self.device!r}"),
+            (self.device in ("auto", "cpu", "gpu", "hybrid"),
+             f"--device must be auto, cpu, gpu or hybrid, got {self.device!r}"),
+            (0 <= self.hw_decoder_load <= 1, f"--hw-decoder-load must be in [0, 1], got {self.hw_decoder_load}"),
             (self.profile >= 0, f"--profile must be >= 0, got {self.profile}"),
             (self.workers is None or self.workers >= 1, f"--workers must be >= 1 (DALI threads), got {self.workers}"),
             (self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}"),
@@ -80,6 +85,12 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.device in ("gpu", "hybrid"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"--device {self.device} needs a CUDA GPU, and torch sees none here "
+                                  f"(use --device cpu, or auto)")
         if not is_s3_url(self.data) and not Path(self.data).is_dir():
             raise ConfigError(f"--data {self.data}: no such shard folder")
         if self.pretrained and not Path(self.pretrained).is_file():

@@ -30,7 +30,7 @@ def setup(device: str) -> Dist:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_gpu = device == "gpu" or (device == "auto" and torch.cuda.is_available())
+    use_gpu = device in ("gpu", "hybrid") or (device == "auto" and torch.cuda.is_available())
     if use_gpu:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)

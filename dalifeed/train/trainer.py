@@ -31,6 +31,7 @@ from dalifeed.runtime import DiskFull, Stopped, folder_lock, free_bytes, is_disk
 from . import checkpoint, models
 from .config import ConfigError, TrainConfig
 from .distributed import Dist, all_reduce_min, all_reduce_sum, gather_objects, setup, teardown
+from .synthetic import SyntheticLoader
 
 
 class TrainingDiverged(Exception):
@@ -486,9 +487,10 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
         model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True) if cfg.ema else None
 
     check_batch_fits(cfg, dist, manifest)
-    loader_args = dict(rank=dist.rank, world_size=dist.world_size, device="gpu" if dist.device.type == "cuda" else "cpu",
+    loader_args = dict(rank=dist.rank, world_size=dist.world_size, device=loader_device(cfg, dist),
                        image_size=cfg.image_size, channels_last=cfg.channels_last, num_threads=cfg.workers,
-                       device_id=dist.local_rank if dist.device.type == "cuda" else None, check=cfg.check_shards)
+                       device_id=dist.local_rank if dist.device.type == "cuda" else None, check=cfg.check_shards,
+                       hw_decoder_load=cfg.hw_decoder_load)
     # DALI's checkpointing costs nothing measurable (docs; 575-625 images/s either way here) and lets any
     # step become a mid-epoch checkpoint: when --checkpoint-every says, and when a signal stops the run
     loader_args["multilabel"] = cfg.task == "multilabel"
@@ -496,6 +498,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
                                flip=cfg.flip, checkpointing=True, train=True, **loader_args)
     val_loader = make_loader(cfg.data, cfg.val_split, cfg.batch_size, seed=cfg.seed, train=False, **loader_args) \
         if cfg.val_split in manifest.splits and manifest.num_samples(cfg.val_split) else None
+    if cfg.synthetic:
+        train_loader = SyntheticLoader(train_loader)
 
     global_batch = cfg.batch_size * dist.world_size * cfg.accum_steps
     lr = cfg.lr * global_batch / 256
@@ -526,9 +530,17 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     if dist.is_main:
         where = f", batch {midway['loaders'][0]['batches_done']} of {len(train_loader)}" if midway else ""
         print(f"global batch {global_batch} (lr {lr:.4g}), {steps_per_epoch} steps/epoch, "
-              f"amp {dtype or 'off'}, starting at epoch {state.epoch}{where}")
+              f"amp {dtype or 'off'}, starting at epoch {state.epoch}{where}"
+              + (", synthetic data (one batch, repeated)" if cfg.synthetic else ""))
     return Run(cfg, dist, manifest, model, train_model, ema, optimizer, scheduler, scaler, dtype, train_loader,
                val_loader, state, log, make_profiler(cfg, out, dist), midway)
+
+
+def loader_device(cfg: TrainConfig, dist: Dist) -> str:
+    """Where the pipeline decodes: on the training device, except that --device hybrid decodes on the CPU."""
+    if dist.device.type != "cuda":
+        return "cpu"
+    return "hybrid" if cfg.device == "hybrid" else "gpu"
 
 
 def check_resumable(cfg: TrainConfig, dist: Dist, resume: dict, manifest: ShardManifest) -> None:

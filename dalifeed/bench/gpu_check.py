@@ -1,0 +1,559 @@
+"""`make gpu-check`: prove the GPU stack of one node in one command, and write down what it measured.
+
+    python -m dalifeed.bench.gpu_check --workdir build/gpu-check          # what `make gpu-check` runs
+    python -m dalifeed.bench.gpu_check --steps loaders,hw-decoder         # some steps; the report merges
+
+Steps, in order (each adds its section to WORKDIR/gpu-check.json and gpu-check.md):
+
+- tests       the `gpu`-marked tests (pytest -m gpu), from a source checkout
+- loaders     dali-bench with every loader on the ImageNet-like photo set: batch 256, 224 px, fp16 output
+- hw-decoder  dali-gpu at each --hw-loads value, with NVML's JPEG-engine utilisation: whether the hardware
+              decoder is used, and the best share for this GPU and these cores
+- train       a slice of dali-train (ResNet-50, --amp bf16 --channels-last) on the shards, against the same
+              command with --synthetic (one batch repeated): images/s, data wait, GPU utilisation
+- checkpoint  a `mixed` loader's DALI checkpoint: time to save and restore, and whether the restored
+              batches are bit-identical to the ones an uninterrupted loader yields
+- nccl        the collective code path (all-reduce, gather, DDP backward) at world size 1: one GPU cannot
+              run two NCCL processes
+
+Where there is no GPU it stops with exit 2 unless --allow-cpu (then it runs every step that can run on
+the CPU: that is how the check itself is tested).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import click
+import torch
+
+from dalifeed.atomic import write_atomic, write_json_atomic
+from dalifeed.cliutil import default, run_command
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+
+STEPS = ("tests", "loaders", "hw-decoder", "train", "checkpoint", "nccl")
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the source checkout holding dalifeed/ and tests/
+GOAL_SPEEDUP = 8.0  # dali-gpu against the DataLoader with workers = cores
+GOAL_TRAIN_SHARE = 0.95  # training on dali-gpu against the same trainer on synthetic data
+
+
+class CheckUsageError(Exception):
+    """A check that cannot run here: one line, exit 2."""
+
+
+@dataclass
+class GpuCheckConfig:
+    workdir: Path = Path("build/gpu-check")
+    steps: list[str] = field(default_factory=lambda: list(STEPS))
+    per_class: int = 1250  # 8 classes: 10,000 photos, 8,000 of them in train
+    batch_size: int = 256
+    image_size: int = 224
+    seconds: float = 10.0
+    repeats: int = 3
+    workers: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+    hw_loads: list[float] = field(default_factory=lambda: [0.0, 0.65, 0.99])
+    model: str = "resnet50"
+    width: int | None = None
+    amp: str = "bf16"
+    train_epochs: int = 4  # the first is warm-up (cuDNN autotuning, allocator); the rest are reported
+    allow_cpu: bool = False
+
+    def validate(self, has_gpu: bool) -> None:
+        unknown = [s for s in self.steps if s not in STEPS]
+        if unknown:
+            raise CheckUsageError(f"--steps: unknown {', '.join(unknown)} (choose from {', '.join(STEPS)})")
+        if not has_gpu and not self.allow_cpu:
+            raise CheckUsageError("no CUDA GPU visible to both torch and DALI here (torch.cuda.is_available() "
+                                  f"is {torch.cuda.is_available()}): gpu-check proves a GPU node; run it on one "
+                                  "(or pass --allow-cpu to exercise the check itself on the CPU)")
+        for name, value in (("--per-class", self.per_class), ("--batch-size", self.batch_size),
+                            ("--repeats", self.repeats), ("--workers", self.workers),
+                            ("--train-epochs", self.train_epochs)):
+            if value < 1:
+                raise CheckUsageError(f"{name} must be >= 1, got {value}")
+        if any(not 0 <= load <= 1 for load in self.hw_loads):
+            raise CheckUsageError(f"--hw-loads must lie in [0, 1], got {self.hw_loads}")
+
+    def to_json(self) -> dict:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}
+
+
+# -- what the node is ------------------------------------------------------------------------------
+
+def environment(has_gpu: bool) -> dict:
+    from importlib import metadata
+
+    from .cli import environment as bench_environment
+
+    env = bench_environment()
+    env.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if has_gpu else None,
+               hw_decoder_load_default=DEFAULT_HW_DECODER_LOAD)
+    for name in ("nvidia-nvimgcodec-cu13", "nvidia-nvimgcodec-cu12", "nvidia-nvjpeg", "nvidia-nvjpeg-cu12"):
+        try:
+            env[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    if has_gpu:
+        env["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        env["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        env["driver"] = nvml_call(lambda nvml, handle: nvml.nvmlSystemGetDriverVersion())
+    return env
+
+
+def nvml_call(read, index: int = 0):
+    """`read(pynvml, handle)`, or None where NVML is missing or does not answer that question."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return read(pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
+    except Exception:
+        return None
+
+
+class GpuSampler:
+    """Mean GPU and JPEG-engine (NVJPG: the hardware JPEG decoder) utilisation over a `with` block, read
+    from NVML every 100 ms. Empty on a machine without NVML."""
+
+    def __init__(self, period: float = 0.1):
+        self.period, self.gpu, self.jpeg = period, [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            util = nvml_call(lambda nvml, handle: nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            jpeg = nvml_call(lambda nvml, handle: nvml.nvmlDeviceGetJpgUtilization(handle)[0])
+            if util is not None:
+                self.gpu.append(util)
+            if jpeg is not None:
+                self.jpeg.append(jpeg)
+
+    def __enter__(self) -> "GpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        return {"gpu_util_percent": statistics.fmean(self.gpu) if self.gpu else None,
+                "jpeg_engine_util_percent": statistics.fmean(self.jpeg) if self.jpeg else None}
+
+
+# -- the steps -------------------------------------------------------------------------------------
+
+def gpu_tests(cfg: GpuCheckConfig) -> dict:
+    tests = PACKAGE_ROOT / "tests"
+    if not tests.is_dir():
+        return {"skipped": f"no tests/ next to the dalifeed package ({PACKAGE_ROOT}): run from a source checkout"}
+    report = cfg.workdir / "gpu-tests.xml"
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={report}",
+               str(tests)]
+    exit_code = subprocess.run(command, cwd=PACKAGE_ROOT).returncode
+    if not report.is_file():
+        return {"command": shlex.join(command), "exit_code": exit_code, "failed": 1, "passed": 0, "skipped": 0,
+                "failures": ["pytest wrote no report"]}
+    suite = ElementTree.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    total, skipped = int(suite.get("tests", 0)), int(suite.get("skipped", 0))
+    failures = [f"{case.get('classname')}.{case.get('name')}" for case in suite.iter("testcase")
+                if case.find("failure") is not None or case.find("error") is not None]
+    return {"command": shlex.join(command), "exit_code": exit_code, "passed": total - skipped - len(failures),
+            "failed": len(failures), "skipped": skipped, "failures": failures}
+
+
+def photo_shards(cfg: GpuCheckConfig, log) -> tuple[Path, Path]:
+    """The ImageNet-like photo set and its shards, built once per --per-class and reused by later calls."""
+    from dalifeed.format import ShardManifest
+    from dalifeed.tools import ConvertConfig, convert_imagefolder
+    from dalifeed.tools.sample_data import make_photos_imagefolder
+
+    photos, shards = cfg.workdir / "photos", cfg.workdir / "photos-shards"
+    stamp = cfg.workdir / "photos.json"
+    wanted = {"per_class": cfg.per_class, "seed": 0}
+    if stamp.is_file() and json.loads(stamp.read_text()) == wanted and (shards / "manifest.json").is_file():
+        return photos, shards
+    log(f"building {cfg.per_class} photos per class (8 classes) and their shards in {cfg.workdir} ...")
+    stamp.unlink(missing_ok=True)
+    make_photos_imagefolder(photos, per_class=cfg.per_class, seed=0, workers=cfg.workers)
+    if shards.exists():
+        shutil.rmtree(shards)
+    convert_imagefolder(ConvertConfig(src=photos, out=shards, samples_per_shard=256, workers=cfg.workers,
+                                      progress=False))
+    ShardManifest.load(shards)
+    write_json_atomic(stamp, wanted)
+    return photos, shards
+
+
+def bench_config(cfg: GpuCheckConfig, photos: Path, shards: Path, loaders: list[str], out: str, **overrides):
+    from .cli import BenchConfig
+
+    bench = BenchConfig(imagefolder=photos / "train", shards=shards, loaders=loaders, out=cfg.workdir / out,
+                        batch_size=cfg.batch_size, image_size=cfg.image_size, seconds=cfg.seconds,
+                        repeats=cfg.repeats, workers=cfg.workers, fp16=True, **overrides)
+    bench.validate()
+    return bench
+
+
+def loaders_step(cfg: GpuCheckConfig, photos: Path, shards: Path, log) -> dict:
+    from .cli import plot, run_bench
+    from .loaders import LOADERS
+
+    bench = bench_config(cfg, photos, shards, list(LOADERS), "loaders")
+    report = run_bench(bench, log=log)
+    bench.out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(bench.out / "bench.json", report)
+    plot(report, bench.out / "bench.png")
+    return report
+
+
+def hw_decoder_step(cfg: GpuCheckConfig, photos: Path, shards: Path, has_gpu: bool, log) -> dict:
+    """dali-gpu at each hardware-decoder share, with the JPEG engine's utilisation while it runs."""
+    from .cli import run_bench
+
+    if not has_gpu:
+        return {"skipped": "no GPU"}
+    runs = []
+    for load in cfg.hw_loads:
+        bench = bench_config(cfg, photos, shards, ["dali-gpu"], f"hw-{load:g}", hw_decoder_load=load)
+        log(f"hw_decoder_load {load:g}:")
+        with GpuSampler() as gpu:
+            report = run_bench(bench, log=log)
+        result = report["results"][0]
+        runs.append({"hw_decoder_load": load, "images_per_s": result["images_per_s"],
+                     "images_per_s_runs": result["images_per_s_runs"], **gpu.summary()})
+    best = max(runs, key=lambda r: r["images_per_s"])
+    engine = [r["jpeg_engine_util_percent"] for r in runs if r["hw_decoder_load"] > 0]
+    used = None if not engine or None in engine else any(u > 0 for u in engine)
+    return {"runs": runs, "best_hw_decoder_load": best["hw_decoder_load"], "hardware_decoder_used": used}
+
+
+def train_command(cfg: GpuCheckConfig, shards: Path, out: Path, has_gpu: bool, synthetic: bool) -> list[str]:
+    command = [sys.executable, "-m", "dalifeed.train.cli", "--data", str(shards), "--out", str(out),
+               "--model", cfg.model, "--epochs", str(cfg.train_epochs), "--batch-size", str(cfg.batch_size),
+               "--image-size", str(cfg.image_size), "--amp", cfg.amp if has_gpu else "off", "--channels-last",
+               "--val-split", "none", "--warmup-epochs", "0", "--workers", str(cfg.workers),
+               "--device", "gpu" if has_gpu else "cpu"]
+    if cfg.width:
+        command += ["--width", str(cfg.width)]
+    # a torch profiler trace of steps 3-7 of the first epoch (which the numbers leave out): where the time
+    # goes when a goal is missed
+    return command + (["--synthetic"] if synthetic else ["--profile", "5"])
+
+
+def train_step(cfg: GpuCheckConfig, shards: Path, has_gpu: bool, log) -> dict:
+    """The same dali-train command on the shards and on synthetic data; epochs after the first compared."""
+    runs = {}
+    for name, synthetic in (("dali", False), ("synthetic", True)):
+        out = cfg.workdir / f"train-{name}"
+        if out.exists():
+            shutil.rmtree(out)
+        command = train_command(cfg, shards, out, has_gpu, synthetic)
+        log(f"train ({name}): {shlex.join(command)}")
+        out.mkdir(parents=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_ROOT),
+                                                                        os.environ.get("PYTHONPATH")])))
+        with GpuSampler() as gpu, open(out / "train.log", "w") as output:
+            exit_code = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, env=env).returncode
+        if exit_code != 0:
+            tail = (out / "train.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
+            raise RuntimeError(f"dali-train ({name}) exited {exit_code}: {tail[0]} (log: {out / 'train.log'})")
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        steady = records[1:] or records
+        trace = out / "profile_trace.json"
+        runs[name] = {"command": shlex.join(command), "epochs_reported": len(steady),
+                      "profile_trace": str(trace) if trace.is_file() else None,
+                      "images_per_s": statistics.median(r["images_per_s"] for r in steady),
+                      "images_per_s_epochs": [r["images_per_s"] for r in steady],
+                      "data_wait_share": statistics.median(r["data_wait_share"] for r in steady), **gpu.summary()}
+    share = runs["dali"]["images_per_s"] / runs["synthetic"]["images_per_s"]
+    return {"model": cfg.model, "loader": "dali-gpu" if has_gpu else "dali-cpu", "amp": cfg.amp if has_gpu else "off",
+            "channels_last": True,
+            "batch_size": cfg.batch_size, **runs, "dali_vs_synthetic": share}
+
+
+def checkpoint_step(shards: Path, device: str, batch_size: int, image_size: int, workers: int,
+                    before: int = 3, after: int = 3, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> dict:
+    """Take `before` batches, save the loader's state, take `after` more; a fresh loader restored from the
+    state must yield exactly those `after` batches."""
+    from dalifeed.pipelines import make_loader
+
+    def loader():
+        return make_loader(shards, "train", batch_size, device=device, image_size=image_size, num_threads=workers,
+                           train=True, checkpointing=True, dtype=torch.float16, seed=0, hw_decoder_load=hw_decoder_load)
+
+    def on_host(batch):
+        return tuple(t.detach().cpu().clone() for t in batch)
+
+    first = loader()
+    if len(first) < before + after:
+        raise RuntimeError(f"the checkpoint step needs {before + after} batches of {batch_size}; the split has "
+                           f"{len(first)}: use a larger --per-class or a smaller --batch-size")
+    started = time.perf_counter()
+    batches = iter(first)
+    next(batches)
+    first_batch_s = time.perf_counter() - started
+    for _ in range(before - 1):
+        next(batches)
+    started = time.perf_counter()
+    state = first.state_dict()
+    save_s = time.perf_counter() - started
+    expected = [on_host(next(batches)) for _ in range(after)]
+    del batches, first
+    second = loader()
+    started = time.perf_counter()
+    second.load_state_dict(state)
+    resumed = iter(second)
+    got = [on_host(next(resumed))]
+    restore_s = time.perf_counter() - started
+    got += [on_host(next(resumed)) for _ in range(after - 1)]
+    identical = all(torch.equal(a, b) for pair in zip(expected, got) for a, b in zip(*pair))
+    difference = max(float((a.float() - b.float()).abs().max()) for (a, _), (b, _) in zip(expected, got))
+    return {"device": device, "hw_decoder_load": hw_decoder_load, "first_batch_seconds": first_batch_s, "save_seconds": save_s,
+            "restore_to_first_batch_seconds": restore_s, "state_bytes": len(state["dali"] or ""),
+            "batches_compared": after, "bit_identical": identical, "max_abs_difference": difference}
+
+
+def nccl_step(has_gpu: bool) -> dict:
+    """dalifeed's collectives and a DDP backward in a process group of one (NCCL on a GPU, gloo without)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dalifeed.train.distributed import all_reduce_min, all_reduce_sum, gather_objects
+
+    backend = "nccl" if has_gpu else "gloo"
+    device = torch.device("cuda", 0) if has_gpu else torch.device("cpu")
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if has_gpu else None)
+    try:
+        summed = all_reduce_sum(torch.ones(2, device=device)).tolist()
+        least = all_reduce_min(torch.tensor([3.0], device=device)).item()
+        gathered = gather_objects({"rank": 0})
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(8, 2).to(device), device_ids=[0] if has_gpu else None)
+        model(torch.randn(4, 8, device=device)).square().sum().backward()
+        grads = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+    ok = summed == [1.0, 1.0] and least == 3.0 and gathered == [{"rank": 0}] and grads
+    note = "one GPU: NCCL between two processes cannot run here; this is the same code at world size 1" if has_gpu \
+        else "no GPU: gloo, the CPU backend, in place of NCCL"
+    return {"backend": backend, "world_size": 1, "ok": ok, "note": note}
+
+
+# -- the report ------------------------------------------------------------------------------------
+
+def goals(report: dict) -> list[dict]:
+    found = []
+    loaders = {r["loader"]: r for r in (report.get("loaders") or {}).get("results", [])}
+    if "dali-gpu" in loaders and loaders["dali-gpu"]["speedup_vs_baseline"]:
+        speedup = loaders["dali-gpu"]["speedup_vs_baseline"]
+        found.append({"goal": f"dali-gpu >= {GOAL_SPEEDUP:g}x the DataLoader baseline", "value": f"{speedup:.2f}x",
+                      "met": speedup >= GOAL_SPEEDUP})
+    train = report.get("train") or {}
+    if "dali_vs_synthetic" in train:
+        share = train["dali_vs_synthetic"]
+        found.append({"goal": f"{train['model']} training on {train['loader']} within {1 - GOAL_TRAIN_SHARE:.0%} of "
+                              f"synthetic data",
+                      "value": f"{share:.1%}", "met": share >= GOAL_TRAIN_SHARE})
+    return found
+
+
+def render_markdown(report: dict) -> str:
+    from .cli import render_table
+
+    env = report["environment"]
+    lines = [f"## gpu-check {env['date']}", "",
+             f"GPU {env.get('gpu') or 'none'} (compute {env.get('gpu_capability', '-')}, "
+             f"{env.get('gpu_memory_gb', '-')} GiB), driver {env.get('driver') or '-'}, CUDA {env.get('cuda')}, "
+             f"cuDNN {env.get('cudnn')}; {env['cores']} cores ({env['cpu']}); torch {env['torch']}, torchvision "
+             f"{env['torchvision']}, DALI {env['dali']}, webdataset {env['webdataset']}, Python {env['python']}.", ""]
+    tests = report.get("tests")
+    if tests:
+        lines += ["### gpu tests", "", tests.get("skipped") if isinstance(tests.get("skipped"), str) else
+                  f"{tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped"
+                  + (f": {', '.join(tests['failures'])}" if tests.get("failures") else ""), ""]
+    if report.get("loaders"):
+        cfg = report["loaders"]["config"]
+        lines += ["### Loaders", "", f"{report['loaders']['dataset']['images']} photos, batch {cfg['batch_size']}, "
+                  f"{cfg['image_size']} px, fp16 output, {cfg['workers']} workers/threads, median of "
+                  f"{cfg['repeats']} x {cfg['seconds']} s:", "", render_table(report["loaders"]), ""]
+    hw = report.get("hw_decoder")
+    if hw and "runs" in hw:
+        used = {True: "yes", False: "no (NVML saw the JPEG engine idle)", None: "unknown (NVML reports no "
+                "JPEG-engine utilisation here)"}[hw["hardware_decoder_used"]]
+        lines += ["### hw_decoder_load (dali-gpu)", "", "| hw_decoder_load | images/s (median) | runs | JPEG engine % "
+                  "| GPU % |", "|---|---|---|---|---|"]
+        for r in hw["runs"]:
+            lines.append(f"| {r['hw_decoder_load']:g} | {r['images_per_s']:.0f} | "
+                         f"{', '.join(f'{x:.0f}' for x in r['images_per_s_runs'])} | "
+                         f"{percent(r['jpeg_engine_util_percent'])} | {percent(r['gpu_util_percent'])} |")
+        lines += ["", f"Hardware JPEG decoder used: {used}. Best hw_decoder_load here: {hw['best_hw_decoder_load']:g}.",
+                  ""]
+    elif hw:
+        lines += ["### hw_decoder_load", "", f"skipped: {hw['skipped']}", ""]
+    train = report.get("train")
+    if train:
+        lines += [f"### {train['model']} training slice (amp {train['amp']}, channels-last, batch "
+                  f"{train['batch_size']})", "", "| data | images/s (median of epochs) | data wait | GPU % |",
+                  "|---|---|---|---|"]
+        for name, label in (("dali", train["loader"]), ("synthetic", "synthetic (one batch, repeated)")):
+            r = train[name]
+            lines.append(f"| {label} | {r['images_per_s']:.0f} | {r['data_wait_share']:.1%} | "
+                         f"{percent(r['gpu_util_percent'])} |")
+        lines += ["", f"{train['loader']} / synthetic: {train['dali_vs_synthetic']:.1%}; the commands are in "
+                  f"gpu-check.json" + (f", a torch profiler trace of 5 steps of the {train['loader']} run in "
+                                       f"`{train['dali']['profile_trace']}`" if train["dali"].get("profile_trace")
+                                       else "") + ".", ""]
+    ckpt = report.get("checkpoint")
+    if ckpt:
+        lines += ["### Mid-epoch DALI checkpoint", "",
+                  f"`{ckpt['device']}` loader: save {ckpt['save_seconds'] * 1000:.1f} ms ({ckpt['state_bytes']} bytes), "
+                  f"restore to first batch {ckpt['restore_to_first_batch_seconds']:.2f} s (a fresh loader's first "
+                  f"batch: {ckpt['first_batch_seconds']:.2f} s); {ckpt['batches_compared']} restored batches "
+                  f"bit-identical: {'yes' if ckpt['bit_identical'] else 'NO'} (max difference "
+                  f"{ckpt['max_abs_difference']:g}).", ""]
+    nccl = report.get("nccl")
+    if nccl:
+        lines += ["### Collectives", "", f"{nccl['backend']} at world size 1: {'ok' if nccl['ok'] else 'FAILED'} "
+                  f"({nccl['note']}).", ""]
+    if report.get("goals"):
+        lines += ["### Goals", "", "| goal | measured | met |", "|---|---|---|"]
+        lines += [f"| {g['goal']} | {g['value']} | {'yes' if g['met'] else 'no'} |" for g in report["goals"]]
+        lines.append("")
+    if report.get("errors"):
+        lines += ["### Steps that failed", ""] + [f"- {step}: {error}" for step, error in report["errors"].items()]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+def run_check(cfg: GpuCheckConfig, log=print) -> dict:
+    """Run cfg.steps; merge their sections into WORKDIR/gpu-check.json (earlier calls' sections are kept)."""
+    from dalifeed.pipelines.checks import dali_sees_gpu
+
+    has_gpu = torch.cuda.is_available() and dali_sees_gpu()
+    cfg.validate(has_gpu)
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    path = cfg.workdir / "gpu-check.json"
+    report = json.loads(path.read_text()) if path.is_file() else {}
+    report.update(config=cfg.to_json(), environment=environment(has_gpu))
+    env = report["environment"]
+    log(f"gpu-check: {env.get('gpu') or 'no GPU'}, driver {env.get('driver') or '-'}, CUDA {env['cuda']}, torch "
+        f"{env['torch']}, DALI {env['dali']}, {env['cores']} cores; hw_decoder_load default "
+        f"{env['hw_decoder_load_default']}")
+    errors = report.setdefault("errors", {})
+    data = None
+    for step in cfg.steps:
+        log(f"== {step}")
+        try:
+            if step in ("loaders", "hw-decoder", "train", "checkpoint") and data is None:
+                data = photo_shards(cfg, log)
+            if step == "tests":
+                report["tests"] = gpu_tests(cfg)
+            elif step == "loaders":
+                report["loaders"] = loaders_step(cfg, *data, log)
+            elif step == "hw-decoder":
+                report["hw_decoder"] = hw_decoder_step(cfg, *data, has_gpu, log)
+            elif step == "train":
+                report["train"] = train_step(cfg, data[1], has_gpu, log)
+            elif step == "checkpoint":
+                report["checkpoint"] = checkpoint_step(data[1], "gpu" if has_gpu else "cpu", cfg.batch_size,
+                                                       cfg.image_size, cfg.workers)
+            elif step == "nccl":
+                report["nccl"] = nccl_step(has_gpu)
+            errors.pop(step, None)
+        except Exception as e:  # one step failing must not hide what the others measure
+            errors[step] = f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"
+            log(f"{step}: FAILED: {errors[step]}")
+    report["goals"] = goals(report)
+    write_json_atomic(path, report)
+    write_atomic(cfg.workdir / "gpu-check.md", render_markdown(report).encode())
+    return report
+
+
+def failed(report: dict) -> bool:
+    tests = report.get("tests") or {}
+    checks = [report.get("checkpoint", {}).get("bit_identical", True), report.get("nccl", {}).get("ok", True)]
+    return bool(report.get("errors")) or bool(tests.get("failed")) or not all(checks)
+
+
+def d(name: str):
+    return default(GpuCheckConfig, name)
+
+
+def split_list(kind):
+    def parse(ctx, param, value: str):
+        try:
+            return [kind(v.strip()) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise click.BadParameter(f"a comma-separated list of {kind.__name__} values, got {value!r}") from None
+    return parse
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--workdir", type=click.Path(path_type=Path), default=d("workdir"), show_default=True,
+              help="Photos, shards, runs, gpu-check.json and gpu-check.md. Reused by later calls.")
+@click.option("--steps", default=",".join(d("steps")), show_default=True, callback=split_list(str),
+              help="Comma-separated subset, run in the order given; a later call adds its sections to the report.")
+@click.option("--per-class", type=int, default=d("per_class"), show_default=True,
+              help="Photos per class of the ImageNet-like set (8 classes, 80% train).")
+@click.option("--batch-size", type=int, default=d("batch_size"), show_default=True)
+@click.option("--image-size", type=int, default=d("image_size"), show_default=True)
+@click.option("--seconds", type=float, default=d("seconds"), show_default=True, help="Each timed loader run.")
+@click.option("--repeats", type=int, default=d("repeats"), show_default=True, help="Timed runs per loader (median).")
+@click.option("--workers", type=int, default=d("workers"), show_default=True,
+              help="DataLoader workers and DALI threads (default: the cores this process may use).")
+@click.option("--hw-loads", default=",".join(f"{v:g}" for v in d("hw_loads")), show_default=True,
+              callback=split_list(float),
+              help="hw_decoder_load values the hw-decoder step measures dali-gpu at.")
+@click.option("--model", default=d("model"), show_default=True, help="torchvision model of the training slice.")
+@click.option("--width", type=int, default=d("width"), help="ResNets: stage width of the training slice's model.")
+@click.option("--amp", type=click.Choice(["bf16", "fp16", "off"]), default=d("amp"), show_default=True,
+              help="Precision of the training slice (on the CPU: off).")
+@click.option("--train-epochs", type=int, default=d("train_epochs"), show_default=True,
+              help="Epochs of each training slice; the first is warm-up and not reported.")
+@click.option("--allow-cpu", is_flag=True, help="Run what can run without a GPU (to test the check itself).")
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+def main(debug: bool, **options) -> None:
+    """Prove the GPU stack of this node: the gpu tests, every loader against the DataLoader, the hardware
+    JPEG decoder's share, a ResNet-50 training slice against synthetic data, a mixed-decoder checkpoint
+    round trip and the collectives; writes WORKDIR/gpu-check.json and gpu-check.md and prints the latter.
+
+    \b
+    Example (on a GPU node, from the source checkout):
+      make gpu-check                                    # every step
+      python -m dalifeed.bench.gpu_check --steps train  # one step again; the report keeps the others
+
+    Exit codes: 0 every step ran and passed; 1 a step failed (named in the report), a gpu test failed, or a
+    restored checkpoint differed; 2 no GPU here (without --allow-cpu) or a bad option.
+    """
+    cfg = GpuCheckConfig(**options)
+    report = run_command(lambda: run_check(cfg, log=lambda msg: click.echo(msg, err=True)), debug=debug,
+                         usage_errors=(CheckUsageError,), log=lambda: None,
+                         stopped=lambda e: "gpu-check.json holds what earlier calls measured, not this one")
+    click.echo(render_markdown(report))
+    click.echo(f"wrote {cfg.workdir / 'gpu-check.json'} and {cfg.workdir / 'gpu-check.md'}", err=True)
+    if failed(report):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
