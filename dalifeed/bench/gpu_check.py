@@ -32,7 +32,7 @@ import sys
 import threading
 import time
 import xml.etree.ElementTree as ElementTree
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import click
@@ -107,17 +107,27 @@ def environment(has_gpu: bool) -> dict:
     if has_gpu:
         env["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
         env["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-        env["driver"] = nvml_call(lambda nvml, handle: nvml.nvmlSystemGetDriverVersion())
+        env["driver"] = nvml_call(lambda nvml, handle: nvml.nvmlSystemGetDriverVersion(), nvml_device())
     return env
 
 
-def nvml_call(read, index: int = 0):
-    """`read(pynvml, handle)`, or None where NVML is missing or does not answer that question."""
+def nvml_device(index: int = 0):
+    """(pynvml, handle of GPU `index`), or None where NVML is missing or sees no such GPU."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        return read(pynvml, pynvml.nvmlDeviceGetHandleByIndex(index))
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:
+        return None
+
+
+def nvml_call(read, device):
+    """`read(pynvml, handle)` for `device` from `nvml_device`, or None where NVML does not answer it."""
+    if device is None:
+        return None
+    try:
+        return read(*device)
     except Exception:
         return None
 
@@ -132,9 +142,10 @@ class GpuSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
+        device = nvml_device()
         while not self._stop.wait(self.period):
-            util = nvml_call(lambda nvml, handle: nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-            jpeg = nvml_call(lambda nvml, handle: nvml.nvmlDeviceGetJpgUtilization(handle)[0])
+            util = nvml_call(lambda nvml, handle: nvml.nvmlDeviceGetUtilizationRates(handle).gpu, device)
+            jpeg = nvml_call(lambda nvml, handle: nvml.nvmlDeviceGetJpgUtilization(handle)[0], device)
             if util is not None:
                 self.gpu.append(util)
             if jpeg is not None:
@@ -176,34 +187,26 @@ def gpu_tests(cfg: GpuCheckConfig) -> dict:
 
 
 def photo_shards(cfg: GpuCheckConfig, log) -> tuple[Path, Path]:
-    """The ImageNet-like photo set and its shards, built once per --per-class and reused by later calls."""
-    from dalifeed.format import ShardManifest
-    from dalifeed.tools import ConvertConfig, convert_imagefolder
-    from dalifeed.tools.sample_data import make_photos_imagefolder
+    """make bench's photo set and shards, built once per --per-class and reused by later calls."""
+    from .make_bench import build_data
 
-    photos, shards = cfg.workdir / "photos", cfg.workdir / "photos-shards"
     stamp = cfg.workdir / "photos.json"
     wanted = {"per_class": cfg.per_class, "seed": 0}
-    if stamp.is_file() and json.loads(stamp.read_text()) == wanted and (shards / "manifest.json").is_file():
-        return photos, shards
+    if stamp.is_file() and json.loads(stamp.read_text()) == wanted:
+        return cfg.workdir / "photos", cfg.workdir / "photos-shards"
     log(f"building {cfg.per_class} photos per class (8 classes) and their shards in {cfg.workdir} ...")
     stamp.unlink(missing_ok=True)
-    make_photos_imagefolder(photos, per_class=cfg.per_class, seed=0, workers=cfg.workers)
-    if shards.exists():
-        shutil.rmtree(shards)
-    convert_imagefolder(ConvertConfig(src=photos, out=shards, samples_per_shard=256, workers=cfg.workers,
-                                      progress=False))
-    ShardManifest.load(shards)
-    write_json_atomic(stamp, wanted)
-    return photos, shards
+    data = build_data(cfg.workdir, cfg.per_class, workers=cfg.workers)
+    write_json_atomic(stamp, wanted)  # last: an interrupted build is built again
+    return data
 
 
-def bench_config(cfg: GpuCheckConfig, photos: Path, shards: Path, loaders: list[str], out: str, **overrides):
+def bench_config(cfg: GpuCheckConfig, photos: Path, shards: Path, loaders: list[str], out: str):
     from .cli import BenchConfig
 
     bench = BenchConfig(imagefolder=photos / "train", shards=shards, loaders=loaders, out=cfg.workdir / out,
                         batch_size=cfg.batch_size, image_size=cfg.image_size, seconds=cfg.seconds,
-                        repeats=cfg.repeats, workers=cfg.workers, fp16=True, **overrides)
+                        repeats=cfg.repeats, workers=cfg.workers, fp16=True)
     bench.validate()
     return bench
 
@@ -226,9 +229,10 @@ def hw_decoder_step(cfg: GpuCheckConfig, photos: Path, shards: Path, has_gpu: bo
 
     if not has_gpu:
         return {"skipped": "no GPU"}
+    checked = bench_config(cfg, photos, shards, ["dali-gpu"], "hw")  # same data for every load: checked once
     runs = []
     for load in cfg.hw_loads:
-        bench = bench_config(cfg, photos, shards, ["dali-gpu"], f"hw-{load:g}", hw_decoder_load=load)
+        bench = replace(checked, hw_decoder_load=load, out=cfg.workdir / f"hw-{load:g}")
         log(f"hw_decoder_load {load:g}:")
         with GpuSampler() as gpu:
             report = run_bench(bench, log=log)
