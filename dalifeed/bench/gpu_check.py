@@ -451,9 +451,9 @@ def percent(value: float | None) -> str:
 
 def run_check(cfg: GpuCheckConfig, log=print) -> dict:
     """Run cfg.steps; merge their sections into WORKDIR/gpu-check.json (earlier calls' sections are kept)."""
-    from dalifeed.pipelines.checks import dali_sees_gpu
+    from dalifeed.pipelines.loader import resolve_device
 
-    has_gpu = torch.cuda.is_available() and dali_sees_gpu()
+    has_gpu = resolve_device("auto") == "gpu"  # torch and DALI both see one, as the loaders decide
     cfg.validate(has_gpu)
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     path = cfg.workdir / "gpu-check.json"

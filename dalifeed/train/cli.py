@@ -11,6 +11,7 @@ from click.core import ParameterSource
 
 from dalifeed.cliutil import default, run_command
 from dalifeed.pipelines.checks import ShardDataError
+from dalifeed.pipelines.graphs import DEVICES
 from dalifeed.runtime import DiskFull, FolderInUse
 from dalifeed.storage import StorageError
 
@@ -95,7 +96,7 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 @click.option("--checkpoint-every", type=int, default=d("checkpoint_every"), show_default=True, metavar="STEPS",
               help="Also save last.pt every STEPS optimizer steps inside an epoch, with DALI's reader state, so "
                    "a resume continues mid-epoch (0: at epoch ends, and when a signal stops the run).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "gpu", "hybrid"]), default=d("device"), show_default=True,
+@click.option("--device", type=click.Choice(["auto", *DEVICES]), default=d("device"), show_default=True,
               help="auto: the GPU when there is one. hybrid: train on the GPU but decode JPEGs on the CPU (crop, "
                    "resize and normalise stay on the GPU): for when the GPU's JPEG decoder is the bottleneck.")
 @click.option("--hw-decoder-load", type=float, default=d("hw_decoder_load"), show_default=True,

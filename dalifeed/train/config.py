@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, uses_gpu
 from dalifeed.storage import is_s3_url
 
 
@@ -74,7 +74,7 @@ class TrainConfig:
             (self.image_size >= 8, f"--image-size must be >= 8, got {self.image_size}"),
             (self.width is None or self.width >= 4, f"--width must be >= 4, got {self.width}"),
             (self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}"),
-            (self.device in ("auto", "cpu", "gpu", "hybrid"),
+            (self.device in ("auto", *DEVICES),
              f"--device must be auto, cpu, gpu or hybrid, got {self.device!r}"),
             (0 <= self.hw_decoder_load <= 1, f"--hw-decoder-load must be in [0, 1], got {self.hw_decoder_load}"),
             (self.profile >= 0, f"--profile must be >= 0, got {self.profile}"),
@@ -85,7 +85,7 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        if self.device in ("gpu", "hybrid"):
+        if uses_gpu(self.device):
             import torch
 
             if not torch.cuda.is_available():

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dalifeed.pipelines.graphs import uses_gpu
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -30,7 +32,7 @@ def setup(device: str) -> Dist:
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_gpu = device in ("gpu", "hybrid") or (device == "auto" and torch.cuda.is_available())
+    use_gpu = uses_gpu(device) or (device == "auto" and torch.cuda.is_available())
     if use_gpu:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
