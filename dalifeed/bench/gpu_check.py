@@ -289,15 +289,21 @@ def train_step(cfg: GpuCheckConfig, shards: Path, has_gpu: bool, log) -> dict:
             "batch_size": cfg.batch_size, **runs, "dali_vs_synthetic": share}
 
 
+def checkpoint_loader(shards: Path, device: str, batch_size: int, image_size: int, workers: int,
+                      hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD):
+    """The loader the checkpoint step saves and restores: fp16 training batches with DALI checkpointing."""
+    from dalifeed.pipelines import make_loader
+
+    return make_loader(shards, "train", batch_size, device=device, image_size=image_size, num_threads=workers,
+                       train=True, checkpointing=True, dtype=torch.float16, seed=0, hw_decoder_load=hw_decoder_load)
+
+
 def checkpoint_step(shards: Path, device: str, batch_size: int, image_size: int, workers: int,
                     before: int = 3, after: int = 3, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> dict:
     """Take `before` batches, save the loader's state, take `after` more; a fresh loader restored from the
     state must yield exactly those `after` batches."""
-    from dalifeed.pipelines import make_loader
-
     def loader():
-        return make_loader(shards, "train", batch_size, device=device, image_size=image_size, num_threads=workers,
-                           train=True, checkpointing=True, dtype=torch.float16, seed=0, hw_decoder_load=hw_decoder_load)
+        return checkpoint_loader(shards, device, batch_size, image_size, workers, hw_decoder_load)
 
     def on_host(batch):
         return tuple(t.detach().cpu().clone() for t in batch)
