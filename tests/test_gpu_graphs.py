@@ -373,6 +373,36 @@ def test_every_mixed_decoder_gets_the_hints(graph, name, device):
         assert op.args["jpeg_fancy_upsampling"] is (op.schema not in ROI_DECODERS), op
 
 
+def installed_nvjpeg_version() -> tuple[int, int, int] | None:
+    """nvjpegGetProperty of the libnvjpeg in the nvidia-nvjpeg wheel nvImageCodec loads (a host call: no GPU
+    needed), or None where that wheel is not installed."""
+    import ctypes
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia.nvjpeg")
+    folders = spec.submodule_search_locations if spec else []
+    libs = [lib for folder in folders for lib in Path(folder).glob("lib/libnvjpeg.so*")]
+    if not libs:
+        return None
+    nvjpeg, value = ctypes.CDLL(str(libs[0])), ctypes.c_int()
+    version = []
+    for prop in range(3):  # MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL
+        nvjpeg.nvjpegGetProperty(prop, ctypes.byref(value))
+        version.append(value.value)
+    return tuple(version)
+
+
+def test_region_decoders_keep_nvjpegs_upsampling_while_nvjpeg_refuses_them_fancy():
+    """nvImageCodec 0.9 refuses a region decode of a 4:2:0 JPEG with fancy upsampling unless nvJPEG is 13.2 or
+    later (docs/gpu.md), so decoder_hints leaves it off for image_random_crop and image_slice. When the nvJPEG
+    DALI loads is new enough this fails: then the region decoders can match the CPU too."""
+    version = installed_nvjpeg_version()
+    if version is None:
+        pytest.skip("no nvidia-nvjpeg wheel here")
+    assert backend.GetNvimgcodecVersion() // 100 == 9  # 0.9.x: the rule below is read from its libnvjpeg_ext
+    assert version < (13, 2, 0)
+
+
 def test_the_cpu_decoder_upsamples_chroma_as_libjpeg_does():
     """What jpeg_fancy_upsampling=True makes nvJPEG match: DALI's cpu decoder (nvImageCodec's libjpeg-turbo
     extension, fancy upsampling on by default) decodes a 4:2:0 JPEG with sharp chroma edges as PIL's
@@ -395,8 +425,8 @@ def test_the_cpu_decoder_upsamples_chroma_as_libjpeg_does():
 
 
 def test_decoder_memory_is_bounded_and_adds_up():
-    """At most 64 MiB of device and of pinned memory per decoder thread, whatever the image size; a rank's
-    reservation is threads x (device padding) and threads x 2 x (host padding) per mixed decoder."""
+    """At most 64 MiB of device and of pinned memory per decoder thread, whatever the image size; a mixed
+    decoder reserves threads x (device padding) of GPU and threads x 2 x (host padding) of pinned memory."""
     mib = 2**20
     huge = decoder_memory(threads=16, max_image_side=20000)
     assert huge.device_padding == huge.host_padding == 64 * mib
