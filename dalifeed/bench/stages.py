@@ -41,7 +41,7 @@ def stage_rates(shards: Path | str, split: str = "train", *, batch_size: int = 6
     rates = {}
     for stage, name in enumerate(STAGES):
         pipe = cut_pipeline(paths, indexes, cfg, device, stage, batch_size=batch_size, num_threads=threads,
-                             device_id=0 if device == "gpu" else None, seed=0)
+                            device_id=0 if device == "gpu" else None, seed=0)
         pipe.build()
         for _ in range(3):
             pipe.run()
