@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BUILD  ?= build
 
-.PHONY: venv demo test test-fast test-kernels test-gpu gpu-check lint bench docker clean
+.PHONY: venv demo test test-fast test-kernels test-gpu gpu-lint gpu-check lint bench docker clean
 
 venv: $(STAMP)
 
@@ -36,6 +36,12 @@ test-kernels: venv
 # skipped elsewhere (so `make test` on a CPU machine runs them as skips).
 test-gpu: venv
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+# Every DALI graph dalifeed builds for `gpu` and `hybrid`, checked without a GPU (tests/test_gpu_graphs.py,
+# docs/gpu.md): each operator has a backend for its device, every argument is in its schema and current, and the
+# graph equals the cpu graph but for device strings and the mixed decoders' hints. `make test` runs it too.
+gpu-lint: venv
+	$(PY) -m pytest -q tests/test_gpu_graphs.py $(PYTEST_ARGS)
 
 # The shell scripts and the Dockerfile, checked with the tools the dev extra installs (no Docker needed).
 SHELL_SCRIPTS := $(wildcard examples/slurm/*.sbatch) .ci/run

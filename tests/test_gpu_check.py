@@ -11,7 +11,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dalifeed.bench.gpu_check import checkpoint_step, main as gpu_check_cli, nccl_step, render_markdown
+from dalifeed.bench.gpu_check import (GpuCheckConfig, checkpoint_step, main as gpu_check_cli, nccl_step, render_markdown,
+                                      run_check)
 from dalifeed.pipelines import make_loader
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.synthetic import SyntheticLoader
@@ -109,6 +110,17 @@ def test_markdown_names_goals_missed_and_met():
               "goals": [{"goal": "dali-gpu >= 8x the DataLoader baseline", "value": "5.00x", "met": False}]}
     text = render_markdown(report)
     assert "GPU H100" in text and "| dali-gpu >= 8x the DataLoader baseline | 5.00x | no |" in text
+
+
+def test_report_states_what_the_mixed_decoder_reserves(tmp_path):
+    """The first lines of a gpu-check report: the decoder memory of a dali-gpu pipeline at --workers threads
+    (issue 19, finding 1: 64 threads used to reserve 13.5 GB of GPU and 18 GB of pinned memory)."""
+    report = run_check(GpuCheckConfig(workdir=tmp_path, steps=[], workers=64, allow_cpu=True), log=lambda msg: None)
+    budget = report["decoder_memory"]
+    assert budget["threads"] == 64 and budget["gpu_mib"] == 64 * budget["device_padding_mib"]
+    assert budget["pinned_mib"] == 64 * 2 * budget["host_padding_mib"] and budget["gpu_mib"] + budget["pinned_mib"] < 4096
+    assert f"Each `mixed` decoder at 64 threads reserves {budget['gpu_mib']:.0f} MiB of GPU" in \
+        (tmp_path / "gpu-check.md").read_text()
 
 
 def test_synthetic_loader_repeats_one_batch_and_resumes_mid_epoch(shards):

@@ -111,6 +111,17 @@ def environment(has_gpu: bool) -> dict:
     return env
 
 
+def decoder_budget(threads: int) -> dict:
+    """What each `mixed` decoder reserves when built, at `threads` threads (graphs.decoder_memory,
+    docs/gpu.md): its paddings per thread and the GPU and pinned host memory they add up to."""
+    from dalifeed.pipelines.graphs import decoder_memory
+
+    memory, mib = decoder_memory(threads), 2**20
+    return {"threads": threads, "device_padding_mib": memory.device_padding / mib,
+            "host_padding_mib": memory.host_padding / mib, "gpu_mib": memory.device_bytes / mib,
+            "pinned_mib": memory.pinned_bytes / mib}
+
+
 def nvml_device(index: int = 0):
     """(pynvml, handle of GPU `index`), or None where NVML is missing or sees no such GPU."""
     try:
@@ -289,15 +300,21 @@ def train_step(cfg: GpuCheckConfig, shards: Path, has_gpu: bool, log) -> dict:
             "batch_size": cfg.batch_size, **runs, "dali_vs_synthetic": share}
 
 
+def checkpoint_loader(shards: Path, device: str, batch_size: int, image_size: int, workers: int,
+                      hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD):
+    """The loader the checkpoint step saves and restores: fp16 training batches with DALI checkpointing."""
+    from dalifeed.pipelines import make_loader
+
+    return make_loader(shards, "train", batch_size, device=device, image_size=image_size, num_threads=workers,
+                       train=True, checkpointing=True, dtype=torch.float16, seed=0, hw_decoder_load=hw_decoder_load)
+
+
 def checkpoint_step(shards: Path, device: str, batch_size: int, image_size: int, workers: int,
                     before: int = 3, after: int = 3, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> dict:
     """Take `before` batches, save the loader's state, take `after` more; a fresh loader restored from the
     state must yield exactly those `after` batches."""
-    from dalifeed.pipelines import make_loader
-
     def loader():
-        return make_loader(shards, "train", batch_size, device=device, image_size=image_size, num_threads=workers,
-                           train=True, checkpointing=True, dtype=torch.float16, seed=0, hw_decoder_load=hw_decoder_load)
+        return checkpoint_loader(shards, device, batch_size, image_size, workers, hw_decoder_load)
 
     def on_host(batch):
         return tuple(t.detach().cpu().clone() for t in batch)
@@ -385,6 +402,8 @@ def render_markdown(report: dict) -> str:
              f"{env.get('gpu_memory_gb', '-')} GiB), driver {env.get('driver') or '-'}, CUDA {env.get('cuda')}, "
              f"cuDNN {env.get('cudnn')}; {env['cores']} cores ({env['cpu']}); torch {env['torch']}, torchvision "
              f"{env['torchvision']}, DALI {env['dali']}, webdataset {env['webdataset']}, Python {env['python']}.", ""]
+    if report.get("decoder_memory"):
+        lines += [decoder_memory_line(report["decoder_memory"]), ""]
     tests = report.get("tests")
     if tests:
         lines += ["### gpu tests", "", tests.get("skipped") if isinstance(tests.get("skipped"), str) else
@@ -443,6 +462,14 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def decoder_memory_line(budget: dict) -> str:
+    threads = f"{budget['threads']} thread{'s' if budget['threads'] != 1 else ''}"
+    return (f"Each `mixed` decoder at {threads} reserves {budget['gpu_mib']:.0f} MiB of GPU and "
+            f"{budget['pinned_mib']:.0f} MiB of pinned host memory when built ({budget['device_padding_mib']:.0f} MiB "
+            f"+ 2 x {budget['host_padding_mib']:.0f} MiB per thread; a training rank that validates holds two: "
+            f"docs/gpu.md).")
+
+
 def percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
@@ -458,11 +485,12 @@ def run_check(cfg: GpuCheckConfig, log=print) -> dict:
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     path = cfg.workdir / "gpu-check.json"
     report = json.loads(path.read_text()) if path.is_file() else {}
-    report.update(config=cfg.to_json(), environment=environment(has_gpu))
+    report.update(config=cfg.to_json(), environment=environment(has_gpu), decoder_memory=decoder_budget(cfg.workers))
     env = report["environment"]
     log(f"gpu-check: {env.get('gpu') or 'no GPU'}, driver {env.get('driver') or '-'}, CUDA {env['cuda']}, torch "
         f"{env['torch']}, DALI {env['dali']}, {env['cores']} cores; hw_decoder_load default "
         f"{env['hw_decoder_load_default']}")
+    log(decoder_memory_line(report["decoder_memory"]))
     errors = report.setdefault("errors", {})
     data = None
     for step in cfg.steps:

@@ -17,7 +17,8 @@ STAGES = ("read", "decode (ROI)", "+ resize", "+ flip, normalise")
 
 
 @pipeline_def(enable_conditionals=False)
-def _cut_pipeline(paths, index_paths, cfg: AugmentConfig, device: str, stage: int):
+def cut_pipeline(paths, index_paths, cfg: AugmentConfig, device: str, stage: int):
+    """The training graph (graphs.train_augment) cut after STAGES[stage]."""
     data, _ = read_shards(paths, index_paths, shard_id=0, num_shards=1, shuffle=True, initial_fill=256)
     if stage >= 1:
         data = decode_random_crop(data, cfg, device)
@@ -39,8 +40,8 @@ def stage_rates(shards: Path | str, split: str = "train", *, batch_size: int = 6
     cfg = AugmentConfig(image_size=image_size)
     rates = {}
     for stage, name in enumerate(STAGES):
-        pipe = _cut_pipeline(paths, indexes, cfg, device, stage, batch_size=batch_size, num_threads=threads,
-                             device_id=0 if device == "gpu" else None, seed=0)
+        pipe = cut_pipeline(paths, indexes, cfg, device, stage, batch_size=batch_size, num_threads=threads,
+                            device_id=0 if device == "gpu" else None, seed=0)
         pipe.build()
         for _ in range(3):
             pipe.run()

@@ -102,18 +102,23 @@ class DaliDecoder:
         self.num_threads = num_threads or len(os.sched_getaffinity(0))
         self._pipe = None
 
-    def _build(self):
+    def pipeline(self):
+        """The decoding pipeline, defined but not built (tests/test_gpu_graphs.py checks its GPU graph)."""
         from nvidia.dali import fn, pipeline_def, types
 
-        from .graphs import decoder_device
+        from .graphs import decoder_device, decoder_hints
 
         @pipeline_def(batch_size=self.batch_size, num_threads=self.num_threads, device_id=self.device_id,
                       prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
         def decode():
             encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
-            return fn.decoders.image(encoded, device=decoder_device(self.device), output_type=types.RGB)
+            return fn.decoders.image(encoded, device=decoder_device(self.device), output_type=types.RGB,
+                                     **decoder_hints(self.device, roi=False))
 
-        pipe = decode()
+        return decode()
+
+    def _build(self):
+        pipe = self.pipeline()
         pipe.build()
         return pipe
 

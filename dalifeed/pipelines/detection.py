@@ -24,7 +24,7 @@ from nvidia.dali import fn, pipeline_def, types
 from dalifeed.format import ShardManifest
 
 from .graphs import (ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, after_decode, decoder_device,
-                     read_members, uses_gpu)
+                     decoder_hints, read_members, uses_gpu)
 from .loader import DaliLoader, resolve_device
 
 # SSD's sampler (Liu et al. 2016, as DALI's SSD example and torchvision's RandomIoUCrop): minimum IoU of a
@@ -81,11 +81,11 @@ def random_crop_and_flip(jpegs, boxes, labels, cfg: DetectionConfig, device: str
             boxes, labels, device="cpu", aspect_ratio=list(CROP_ASPECT_RATIO), thresholds=list(IOU_THRESHOLDS),
             scaling=list(CROP_SCALING), bbox_layout="xyXY", allow_no_crop=True, num_attempts=50)
         images = fn.decoders.image_slice(jpegs, anchor, shape, device=decoder_device(device), output_type=types.RGB,
-                                         adjust_orientation=ADJUST_ORIENTATION)
+                                         adjust_orientation=ADJUST_ORIENTATION, **decoder_hints(device, roi=True))
     else:
         anchor, shape = fn.constant(fdata=[0.0, 0.0]), fn.constant(fdata=[1.0, 1.0])
         images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
-                                   adjust_orientation=ADJUST_ORIENTATION)
+                                   adjust_orientation=ADJUST_ORIENTATION, **decoder_hints(device, roi=False))
     images = after_decode(images, device)
     flip = fn.random.coin_flip(probability=0.5) if cfg.flip else fn.constant(idata=0)
     if cfg.flip:
@@ -119,7 +119,8 @@ def detection_pipeline(paths: list[str], index_paths: list[str], cfg: DetectionC
         images, boxes, labels, window = random_crop_and_flip(jpegs, boxes, labels, cfg, device)
     else:
         images = after_decode(fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
-                                                adjust_orientation=ADJUST_ORIENTATION), device)
+                                                adjust_orientation=ADJUST_ORIENTATION,
+                                                **decoder_hints(device, roi=False)), device)
         window = None
     images = resize_and_normalize(images, cfg)
     sizes = images.shape()

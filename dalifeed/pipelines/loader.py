@@ -146,14 +146,19 @@ class DaliLoader:
         return shard_pipeline(tars, indexes, self.augment, self.train, self.device,
                               multilabel_classes=self.multilabel_classes, **pipeline_args)
 
-    def _build_iterator(self, checkpoint: str | None = None) -> DALIGenericIterator:
+    def pipeline(self, checkpoint: str | None = None):
+        """The DALI pipeline of the current epoch, defined but not built (building is what needs the GPU:
+        tests/test_gpu_graphs.py checks the GPU graphs on a machine without one through this)."""
         tars, indexes = self._epoch_files()
-        pipe = self._pipeline(
+        return self._pipeline(
             tars, indexes, shard_id=self.rank, num_shards=self.world_size,
             initial_fill=self.initial_fill, batch_size=self.batch_size, num_threads=self.num_threads,
             device_id=self.device_id, seed=self._pipeline_seed(), prefetch_queue_depth=self.prefetch_queue_depth,
             enable_checkpointing=self.checkpointing, checkpoint=checkpoint,
         )
+
+    def _build_iterator(self, checkpoint: str | None = None) -> DALIGenericIterator:
+        pipe = self.pipeline(checkpoint)
         pipe.build()
         policy = LastBatchPolicy.DROP if self.train else LastBatchPolicy.PARTIAL
         return DALIGenericIterator([pipe], list(self.outputs), reader_name="Reader", last_batch_policy=policy,
