@@ -162,9 +162,13 @@ def normalize(images, cfg: AugmentConfig, mirror=0, crop=None):
 
 def multi_hot(labels, num_classes: int):
     """(N,) class indices -> (num_classes,) float 0/1: which classes the image holds (none: all zeros)."""
-    # (N, 1) rather than (N,): DALI's one_hot treats a shape-(1,) sample as a scalar
-    one_hot = fn.one_hot(fn.reshape(labels, shape=[-1, 1]), num_classes=num_classes, dtype=types.FLOAT)
-    return fn.cast(fn.reductions.sum(one_hot, axes=[0, 1]) > 0, dtype=types.FLOAT)
+    # `axis` given explicitly, although -1 is its default: without it, DALI's one_hot (CPU and GPU alike) treats
+    # a batch in which every sample has exactly one element as a batch of scalars and returns (num_classes,)
+    # instead of (1, num_classes), whatever the samples' shape, so a batch of single-label images failed in
+    # the sum below. With it, (N,) -> (N, num_classes) for every N, 0 included; the sum over the N rows of
+    # an empty image is all zeros.
+    one_hot = fn.one_hot(labels, num_classes=num_classes, axis=-1, dtype=types.FLOAT)
+    return fn.cast(fn.reductions.sum(one_hot, axes=[0]) > 0, dtype=types.FLOAT)
 
 
 @pipeline_def(enable_conditionals=False)
