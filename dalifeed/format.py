@@ -16,10 +16,39 @@ from pathlib import Path
 from .atomic import write_json_atomic
 
 FORMAT_NAME = "dalifeed-shards"
-FORMAT_VERSION = 1
+# 2: binary members named `<what>.<dtype>` (`cls.i64`, `boxes.f32`, ... were `label`, `boxes`, ...) and a `.json`
+# whose keys and value types are the same in every sample, so that Hugging Face `datasets` and webdataset load
+# the shards (docs/format.md). Folders of version 1 are refused with a message to convert them again.
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 TAR_BLOCK = 512
 INDEX_VERSION = "v1.2"  # the version DALI's wds2idx writes and fn.readers.webdataset reads
+
+# Tar members of a sample (docs/format.md). webdataset, DALI and HF `datasets` all take everything after a
+# member's first dot as its extension (HF's column name), and webdataset and HF decode a member by its *last*
+# extension (`cls`, `id` -> int(), `json` -> json.loads). So the binary members DALI reads are named
+# `<what>.<dtype>`: their last extension is one no tool decodes (int("\x07\0...") would fail), and no column
+# of theirs is called `label`, the name a user gives `cls` (`rename_column("cls", "label")`).
+IMAGE_MEMBER = "jpg"
+META_MEMBER = "json"  # the same keys with the same value types in every sample of a folder
+CLASS_MEMBER = "cls"  # ImageFolder: the class index as ASCII decimal (webdataset's and HF's `cls`: an int)
+CLASS_I64_MEMBER = "cls.i64"  # ImageFolder: the same class index, int64 little-endian, for DALI
+COCO_BOXES_MEMBER = "boxes.f32"  # COCO: (N, 4) float32 x0 y0 x1 y1 relative to the image, non-crowd
+COCO_LABELS_MEMBER = "labels.i32"  # COCO: (N,) int32 training index of each box's category
+COCO_CROWD_BOXES_MEMBER = "crowdboxes.f32"
+COCO_CROWD_LABELS_MEMBER = "crowdlabels.i32"
+COCO_ID_MEMBER = "id.i64"  # COCO: the image id, int64 little-endian
+# The `.json` of every sample: these keys, values of these types, nothing else. HF `datasets` infers a column's
+# type from the first 5 samples and casts the rest to it, so a key that is null in one sample and a string in
+# another, an int that is a float elsewhere, a list empty in those 5, or a key only some samples have, fails
+# the load or is silently dropped. COCO's records and annotations are kept as given, with whatever keys and
+# types the instances file has (RLE or polygons, int or float boxes, no annotations), so they are JSON text.
+IMAGEFOLDER_META = {"path": str, "class": str, "label": int, "reencoded": str}  # reencoded: "" if passed through
+COCO_META = {"image_id": int, "file_name": str, "width": int, "height": int, "reencoded": str,
+             "image_json": str, "annotations_json": str}
+IMAGEFOLDER_MEMBERS = (IMAGE_MEMBER, CLASS_MEMBER, CLASS_I64_MEMBER, META_MEMBER)  # in tar order
+COCO_MEMBERS = (IMAGE_MEMBER, META_MEMBER, COCO_BOXES_MEMBER, COCO_LABELS_MEMBER, COCO_CROWD_BOXES_MEMBER,
+                COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER)
 
 
 class ManifestError(Exception):
@@ -154,6 +183,10 @@ class ShardManifest:
         path = root / MANIFEST_NAME
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise ManifestError(f"{path}: not a {FORMAT_NAME} manifest (format={doc.get('format')!r})")
+        if doc.get("version") == 1:
+            raise ManifestError(f"{root}: shards of dalifeed format 1 (members .label/.id/.boxes ...), this dalifeed "
+                                f"reads format {FORMAT_VERSION}: convert the source again with shard-convert "
+                                f"(--overwrite to replace them)")
         if doc.get("version") != FORMAT_VERSION:
             raise ManifestError(f"{path}: manifest version {doc.get('version')!r}, this dalifeed reads {FORMAT_VERSION}")
         known = {"format", "version", "kind", "source", "options", "classes", "splits", "reencoded", "skipped", "found",
@@ -182,6 +215,18 @@ class ShardManifest:
 
 
 _SHARD_FIELDS = {f.name for f in fields(ShardInfo)}
+
+
+def meta_problems(doc, schema: dict) -> list[str]:
+    """How a sample's decoded `.json` differs from `schema` (key -> type): missing, extra or ill-typed keys."""
+    if not isinstance(doc, dict):
+        return [f"is {type(doc).__name__}, not an object"]
+    problems = [f"has no key {key!r}" for key in schema if key not in doc]
+    problems += [f"has key {key!r}, which the format does not have" for key in sorted(set(doc) - set(schema))]
+    problems += [f"{key!r} is {type(doc[key]).__name__} {doc[key]!r}, not {kind.__name__}"[:200]
+                 for key, kind in schema.items()
+                 if key in doc and (not isinstance(doc[key], kind) or (kind is int and isinstance(doc[key], bool)))]
+    return problems
 
 
 def listing_digest(entries) -> dict:

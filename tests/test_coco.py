@@ -103,18 +103,23 @@ def test_members_read_back_exactly_through_webdataset(coco, tmp_path):
     doc, by_image = source_doc(annotations), kept_annotations(source_doc(annotations))
     records = {r["id"]: r for r in doc["images"]}
     samples = read_samples(out)
-    assert sorted(int(np.frombuffer(s["id"], "<i8")[0]) for s in samples) == [1, 2, 3, 5, 6, 7, 8, 9]
+    assert sorted(int(np.frombuffer(s["id.i64"], "<i8")[0]) for s in samples) == [1, 2, 3, 5, 6, 7, 8, 9]
     for s in samples:
         meta = json.loads(s["json"])
-        image_id = meta["image"]["id"]
-        assert meta["image"] == records[image_id]  # extra keys kept
-        assert meta["annotations"] == by_image.get(image_id, [])  # as given, segmentation and extra keys too
-        boxes, labels = expected_targets(records[image_id], by_image.get(image_id, []))
-        np.testing.assert_array_equal(np.frombuffer(s["boxes"], "<f4").reshape(-1, 4), boxes)
-        assert np.frombuffer(s["labels"], "<i4").tolist() == labels
-        crowd, crowd_labels = expected_targets(records[image_id], by_image.get(image_id, []), crowd=True)
-        np.testing.assert_array_equal(np.frombuffer(s["crowdboxes"], "<f4").reshape(-1, 4), crowd)
-        assert np.frombuffer(s["crowdlabels"], "<i4").tolist() == crowd_labels
+        image_id = meta["image_id"]
+        record = records[image_id]
+        assert json.loads(meta["image_json"]) == record  # extra keys kept
+        # as given, segmentation and extra keys too
+        assert json.loads(meta["annotations_json"]) == by_image.get(image_id, [])
+        assert (meta["file_name"], meta["width"], meta["height"]) == (record["file_name"], record["width"],
+                                                                      record["height"])
+        assert meta["reencoded"] == ("png" if record["file_name"].endswith(".png") else "")
+        boxes, labels = expected_targets(record, by_image.get(image_id, []))
+        np.testing.assert_array_equal(np.frombuffer(s["boxes.f32"], "<f4").reshape(-1, 4), boxes)
+        assert np.frombuffer(s["labels.i32"], "<i4").tolist() == labels
+        crowd, crowd_labels = expected_targets(record, by_image.get(image_id, []), crowd=True)
+        np.testing.assert_array_equal(np.frombuffer(s["crowdboxes.f32"], "<f4").reshape(-1, 4), crowd)
+        assert np.frombuffer(s["crowdlabels.i32"], "<i4").tolist() == crowd_labels
         source = (images / records[image_id]["file_name"]).read_bytes()
         if records[image_id]["file_name"].endswith(".jpg"):
             assert s["jpg"] == source  # passed through
@@ -175,10 +180,10 @@ def test_verify_checks_coco_members_against_the_json(coco, tmp_path):
         for i, s in enumerate(samples):
             s = {k: v for k, v in s.items() if not k.startswith("__") or k == "__key__"}
             if i == 0:
-                s["boxes"] = np.full(len(s["boxes"]) // 4, 0.5, "<f4").tobytes()
+                s["boxes.f32"] = np.full(len(s["boxes.f32"]) // 4, 0.5, "<f4").tobytes()
             writer.write(s)
     problems = verify_shards(out).problems
-    assert any(".boxes disagrees with the annotations" in p for p in problems), problems
+    assert any(".boxes.f32 disagrees with the annotations" in p for p in problems), problems
 
 
 def test_exif_rotated_image_stays_in_the_frame_its_record_describes(tmp_path):

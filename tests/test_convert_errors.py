@@ -72,9 +72,9 @@ def test_every_file_is_converted_or_skipped_with_reason(messy_folder, tmp_path):
         metas[meta["path"]] = meta
         img = Image.open(io.BytesIO(s["jpg"]))
         assert img.format == "JPEG" and img.mode in ("RGB", "L")
-        if meta["reencoded"] is None:
+        if meta["reencoded"] == "":
             assert s["jpg"] == (messy_folder / meta["path"]).read_bytes()
-    assert metas["b/jpeg_named.png"]["reencoded"] is None  # judged by content, not by name
+    assert metas["b/jpeg_named.png"]["reencoded"] == ""  # passed through: judged by content, not by name
     assert metas["b/png_named.jpg"]["reencoded"] == "png"
     assert metas["b/cmyk.jpg"]["reencoded"] == "cmyk-jpeg"
     assert {metas[f"b/{n}"]["reencoded"] for n in ("alpha.png", "palette.gif", "grey.bmp", "photo.webp", "scan.tiff")} \

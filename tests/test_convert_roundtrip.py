@@ -58,7 +58,7 @@ def test_plain_webdataset_reads_bytes_and_labels_exactly(converted):
         meta = json.loads(sample["json"])
         assert sample["jpg"] == (src / meta["path"]).read_bytes()
         assert int(sample["cls"]) == expected_label[meta["path"]] == meta["label"]
-        assert struct.unpack("<q", sample["label"])[0] == meta["label"]
+        assert struct.unpack("<q", sample["cls.i64"])[0] == meta["label"]
         seen.append(meta["path"])
     assert sorted(seen) == sorted(expected_label)
     # written globally shuffled, not class by class
@@ -85,7 +85,7 @@ def test_dali_reader_reads_bytes_and_labels_exactly(converted):
         jpg, label, meta = fn.readers.webdataset(
             paths=[str(p) for p in manifest.shard_paths("train")],
             index_paths=[str(p) for p in manifest.index_paths("train")],
-            ext=["jpg", "label", "json"], dtypes=[types.UINT8, types.INT64, types.UINT8],
+            ext=["jpg", "cls.i64", "json"], dtypes=[types.UINT8, types.INT64, types.UINT8],
             name="Reader", random_shuffle=False,
         )
         return jpg, label, meta
@@ -167,3 +167,34 @@ def test_max_shard_bytes_bounds_every_shard(imagefolder, tmp_path):
     # tar pads its end to a 10 KiB record, the only overshoot allowed
     assert max(sizes) <= limit + 10240
     assert sum(s.samples for s in manifest.splits["train"].shards) == 1007
+
+
+def test_a_folder_of_format_1_is_refused_in_one_line_and_not_resumed(small_imagefolder, tmp_path):
+    """Shards written before the members were renamed (`.label`, `.id`, ...): every reader says which folder and
+    what to do, and a conversion into it neither resumes it nor calls it done."""
+    from click.testing import CliRunner
+
+    from dalifeed.pipelines import make_loader
+    from dalifeed.tools import ManifestError
+    from dalifeed.tools.cli import main as cli
+
+    out = tmp_path / "old"
+    convert(small_imagefolder, out)
+    doc = json.loads((out / "manifest.json").read_text())
+    doc["version"] = 1
+    del doc["fingerprint"]["format_version"]  # as format 1 wrote it
+    (out / "manifest.json").write_text(json.dumps(doc))
+    message = f"{out}: shards of dalifeed format 1 (members .label/.id/.boxes ...), this dalifeed reads format 2: " \
+              f"convert the source again with shard-convert (--overwrite to replace them)"
+    with pytest.raises(ManifestError) as caught:
+        ShardManifest.load(out)
+    assert str(caught.value) == message
+    with pytest.raises(ManifestError, match="format 1"):
+        make_loader(out, "train", 4, device="cpu")
+    verify = CliRunner().invoke(cli, ["verify", str(out)])
+    assert verify.exit_code == 1 and verify.output.splitlines()[0] == message
+    again = CliRunner().invoke(cli, ["imagefolder", str(small_imagefolder), str(out), "--quiet"])
+    assert again.exit_code == 2
+    assert "made with other input: shard format 1, this dalifeed writes 2; use --overwrite" in again.output
+    assert convert(small_imagefolder, out, overwrite=True).num_samples("train") == 31
+    assert json.loads((out / "manifest.json").read_text())["version"] == 2

@@ -136,7 +136,7 @@ def foreign_shard_with_a_lossless_jpeg(shards: Path) -> str:
     samples[3]["jpg"] = lossless
     with wds.TarWriter(str(tar)) as writer:
         for s in samples:
-            writer.write({k: v for k, v in s.items() if k in ("__key__", "jpg", "cls", "label", "json")})
+            writer.write({k: v for k, v in s.items() if k in ("__key__", "jpg", "cls", "cls.i64", "json")})
     wds2idx = Path(sys.executable).parent / "wds2idx"
     subprocess.run([str(wds2idx), str(tar), str(tar.with_suffix(".idx"))], check=True, capture_output=True)
     doc = json.loads((shards / "manifest.json").read_text())

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from nvidia.dali import fn, pipeline_def, types
 
-from dalifeed.format import ShardManifest
+from dalifeed.format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
+                             COCO_LABELS_MEMBER, IMAGE_MEMBER, ShardManifest)
 
 from .graphs import (ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, after_decode, decoder_device,
                      decoder_hints, read_members, uses_gpu)
@@ -61,9 +62,10 @@ class DetectionConfig:
 def read_detection_shards(paths, index_paths, *, shard_id: int, num_shards: int, shuffle: bool, initial_fill: int,
                           include_crowd: bool):
     """(jpegs, boxes (N, 4) relative xyxy, labels (N,) int32, image ids (1,) int64)."""
-    members = {"jpg": types.UINT8, "boxes": types.FLOAT, "labels": types.INT32, "id": types.INT64}
+    members = {IMAGE_MEMBER: types.UINT8, COCO_BOXES_MEMBER: types.FLOAT, COCO_LABELS_MEMBER: types.INT32,
+               COCO_ID_MEMBER: types.INT64}
     if include_crowd:
-        members |= {"crowdboxes": types.FLOAT, "crowdlabels": types.INT32}
+        members |= {COCO_CROWD_BOXES_MEMBER: types.FLOAT, COCO_CROWD_LABELS_MEMBER: types.INT32}
     jpegs, boxes, labels, ids, *crowd = read_members(paths, index_paths, members, shard_id=shard_id,
                                                      num_shards=num_shards, shuffle=shuffle, initial_fill=initial_fill)
     boxes = fn.reshape(boxes, shape=[-1, 4])

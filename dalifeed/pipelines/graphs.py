@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali import math as dmath
 
+from dalifeed.format import CLASS_I64_MEMBER, COCO_LABELS_MEMBER, IMAGE_MEMBER
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -157,11 +159,11 @@ def read_members(paths: list[str], index_paths: list[str], members: dict, *, sha
 
 
 def read_shards(paths: list[str], index_paths: list[str], *, shard_id: int, num_shards: int, shuffle: bool,
-                initial_fill: int, label_member: str = "label"):
-    """(jpegs, labels) from webdataset shards; labels are the int64 `.label` members, shape (1,) (ImageFolder
-    shards), or with `label_member="labels"` the int32 `.labels` of COCO shards, shape (N,)."""
-    label_type = types.INT64 if label_member == "label" else types.INT32
-    jpegs, labels = read_members(paths, index_paths, {"jpg": types.UINT8, label_member: label_type},
+                initial_fill: int, multilabel: bool = False):
+    """(jpegs, labels) from webdataset shards; labels are the int64 `.cls.i64` members, shape (1,) (ImageFolder
+    shards), or with `multilabel` the int32 `.labels.i32` of COCO shards, shape (N,)."""
+    label_member, label_type = (COCO_LABELS_MEMBER, types.INT32) if multilabel else (CLASS_I64_MEMBER, types.INT64)
+    jpegs, labels = read_members(paths, index_paths, {IMAGE_MEMBER: types.UINT8, label_member: label_type},
                                  shard_id=shard_id, num_shards=num_shards, shuffle=shuffle, initial_fill=initial_fill)
     return jpegs, labels
 
@@ -244,18 +246,22 @@ def normalize(images, cfg: AugmentConfig, mirror=0, crop=None, crop_pos=(0.5, 0.
 
 def multi_hot(labels, num_classes: int):
     """(N,) class indices -> (num_classes,) float 0/1: which classes the image holds (none: all zeros)."""
-    # (N, 1) rather than (N,): DALI's one_hot treats a shape-(1,) sample as a scalar
-    one_hot = fn.one_hot(fn.reshape(labels, shape=[-1, 1]), num_classes=num_classes, dtype=types.FLOAT)
-    return fn.cast(fn.reductions.sum(one_hot, axes=[0, 1]) > 0, dtype=types.FLOAT)
+    # `axis` given explicitly, although -1 is its default: without it, DALI's one_hot (CPU and GPU alike) treats
+    # a batch in which every sample has exactly one element as a batch of scalars and returns (num_classes,)
+    # instead of (1, num_classes), whatever the samples' shape, so a batch of single-label images failed in
+    # the sum below. With it, (N,) -> (N, num_classes) for every N, 0 included; the sum over the N rows of
+    # an empty image is all zeros.
+    one_hot = fn.one_hot(labels, num_classes=num_classes, axis=-1, dtype=types.FLOAT)
+    return fn.cast(fn.reductions.sum(one_hot, axes=[0]) > 0, dtype=types.FLOAT)
 
 
 @pipeline_def(enable_conditionals=False)
 def shard_pipeline(paths: list[str], index_paths: list[str], cfg: AugmentConfig, train: bool, device: str,
                    shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024, multilabel_classes: int = 0):
     """Reader -> train_augment or val_transform. Returns (images, labels): labels int64 (1,) per image, or
-    with `multilabel_classes=K` (COCO shards) a float multi-hot (K,) built from the `.labels` member."""
+    with `multilabel_classes=K` (COCO shards) a float multi-hot (K,) built from the `.labels.i32` member."""
     jpegs, labels = read_shards(paths, index_paths, shard_id=shard_id, num_shards=num_shards, shuffle=train,
-                                initial_fill=initial_fill, label_member="labels" if multilabel_classes else "label")
+                                initial_fill=initial_fill, multilabel=bool(multilabel_classes))
     if multilabel_classes:
         labels = multi_hot(labels, multilabel_classes)
     images = train_augment(jpegs, cfg, device) if train else val_transform(jpegs, cfg, device)

@@ -275,7 +275,8 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
         raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
     manifest = storage.load_manifest(shards_dir)  # a folder, or s3://bucket/prefix
     if multilabel and manifest.kind != "coco":
-        raise ValueError(f"{shards_dir}: multi-label targets need COCO shards (.labels members), this is {manifest.kind}")
+        raise ValueError(f"{shards_dir}: multi-label targets need COCO shards (.labels.i32 members), "
+                         f"this is {manifest.kind}")
     resolved = resolve_device(device)
     if uses_gpu(resolved) and device_id is None:
         device_id = torch.cuda.current_device()

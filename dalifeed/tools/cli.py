@@ -150,11 +150,12 @@ def coco_cmd(out, quiet, debug, **options):
         --images coco/val2017   --annotations coco/annotations/instances_val2017.json
 
     Each sample holds the image, its record and annotations exactly as given (.json), the training boxes
-    (.boxes float32 x0 y0 x1 y1 relative to the image; crowd ones in .crowdboxes) with contiguous labels
-    (.labels int32; categories sorted by id), and the image id (.id). Nothing is dropped silently: missing
-    image files, annotations of unknown images or categories, repeated ids, undecodable images and boxes
-    that cannot be training targets are counted and listed in the manifest (shard-convert info shows
-    them). `shard-convert export-coco` gives the instances file back. docs/coco.md has the details.
+    (.boxes.f32: float32 x0 y0 x1 y1 relative to the image; crowd ones in .crowdboxes.f32) with contiguous
+    labels (.labels.i32: int32; categories sorted by id), and the image id (.id.i64). Nothing is dropped
+    silently: missing image files, annotations of unknown images or categories, repeated ids, undecodable
+    images and boxes that cannot be training targets are counted and listed in the manifest
+    (shard-convert info shows them). `shard-convert export-coco` gives the instances file back.
+    docs/coco.md has the details.
     Resumable and deterministic like `imagefolder`; OUT may be s3://bucket/prefix (docs/storage.md).
     """
     cfg = CocoConfig(out=out, progress=not quiet and sys.stderr.isatty(), **options)

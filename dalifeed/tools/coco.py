@@ -4,15 +4,18 @@ This module knows COCO instances files: their keys and types, categories, which 
 image, which boxes can be training targets, and what a sample holds. Workers, shards, resume, locks, the
 manifest and jobs are the shared core in `convert.py`.
 
-One sample per image record:
-  jpg          the image (passed through or re-encoded under the ImageFolder rules)
-  json         {"image": the record as given, "annotations": [its annotations as given]}: `export-coco` rebuilds
-               the instances file from these alone
-  boxes        float32 (N, 4) little-endian, x0 y0 x1 y1 relative to the image (0..1), non-crowd boxes,
-               clipped to the image; boxes of no area after clipping are left out (they stay in `json`)
-  labels       int32 (N,), the training index of each box's category (categories sorted by id)
-  crowdboxes   float32 (M, 4), crowdlabels int32 (M,): the same for `iscrowd` annotations
-  id           int64, the image id
+One sample per image record (member names in `dalifeed.format`):
+  jpg              the image (passed through or re-encoded under the ImageFolder rules)
+  json             the record's id, file_name, width and height, why the image was re-encoded ("" if not), and
+                   the record and its annotations as given, as JSON text (`image_json`, `annotations_json`):
+                   `export-coco` rebuilds the instances file from these alone. Text, because records and
+                   annotations as given vary in keys and types, which tools that infer one schema for all
+                   samples (HF `datasets`) cannot load.
+  boxes.f32        float32 (N, 4) little-endian, x0 y0 x1 y1 relative to the image (0..1), non-crowd boxes,
+                   clipped to the image; boxes of no area after clipping are left out (they stay in `json`)
+  labels.i32       int32 (N,), the training index of each box's category (categories sorted by id)
+  crowdboxes.f32, crowdlabels.i32: the same for `iscrowd` annotations
+  id.i64           int64, the image id
 """
 
 from __future__ import annotations
@@ -28,13 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..format import ShardManifest, listing_digest
+from ..format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
+                      COCO_LABELS_MEMBER, COCO_MEMBERS, COCO_META, IMAGE_MEMBER, META_MEMBER, ShardManifest,
+                      listing_digest, meta_problems)
 from .convert import Plan, ShardOptions, UsageError, convert
 from .images import ImageError, to_jpeg
 from .shards import Sample, Skip, SourceFile
 
 REQUIRED_KEYS = ("images", "annotations", "categories")
-MEMBERS = ("jpg", "json", "boxes", "labels", "crowdboxes", "crowdlabels", "id")
 SWAPPING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that exchange width and height
 
 
@@ -314,19 +318,45 @@ def encode_item(item: Item, quality: int, max_side: int | None, max_pixels: int)
         warnings.append(f"{describe_item(item)}: the image record says {record['width']}x{record['height']}, the "
                         f"file is {image.width}x{image.height}; boxes are kept relative to the record's size")
     boxes, crowd, counts = training_boxes(item, warnings)
-    sample_doc = {"image": record, "annotations": list(item.annotations)}
     members = [
-        ("jpg", SourceFile(str(path), len(data)) if image.reencoded is None else image.jpeg),
-        ("json", json.dumps(sample_doc, sort_keys=True, separators=(",", ":")).encode()),
-        ("boxes", np.asarray([b for b, _ in boxes], dtype="<f4").reshape(-1, 4).tobytes()),
-        ("labels", np.asarray([label for _, label in boxes], dtype="<i4").tobytes()),
-        ("crowdboxes", np.asarray([b for b, _ in crowd], dtype="<f4").reshape(-1, 4).tobytes()),
-        ("crowdlabels", np.asarray([label for _, label in crowd], dtype="<i4").tobytes()),
-        ("id", struct.pack("<q", record["id"])),
+        (IMAGE_MEMBER, SourceFile(str(path), len(data)) if image.reencoded is None else image.jpeg),
+        (META_MEMBER, sample_json(record, item.annotations, image.reencoded)),
+        (COCO_BOXES_MEMBER, np.asarray([b for b, _ in boxes], dtype="<f4").reshape(-1, 4).tobytes()),
+        (COCO_LABELS_MEMBER, np.asarray([label for _, label in boxes], dtype="<i4").tobytes()),
+        (COCO_CROWD_BOXES_MEMBER, np.asarray([b for b, _ in crowd], dtype="<f4").reshape(-1, 4).tobytes()),
+        (COCO_CROWD_LABELS_MEMBER, np.asarray([label for _, label in crowd], dtype="<i4").tobytes()),
+        (COCO_ID_MEMBER, struct.pack("<q", record["id"])),
     ]
     counts["images_without_boxes"] = int(not boxes)
     return Sample(members, image.reencoded, classes=tuple(label for _, label in boxes), warnings=warnings,
                   counts=counts)
+
+
+def sample_json(record: dict, annotations, reencoded: str | None) -> bytes:
+    """A sample's `.json` (`format.COCO_META`): the record's typed fields (load_instances checked their types)
+    and the record and annotations as given, as JSON text."""
+    compact = functools.partial(json.dumps, sort_keys=True, separators=(",", ":"))
+    doc = {"image_id": record["id"], "file_name": record["file_name"], "width": record["width"],
+           "height": record["height"], "reencoded": reencoded or "", "image_json": compact(record),
+           "annotations_json": compact(list(annotations))}
+    return compact(doc).encode()
+
+
+def parse_sample_json(data: bytes) -> tuple[dict, list[dict]]:
+    """(the image record, its annotations), as given, from a sample's `.json`. ValueError when it is not one
+    this format writes (`meta_problems`) or its fields disagree with the record."""
+    doc = json.loads(data)
+    problems = meta_problems(doc, COCO_META)
+    if problems:
+        raise ValueError(f".json {problems[0]}")
+    record, annotations = json.loads(doc["image_json"]), json.loads(doc["annotations_json"])
+    if not isinstance(record, dict) or not isinstance(annotations, list):
+        raise ValueError(".json: image_json must be an object and annotations_json a list")
+    lifted = {"image_id": "id", "file_name": "file_name", "width": "width", "height": "height"}
+    for key, name in lifted.items():
+        if doc[key] != record.get(name):
+            raise ValueError(f".json: {key} is {doc[key]!r}, its image_json says {name} {record.get(name)!r}")
+    return record, annotations
 
 
 def annotations_are_upright(record: dict, orientation: int, width: int, height: int) -> bool:
@@ -368,21 +398,21 @@ def training_boxes(item: Item, warnings: list[str]) -> tuple[list, list, dict]:
 def check_coco_sample(where: str, members: dict[str, bytes], index_of: dict[int, int]) -> list[str]:
     """A COCO sample (for verify): every member there, the binary boxes, labels and id exactly what the .json
     gives under the conversion's rules, labels within range."""
-    missing = [ext for ext in MEMBERS if ext not in members]
+    missing = [ext for ext in COCO_MEMBERS if ext not in members]
     if missing:
         return [f"{where}: missing {', '.join('.' + m for m in missing)}"]
     try:
-        doc = json.loads(members["json"])
-        record, annotations = doc["image"], doc["annotations"]
-        image_id = struct.unpack("<q", members["id"])[0]
+        record, annotations = parse_sample_json(members[META_MEMBER])
+        image_id = struct.unpack("<q", members[COCO_ID_MEMBER])[0]
         binary = {name: np.frombuffer(members[name], dtype) for name, dtype in
-                  (("boxes", "<f4"), ("labels", "<i4"), ("crowdboxes", "<f4"), ("crowdlabels", "<i4"))}
+                  ((COCO_BOXES_MEMBER, "<f4"), (COCO_LABELS_MEMBER, "<i4"), (COCO_CROWD_BOXES_MEMBER, "<f4"),
+                   (COCO_CROWD_LABELS_MEMBER, "<i4"))}
     except (ValueError, KeyError, TypeError, struct.error) as e:
-        return [f"{where}: unreadable .json, .id or box members ({e})"]
+        return [f"{where}: unreadable .json, .{COCO_ID_MEMBER} or box members ({e})"]
     problems = []
     if image_id != record.get("id"):
-        problems.append(f"{where}: .id is {image_id}, the .json's image id is {record.get('id')}")
-    for name in ("labels", "crowdlabels"):
+        problems.append(f"{where}: .{COCO_ID_MEMBER} is {image_id}, the .json's image id is {record.get('id')}")
+    for name in (COCO_LABELS_MEMBER, COCO_CROWD_LABELS_MEMBER):
         labels = binary[name]
         if labels.size and not (0 <= labels.min() and labels.max() < len(index_of)):
             problems.append(f"{where}: .{name} {labels.tolist()} outside 0..{len(index_of) - 1}")
@@ -391,8 +421,10 @@ def check_coco_sample(where: str, members: dict[str, bytes], index_of: dict[int,
         return problems + [f"{where}: .json has category ids {unknown} that are not in the manifest's categories"]
     item = Item("", "", record, tuple(annotations), tuple(index_of[a["category_id"]] for a in annotations))
     boxes, crowd, _ = training_boxes(item, [])
-    expected = {"boxes": np.asarray([b for b, _ in boxes], "<f4").reshape(-1), "labels": [lb for _, lb in boxes],
-                "crowdboxes": np.asarray([b for b, _ in crowd], "<f4").reshape(-1), "crowdlabels": [lb for _, lb in crowd]}
+    expected = {COCO_BOXES_MEMBER: np.asarray([b for b, _ in boxes], "<f4").reshape(-1),
+                COCO_LABELS_MEMBER: [lb for _, lb in boxes],
+                COCO_CROWD_BOXES_MEMBER: np.asarray([b for b, _ in crowd], "<f4").reshape(-1),
+                COCO_CROWD_LABELS_MEMBER: [lb for _, lb in crowd]}
     for name, want in expected.items():
         if not np.array_equal(binary[name], np.asarray(want, binary[name].dtype)):
             problems.append(f"{where}: .{name} disagrees with the annotations in .json")
@@ -425,9 +457,13 @@ def export_coco(shards: Path, split: str | None = None) -> dict:
     images, annotations = [], []
     urls = [str(manifest.root / s.path) for s in info.shards]
     for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
-        doc = json.loads(sample["json"])
-        images.append(doc["image"])
-        annotations += doc["annotations"]
+        try:
+            record, anns = parse_sample_json(sample[META_MEMBER])
+        except (KeyError, ValueError) as e:
+            raise ExportError(f"{sample['__url__']}: sample {sample['__key__']}: unreadable .json ({e}); "
+                              f"shard-convert verify {shards} checks every sample") from None
+        images.append(record)
+        annotations += anns
     images.sort(key=lambda r: r["id"])
     annotations.sort(key=lambda a: a["id"])
     return {**coco["splits"][split].get("other_keys", {}), "images": images, "annotations": annotations,

@@ -27,7 +27,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from ..atomic import write_json_atomic
-from ..format import MANIFEST_NAME, ShardManifest, SplitInfo
+from ..format import FORMAT_VERSION, MANIFEST_NAME, ShardManifest, SplitInfo
 from ..runtime import LOCK_NAME, DiskFull, FolderInUse, folder_lock, free_bytes, mib
 from .images import DEFAULT_MAX_PIXELS
 from ..storage import StorageError, is_s3_url, parse_s3_url
@@ -171,7 +171,10 @@ def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
     """Write `plan` into `opts.out`; resumes an interrupted run. Returns the manifest with `summary`
     attached (for one of several jobs, the manifest of this job's part, not saved: see `merge`)."""
     started = time.perf_counter()
-    fingerprint = {**plan.fingerprint, "num_jobs": opts.num_jobs} if opts.jobs else plan.fingerprint
+    # the format version too: a run of another version must not resume into (or call done) a folder of this one
+    fingerprint = {**plan.fingerprint, "format_version": FORMAT_VERSION}
+    if opts.jobs:
+        fingerprint["num_jobs"] = opts.num_jobs
     with folder_lock(opts.out, command, name=job_lock_name(opts)):
         status = prepare_remote_output(opts, fingerprint) if opts.remote else prepare_output(opts, fingerprint)
         if status == "done":
@@ -269,6 +272,9 @@ def describe_difference(old: dict, new: dict) -> str:
     """What changed between two fingerprints, e.g. "--seed was 1, now 2; source was /a, now /b"."""
     changes = [f"{name} was {old.get(name)}, now {new.get(name)}" for name in ("kind", "source", "num_jobs")
                if old.get(name) != new.get(name)]
+    old_format, new_format = old.get("format_version", 1), new.get("format_version", 1)  # 1: written before it was
+    if old_format != new_format:
+        changes.append(f"shard format {old_format}, this dalifeed writes {new_format}")
     old_options, new_options = old.get("options", {}), new.get("options", {})
     for name in sorted(set(old_options) | set(new_options)):
         if old_options.get(name) != new_options.get(name):

@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..format import ShardManifest, listing_digest
+from ..format import CLASS_I64_MEMBER, CLASS_MEMBER, IMAGE_MEMBER, META_MEMBER, ShardManifest, listing_digest
 from .convert import DEFAULT_MAX_SHARD_BYTES, ConvertSummary, Plan, ShardOptions, UsageError, convert
 from .images import ImageError, to_jpeg
 from .shards import Sample, Skip, SourceFile
@@ -197,12 +197,13 @@ def encode_item(item: Item, src: str, quality: int, max_side: int | None, max_pi
         image = to_jpeg(data, quality, max_side, max_pixels)
     except ImageError as e:
         return Skip(str(e))
-    meta = {"path": item.relpath, "class": item.class_name, "label": item.label, "reencoded": image.reencoded}
+    # the same keys and value types in every sample (docs/format.md): "" when passed through, not null
+    meta = {"path": item.relpath, "class": item.class_name, "label": item.label, "reencoded": image.reencoded or ""}
     members = [
-        ("jpg", SourceFile(str(path), len(data)) if image.reencoded is None else image.jpeg),
-        ("cls", str(item.label).encode()),
-        ("label", struct.pack("<q", item.label)),
-        ("json", json.dumps(meta, sort_keys=True).encode()),
+        (IMAGE_MEMBER, SourceFile(str(path), len(data)) if image.reencoded is None else image.jpeg),
+        (CLASS_MEMBER, str(item.label).encode()),
+        (CLASS_I64_MEMBER, struct.pack("<q", item.label)),
+        (META_MEMBER, json.dumps(meta, sort_keys=True).encode()),
     ]
     return Sample(members, image.reencoded, classes=(item.label,))
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import storage
-from ..format import INDEX_VERSION, TAR_BLOCK, ManifestError, ShardInfo, ShardManifest
+from ..format import (CLASS_I64_MEMBER, CLASS_MEMBER, IMAGE_MEMBER, IMAGEFOLDER_MEMBERS, IMAGEFOLDER_META,
+                      INDEX_VERSION, META_MEMBER, TAR_BLOCK, ManifestError, ShardInfo, ShardManifest, meta_problems)
 from .images import DEFAULT_MAX_PIXELS, EXIF_ORIENTATION, ImageError, decode_check, read_jpeg_frame
 
-REQUIRED_MEMBERS = ("jpg", "cls", "label", "json")
+REQUIRED_MEMBERS = IMAGEFOLDER_MEMBERS
 
 
 @dataclass
@@ -120,11 +121,11 @@ def verify_shard(root: Path, shard: ShardInfo, num_classes: int, decoder=None,
         where = f"{tar_path}: sample {key}{source_of(members)}"
         label_problems = check_labels(where, members)
         problems += label_problems
-        if "jpg" in members and not any(p.startswith(f"{where}: missing") for p in label_problems):
-            problems += check_image(where, members["jpg"], decoder is not None, max_pixels)
+        if IMAGE_MEMBER in members and not any(p.startswith(f"{where}: missing") for p in label_problems):
+            problems += check_image(where, members[IMAGE_MEMBER], decoder is not None, max_pixels)
     if decoder is not None:
-        keys = [key for key, members in samples.items() if "jpg" in members]
-        for i, why in decoder.failures([samples[key]["jpg"] for key in keys]):
+        keys = [key for key, members in samples.items() if IMAGE_MEMBER in members]
+        for i, why in decoder.failures([samples[key][IMAGE_MEMBER] for key in keys]):
             problems.append(f"{tar_path}: sample {keys[i]}{source_of(samples[keys[i]])}: DALI cannot decode "
                             f"its .jpg ({why}): a training run would stop here")
     return problems
@@ -133,8 +134,8 @@ def verify_shard(root: Path, shard: ShardInfo, num_classes: int, decoder=None,
 def source_of(members: dict[str, bytes]) -> str:
     """' (source <path>)' from the sample's .json provenance, or '' when it has none."""
     try:
-        doc = json.loads(members["json"])
-        path = doc.get("path") or doc.get("image", {}).get("file_name")
+        doc = json.loads(members[META_MEMBER])
+        path = doc.get("path") or doc.get("file_name")  # ImageFolder's, or COCO's
     except (KeyError, ValueError, AttributeError):
         return ""
     return f" (source {path})" if path else ""
@@ -167,19 +168,24 @@ def read_samples(tar: Path | bytes) -> tuple[dict[str, dict[str, bytes]], str]:
 
 
 def check_class_labels(where: str, members: dict[str, bytes], num_classes: int) -> list[str]:
-    """An ImageFolder sample: .jpg, and the same label in .cls, .label and .json, within range."""
+    """An ImageFolder sample: .jpg, the same label in .cls, .cls.i64 and .json, within range, and a .json of
+    the format's keys and types (`format.IMAGEFOLDER_META`)."""
     missing = [ext for ext in REQUIRED_MEMBERS if ext not in members]
     if missing:
         return [f"{where}: missing {', '.join('.' + m for m in missing)}"]
-    problems = []
     try:
-        ascii_label = int(members["cls"].decode("ascii"))
-        binary_label = struct.unpack("<q", members["label"])[0]
-        meta_label = json.loads(members["json"])["label"]
-    except (ValueError, UnicodeDecodeError, struct.error, KeyError, TypeError) as e:
+        ascii_label = int(members[CLASS_MEMBER].decode("ascii"))
+        binary_label = struct.unpack("<q", members[CLASS_I64_MEMBER])[0]
+        meta = json.loads(members[META_MEMBER])
+    except (ValueError, UnicodeDecodeError, struct.error) as e:
         return [f"{where}: unreadable label ({e})"]
+    problems = [f"{where}: .json {p}" for p in meta_problems(meta, IMAGEFOLDER_META)]
+    if problems:
+        return problems
+    meta_label = meta["label"]
     if not ascii_label == binary_label == meta_label:
-        problems.append(f"{where}: labels disagree (.cls={ascii_label}, .label={binary_label}, .json={meta_label})")
+        problems.append(f"{where}: labels disagree (.{CLASS_MEMBER}={ascii_label}, .{CLASS_I64_MEMBER}={binary_label}, "
+                        f".json={meta_label})")
     if not 0 <= binary_label < num_classes:
         problems.append(f"{where}: label {binary_label} outside 0..{num_classes - 1}")
     return problems

@@ -46,7 +46,7 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
                    "--check-shards). auto: continue --out's run if it has one and the options are the same.")
 @click.option("--task", type=click.Choice(["classify", "multilabel"]), default=d("task"), show_default=True,
               help="classify: one class per image (cross-entropy; top-1/top-5). multilabel: COCO shards, predict "
-                   "which categories an image holds (multi-hot targets built in the DALI graph from .labels, "
+                   "which categories an image holds (multi-hot targets built in the DALI graph from .labels.i32, "
                    "binary cross-entropy; mean average precision reported as `map`).")
 @click.option("--train-split", default=d("train_split"), show_default=True,
               help="The split that trains (COCO shards: e.g. train2017).")
