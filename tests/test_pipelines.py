@@ -203,3 +203,27 @@ def test_bad_arguments_are_clear(photo_shards, tmp_path):
         make_loader(tmp_path, "train", 4, device="cpu")
     with pytest.raises(ValueError, match="crop_scale"):
         make_loader(photo_shards, "train", 4, device="cpu", crop_scale=(0.5, 0.1))
+
+
+@pytest.mark.parametrize("shape", [(375, 500), (40, 30)])  # shrinking (antialiasing matters) and enlarging
+def test_training_resize_is_pils_bilinear(shape):
+    """The square resize of the training crop filters as torchvision's RandomResizedCrop does on PIL images
+    (BILINEAR, antialiased when shrinking): an unfiltered linear resize of a real photo to 64 px is ~5 grey
+    levels away, PIL's own filter within 1."""
+    import skimage.data
+    from nvidia.dali import fn, pipeline_def
+
+    from dalifeed.pipelines.graphs import AugmentConfig, resize_square
+
+    photo = np.asarray(Image.fromarray(skimage.data.chelsea()).resize(shape[::-1], Image.LANCZOS))
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None)
+    def resize_only():
+        images = fn.external_source(source=lambda: [photo], batch=True, layout="HWC")
+        return resize_square(images, AugmentConfig(image_size=64))
+
+    pipe = resize_only()
+    pipe.build()
+    ours = np.asarray(pipe.run()[0][0]).astype(np.float32)
+    pil = np.asarray(Image.fromarray(photo).resize((64, 64), Image.BILINEAR)).astype(np.float32)
+    assert np.abs(ours - pil).mean() < 1.0

@@ -24,8 +24,8 @@ from nvidia.dali import fn, pipeline_def, types
 from dalifeed.format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
                              COCO_LABELS_MEMBER, IMAGE_MEMBER, ShardManifest)
 
-from .graphs import (ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, AugmentConfig, after_decode, decoder_device,
-                     decoder_hints, read_members, uses_gpu)
+from .graphs import (ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER, AugmentConfig, after_decode,
+                     decoder_device, decoder_hints, read_members, uses_gpu)
 from .loader import DaliLoader, resolve_device
 
 # SSD's sampler (Liu et al. 2016, as DALI's SSD example and torchvision's RandomIoUCrop): minimum IoU of a
@@ -98,12 +98,10 @@ def random_crop_and_flip(jpegs, boxes, labels, cfg: DetectionConfig, device: str
 
 def resize_and_normalize(images, cfg: DetectionConfig):
     if cfg.size is not None:
-        images = fn.resize(images, resize_x=cfg.size, resize_y=cfg.size, interp_type=types.INTERP_TRIANGULAR,
-                           antialias=False)
+        images = fn.resize(images, resize_x=cfg.size, resize_y=cfg.size, **RESIZE_FILTER)
     else:
         limit = {"max_size": cfg.max_size} if cfg.max_size else {}
-        images = fn.resize(images, resize_shorter=cfg.min_size, interp_type=types.INTERP_TRIANGULAR, antialias=False,
-                           **limit)
+        images = fn.resize(images, resize_shorter=cfg.min_size, **RESIZE_FILTER, **limit)
     return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
                                     mean=[m * 255 for m in cfg.mean], std=[s * 255 for s in cfg.std])
 
