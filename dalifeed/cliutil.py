@@ -86,6 +86,14 @@ def write_traceback(log: Path | None, error: BaseException) -> Path | None:
     return log
 
 
+def error_text(error: BaseException) -> str:
+    """The one line an error is shown as: an OSError as "<file>: <what the OS said>" (not "[Errno 13] ...")."""
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        other = f" -> {error.filename2}" if error.filename2 is not None else ""
+        return f"{error.filename}{other}: {error.strerror}"
+    return str(error)
+
+
 def run_command(body: Callable[[], T], *, debug: bool, usage_errors: tuple = (), runtime_errors: tuple = (),
                 log: Callable[[], Path | None] = lambda: None, stopped: Callable[[Stopped], str | None] = str,
                 prefix: str = "") -> T:
@@ -110,7 +118,7 @@ def run_command(body: Callable[[], T], *, debug: bool, usage_errors: tuple = (),
             if debug:
                 raise
             where = write_traceback(log(), e)
-            click.echo(f"Error: {prefix}{e}" + (f" (traceback: {where})" if where else ""), err=True)
+            click.echo(f"Error: {prefix}{error_text(e)}" + (f" (traceback: {where})" if where else ""), err=True)
             sys.exit(1)
         except Exception as e:  # a bug: still one line, with the traceback kept for the report
             if debug:

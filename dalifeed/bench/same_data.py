@@ -14,7 +14,7 @@ def imagefolder_listing(folder: Path) -> tuple[list[str], dict]:
     """The classes of an ImageFolder tree and the digest of its files, as shard-convert records them."""
     classes = find_classes(folder)
     items, _ = list_class_files(folder, folder, classes)
-    return classes, listing_digest((item.relpath, (folder / item.relpath).stat().st_size) for item in items)
+    return classes, listing_digest((item.relpath, item.size) for item in items)
 
 
 def same_data_problem(imagefolder: Path, manifest: ShardManifest, split: str) -> str | None:

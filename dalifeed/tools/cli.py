@@ -15,9 +15,9 @@ from ..atomic import write_json_atomic
 from ..format import ManifestError, ShardManifest
 from ..runtime import DiskFull, FolderInUse
 from ..storage import StorageError, is_s3_url, load_manifest
-from .convert import MergeError, merge
+from .convert import MergeError, merge, skip_reasons
 from .coco import CocoConfig, ExportError, convert_coco, export_coco
-from .imagefolder import ConvertConfig, UsageError, convert_imagefolder
+from .imagefolder import TOP_LEVEL, ConvertConfig, UsageError, convert_imagefolder
 from .info import describe_folder, folder_info
 from .shards import JOBS_DIR, ConversionFailed, WorkerCrashed
 from .verify import verify_shards
@@ -73,8 +73,8 @@ def shard_options(command):
         click.option("--workers", type=int, default=d("workers"), show_default=True,
                      help="Worker processes that decode-check and encode. The output bytes do not depend on it."),
         click.option("--on-error", type=click.Choice(["skip", "fail"]), default=d("on_error"), show_default=True,
-                     help="skip: list undecodable or non-image files in the manifest's 'skipped' with the reason; "
-                          "fail: stop at the first one (exit 1)."),
+                     help="skip: list undecodable, non-image and unreadable files (a broken symlink, a FIFO) in "
+                          "the manifest's 'skipped' with the reason; fail: stop at the first one (exit 1)."),
         click.option("--overwrite", is_flag=True, help="Replace an OUT that was made from other input or options."),
         click.option("--staging", type=click.Path(path_type=Path), default=None,
                      help="With an s3://bucket/prefix OUT: the local folder shards are written to and uploaded from; "
@@ -96,18 +96,33 @@ def shard_options(command):
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out", type=LOCATION)
 @click.option("--val-fraction", type=float, default=d("val_fraction"), show_default=True,
-              help="Hold out this fraction of every class as split 'val' (seeded, stratified). "
-                   "Not allowed when SRC already has train/ and val/.")
+              help="Hold out this fraction of every class as split 'val' (seeded, stratified): of SRC, or with "
+                   "split folders, of train/. Not allowed when SRC has a validation folder already.")
+@click.option("--top-level", type=click.Choice(TOP_LEVEL), default=d("top_level"), show_default=True,
+              help="What the folders at the top of SRC are. auto: splits when all are named like splits (train, "
+                   "val, validation, test, ...), classes when none is, refused when both kinds are there. splits: "
+                   "the split-named ones are splits, the other folders' files are listed as skipped. classes: "
+                   "every folder is a class, whatever its name.")
 @shard_options
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def imagefolder_cmd(src, out, quiet, debug, **options):
-    """Convert an ImageFolder tree SRC (SRC/<class>/<images>, or SRC/train/<class>/... and SRC/val/<class>/...)
-    to shards in OUT.
+    """Convert an ImageFolder tree SRC to shards in OUT: SRC/<class>/<images> (one split, train), or split
+    folders SRC/train/<class>/..., SRC/val/<class>/..., SRC/test/<class>/...
 
-    Class order and indices are torchvision ImageFolder's (sorted class folder names). Every file is
-    decoded in full to catch corrupt and truncated images; every file found is either converted or listed
-    as skipped. Interrupted (Ctrl-C, SIGTERM, kill -9)? Run the same command again: finished shards are kept
+    \b
+    Split folders, matched in any case, and the split each becomes:
+      train, training                                   -> train
+      val, valid, validation, dev, eval, evaluation     -> val   (what dali-train evaluates on)
+      test, testing                                     -> test
+
+    The manifest's split_folders records which folder each split came from. Folders of other names beside
+    them make SRC ambiguous: it is refused, saying how to choose (--top-level).
+
+    Class order and indices are torchvision ImageFolder's (sorted class folder names; with split folders,
+    those of train/). Every file is decoded in full to catch corrupt and truncated images; every entry found
+    (a broken symlink, a FIFO too) is either converted or listed as skipped with the reason. Interrupted
+    (Ctrl-C, SIGTERM, kill -9)? Run the same command again: finished shards are kept
     and the result is byte-identical to an uninterrupted run. One run at a time per OUT (a lock refuses a
     second one).
 
@@ -118,10 +133,11 @@ def imagefolder_cmd(src, out, quiet, debug, **options):
     click.echo(f"shard-convert imagefolder: {json.dumps(cfg.to_json())}", err=True)
     manifest = run_command(
         lambda: convert_imagefolder(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
-        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError),
+        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError, OSError),
         log=lambda: cfg.out / "convert-error.log",
         stopped=lambda e: f"finished shards in {out} are kept; run the same command again to resume")
     click.echo(describe_result(manifest))
+    exit_if_nothing_converted(manifest)
 
 
 @main.command("coco", context_settings=CONTEXT)
@@ -162,7 +178,7 @@ def coco_cmd(out, quiet, debug, **options):
     click.echo(f"shard-convert coco: {json.dumps(cfg.to_json())}", err=True)
     manifest = run_command(
         lambda: convert_coco(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
-        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError),
+        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError, OSError),
         log=lambda: cfg.out / "convert-error.log",
         stopped=lambda e: f"finished shards in {out} are kept; run the same command again to resume")
     click.echo(describe_result(manifest))
@@ -172,6 +188,7 @@ def coco_cmd(out, quiet, debug, **options):
                    f"{counts.get('boxes_clipped', 0)} clipped to their image, {counts.get('boxes_dropped', 0)} left "
                    f"out (no area in the image); {counts.get('annotations_not_converted', 0)} annotations not "
                    f"converted (see the manifest's coco.skipped_annotations).")
+    exit_if_nothing_converted(manifest)
 
 
 @main.command("export-coco", context_settings=CONTEXT)
@@ -184,13 +201,35 @@ def export_coco_cmd(out: Path, dest: Path, split: str | None):
     licenses) as the file OUT was made from, less what the conversion listed as skipped.
     pycocotools.coco.COCO(DEST) loads it."""
     def run():
+        check_destination(dest)  # before reading every shard
         doc = export_coco(out, split)
         write_json_atomic(dest, doc)
         return doc
 
-    doc = run_command(run, debug=False, usage_errors=(ExportError, ManifestError), stopped=lambda e: "nothing was written")
+    doc = run_command(run, debug=False, usage_errors=(ExportError, ManifestError), runtime_errors=(OSError,),
+                      stopped=lambda e: "nothing was written")
     click.echo(f"{dest}: {len(doc['images'])} images, {len(doc['annotations'])} annotations, "
                f"{len(doc['categories'])} categories")
+
+
+def exit_if_nothing_converted(manifest: ShardManifest) -> None:
+    """A finished conversion without a single sample is bad data, not a success: exit 1 saying why (the
+    manifest, kept, lists every skipped file with its reason), on every run of the same command."""
+    if manifest.summary.status == "job" or any(info.samples for info in manifest.splits.values()):
+        return
+    reasons = "; ".join(f"{n} {reason}" for reason, n in skip_reasons(manifest.skipped).items()) or "none found"
+    click.echo(f"Error: {manifest.source}: no image could be converted: {len(manifest.skipped)} of {manifest.found} "
+               f"skipped ({reasons}); the reasons: shard-convert info {manifest.location}", err=True)
+    sys.exit(1)
+
+
+def check_destination(dest: Path) -> None:
+    """DEST must be a file name in an existing folder (it is written atomically, beside itself)."""
+    if dest.is_dir():
+        raise ExportError(f"{dest}: is a folder; give the instances file to write, e.g. {dest / 'instances.json'}")
+    if not dest.parent.is_dir():
+        raise ExportError(f"{dest.parent}: {'is not a folder' if dest.parent.exists() else 'no such folder'} "
+                          f"(DEST {dest} is written there)")
 
 
 def describe_result(manifest: ShardManifest) -> str:
@@ -206,11 +245,7 @@ def describe_result(manifest: ShardManifest) -> str:
                 f"{s.skipped}, in {s.seconds:.1f} s; the other jobs have not all finished: the last one writes "
                 f"{manifest.root / 'manifest.json'} (or run: shard-convert merge {manifest.root}).")
     splits = ", ".join(f"{name} {info.samples} in {len(info.shards)} shards" for name, info in manifest.splits.items())
-    reasons = {}
-    for entry in manifest.skipped:
-        reason = entry["reason"].split(":")[0]
-        reasons[reason] = reasons.get(reason, 0) + 1
-    skipped = "; ".join(f"{n} {r}" for r, n in sorted(reasons.items())) or "none"
+    skipped = "; ".join(f"{n} {r}" for r, n in skip_reasons(manifest.skipped).items()) or "none"
     resumed = " (resumed)" if s.status == "resume" else ""
     warnings = f" {len(manifest.warnings)} warning(s): see shard-convert info." if manifest.warnings else ""
     found = "image records" if manifest.kind == "coco" else "files"
@@ -227,7 +262,7 @@ def merge_cmd(out: Path):
     that every job finished and all ran the same command (but --job-index). The last job to finish does
     this by itself; run it to be sure, or after re-running a failed job. Safe to run again."""
     manifest = run_command(lambda: merge(out), debug=False, usage_errors=(MergeError, FolderInUse),
-                           stopped=lambda e: "nothing was written")
+                           runtime_errors=(OSError,), stopped=lambda e: "nothing was written")
     splits = ", ".join(f"{name} {info.samples} in {len(info.shards)} shards" for name, info in manifest.splits.items())
     jobs = len(list((out / JOBS_DIR).glob("job-*-of-*.json")))  # the manifest's fingerprint is a single job's
     click.echo(f"{out}: merged {jobs} jobs into {out / 'manifest.json'} "
@@ -254,11 +289,11 @@ def verify_cmd(out: Path, decode: bool, as_json: bool):
         except ManifestError:
             return None
 
-    total = run_command(count_shards, debug=False, runtime_errors=(StorageError,))
+    total = run_command(count_shards, debug=False, runtime_errors=(StorageError, OSError))
     show = sys.stderr.isatty() and not as_json
     with tqdm(total=total, unit="shard", desc="verify", disable=not show) as bar:
         report = run_command(lambda: verify_shards(out, decode=decode, on_shard=lambda: bar.update(1)), debug=False,
-                             runtime_errors=(StorageError,), stopped=lambda e: "nothing was changed")
+                             runtime_errors=(StorageError, OSError), stopped=lambda e: "nothing was changed")
     if as_json:
         click.echo(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
     else:

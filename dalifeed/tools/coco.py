@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import random
 import struct
 from collections import defaultdict
@@ -34,7 +35,7 @@ import numpy as np
 from ..format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
                       COCO_LABELS_MEMBER, COCO_MEMBERS, COCO_META, IMAGE_MEMBER, META_MEMBER, ShardManifest,
                       listing_digest, meta_problems)
-from .convert import Plan, ShardOptions, UsageError, convert
+from .convert import Plan, ShardOptions, UsageError, convert, stat_source
 from .images import ImageError, to_jpeg
 from .shards import Sample, Skip, SourceFile
 
@@ -77,7 +78,8 @@ class CocoConfig(ShardOptions):
                 raise UsageError(f"{self.out}: output folder must not be inside the image folder {folder}")
         for path in self.annotations:
             if not path.is_file():
-                raise UsageError(f"{path}: instances file does not exist")
+                raise UsageError(f"{path}: --annotations is a folder, not an instances file" if path.is_dir()
+                                 else f"{path}: instances file does not exist")
 
     def output_options(self) -> dict:
         return {"skip_empty": self.skip_empty, **self.shard_options()}
@@ -171,6 +173,7 @@ class Item:
     record: dict
     annotations: tuple  # as given, valid image and category, first of any repeated id
     labels: tuple  # training index of each annotation's category
+    problem: str | None = None  # why its file cannot be read (a broken symlink, a FIFO, ...): its skip reason
 
     @property
     def file_name(self) -> str:
@@ -221,8 +224,8 @@ def plan_split(split: str, folder: Path, doc: dict, index_of: dict[int, int], *,
         record, anns = records[image_id], by_image.get(image_id, [])
         path = folder / record["file_name"]
         try:
-            st = path.stat()
-        except OSError as e:
+            os.lstat(path)
+        except OSError as e:  # a record of an image not downloaded: skipped, whatever --on-error says
             skipped.append({"path": record["file_name"], "image_id": image_id, "split": split,
                             "reason": f"missing: {e.strerror or e} ({len(anns)} annotations not converted)"})
             continue
@@ -230,10 +233,14 @@ def plan_split(split: str, folder: Path, doc: dict, index_of: dict[int, int], *,
             skipped.append({"path": record["file_name"], "image_id": image_id, "split": split,
                             "reason": "no annotations (--skip-empty)"})
             continue
-        items.append(Item(split, str(folder), record, tuple(anns), tuple(index_of[a["category_id"]] for a in anns)))
-        entries.append((record["file_name"], st.st_size))
-        lines.append(f"{split}\0{record['file_name']}\0{st.st_size}\0{st.st_mtime_ns}\n")
-        total += st.st_size
+        st = stat_source(path)  # a broken symlink, a loop, a FIFO: an item the worker skips, naming why
+        problem = f"{st.problem} ({len(anns)} annotations not converted)" if st.problem else None
+        items.append(Item(split, str(folder), record, tuple(anns), tuple(index_of[a["category_id"]] for a in anns),
+                          problem))
+        entries.append((record["file_name"], st.size))
+        marker = f"\0{problem}" if problem else ""
+        lines.append(f"{split}\0{record['file_name']}\0{st.size}\0{st.mtime_ns}{marker}\n")
+        total += st.size
     random.Random(f"{seed}:{split}").shuffle(items)
     other = {k: v for k, v in doc.items() if k not in REQUIRED_KEYS}
     return SplitPlan(items, skipped, skipped_anns, entries, lines, total, other)
@@ -297,6 +304,8 @@ def describe_item(item: Item) -> str:
 
 def encode_item(item: Item, quality: int, max_side: int | None, max_pixels: int) -> Sample | Skip:
     """Worker: the image (checked, passed through or re-encoded) and its annotations as tar members."""
+    if item.problem:  # found while planning; a FIFO must not even be opened (reading it blocks)
+        return Skip(item.problem)
     path = Path(item.folder, item.file_name)
     try:
         data = path.read_bytes()

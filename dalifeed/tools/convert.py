@@ -16,9 +16,11 @@ conversion; with byte-sized shards, job I converts a contiguous range of positio
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,6 +41,43 @@ DEFAULT_MAX_SHARD_BYTES = 256 * 2**20
 
 class UsageError(Exception):
     """Bad input or options: the CLI prints the message in one line and exits 2."""
+
+
+@dataclass(frozen=True)
+class SourceStat:
+    """What listing a source entry tells: its size and mtime (for the fingerprint and the listing) and, for
+    an entry no image can be read from, why: the skip reason it gets."""
+
+    size: int
+    mtime_ns: int
+    problem: str | None = None
+
+
+_FILE_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+               stat.S_IFBLK: "a block device", stat.S_IFDIR: "a folder"}
+
+
+def stat_source(path: Path) -> SourceStat:
+    """Stat a source entry, following symlinks, without ever raising: a broken symlink, a symlink loop, an
+    entry that cannot be stat-ed and anything that is not a regular file (reading a FIFO would block the
+    conversion forever) come back with a `problem`, so that each is one skipped file, not a failed run."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        try:
+            link = os.lstat(path)
+        except OSError:
+            return SourceStat(0, 0, f"unreadable: {e.strerror or e}")
+        if not stat.S_ISLNK(link.st_mode):
+            return SourceStat(0, link.st_mtime_ns, f"unreadable: {e.strerror or e}")
+        target = os.readlink(path)
+        if e.errno == errno.ELOOP:
+            return SourceStat(0, link.st_mtime_ns, f"unreadable: symlink loop (links to {target})")
+        return SourceStat(0, link.st_mtime_ns, f"unreadable: broken symlink to {target} ({e.strerror})")
+    if not stat.S_ISREG(st.st_mode):
+        kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a file")
+        return SourceStat(0, st.st_mtime_ns, f"not a regular file: {kind}")
+    return SourceStat(st.st_size, st.st_mtime_ns)
 
 
 @dataclass(kw_only=True)
@@ -175,6 +214,7 @@ def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
     fingerprint = {**plan.fingerprint, "format_version": FORMAT_VERSION}
     if opts.jobs:
         fingerprint["num_jobs"] = opts.num_jobs
+    make_output_folder(opts)
     with folder_lock(opts.out, command, name=job_lock_name(opts)):
         status = prepare_remote_output(opts, fingerprint) if opts.remote else prepare_output(opts, fingerprint)
         if status == "done":
@@ -199,6 +239,16 @@ def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
             merged.summary = summarize(merged, summary.seconds, "merged")
             return merged
     return manifest
+
+
+def make_output_folder(opts: ShardOptions) -> None:
+    """Create OUT (the local one, or the staging folder of an s3:// OUT), refusing in one line a place no
+    folder can be made: under a file, in a missing or read-only location."""
+    try:
+        opts.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{opts.out}: cannot create the output folder ({e.strerror or e}"
+                         f"{f': {e.filename}' if e.filename and str(e.filename) != str(opts.out) else ''})") from None
 
 
 def prepare_remote_output(opts: ShardOptions, fingerprint: dict) -> str:
@@ -357,6 +407,15 @@ def write_all(plan: Plan, opts: ShardOptions, fingerprint: dict) -> ShardManifes
     return manifest
 
 
+def skip_reasons(skipped: list[dict]) -> dict[str, int]:
+    """How many were skipped for each kind of reason (the text before its first colon), by reason."""
+    counts: dict[str, int] = {}
+    for entry in skipped:
+        reason = entry["reason"].split(":")[0]
+        counts[reason] = counts.get(reason, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def load_done(opts: ShardOptions) -> ShardManifest:
     if not opts.jobs:
         return ShardManifest.load(opts.out)
@@ -389,7 +448,7 @@ def merge(out: Path) -> ShardManifest:
     records = sorted((out / JOBS_DIR).glob("job-*-of-*.json"))
     if not records:
         raise MergeError(f"{out}: no job records in {out / JOBS_DIR} (is this the OUT of a --num-jobs conversion?)")
-    docs = [json.loads(p.read_text()) for p in records]
+    docs = [read_job_record(p) for p in records]
     count = docs[0]["job"]["count"]
     found = {doc["job"]["index"]: doc for doc in docs if doc["job"]["count"] == count}
     strays = [p.name for p, doc in zip(records, docs) if doc["job"]["count"] != count]
@@ -448,6 +507,16 @@ def in_single_job_order(records: list[dict], splits: list[str]) -> tuple[list[di
     plan = records[0]["job"]["plan"]  # job 0 accounts for what the plan itself skipped or warned about
     return ([e for part in parts for e in part["skipped"]] + plan["skipped"],
             plan["warnings"] + [w for part in parts for w in part["warnings"]])
+
+
+def read_job_record(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc.get("job", {}).get("count"), int) or not isinstance(doc["job"].get("index"), int):
+            raise ValueError("no job index and count")
+    except (OSError, ValueError, AttributeError, KeyError) as e:
+        raise MergeError(f"{path}: unreadable job record ({e}); run that job again") from None
+    return doc
 
 
 def merge_if_complete(out: Path) -> ShardManifest | None:

@@ -26,6 +26,7 @@ def folder_info(manifest: ShardManifest) -> dict:
         "reencoded": manifest.reencoded.get("by_reason", {}), "skipped": dict(sorted(skipped.items())),
         "warnings": manifest.warnings, "counts": manifest.extra.get("counts", {}),
         "category_ids": manifest.extra.get("coco", {}).get("category_ids"),
+        "split_folders": manifest.extra.get("split_folders"),
     }
 
 
@@ -35,8 +36,10 @@ def describe_folder(info: dict) -> str:
     for name, split in info["splits"].items():
         indexes = "all present" if not split["indexes_missing"] else \
             f"{len(split['indexes_missing'])} MISSING (e.g. {split['indexes_missing'][0]})"
+        folder = (info.get("split_folders") or {}).get(name)
+        made_from = f"; from {folder}/" if folder not in (None, ".") else ""
         lines.append(f"  {name}: {split['samples']} samples in {split['shards']} shards, "
-                     f"{split['bytes'] / 2**20:,.1f} MiB; DALI indexes {indexes}")
+                     f"{split['bytes'] / 2**20:,.1f} MiB; DALI indexes {indexes}{made_from}")
         counts = split["class_counts"]
         if counts:
             total = sum(counts.values()) or 1
