@@ -10,6 +10,8 @@ stop work cleanly, child processes that die with their parent, and disk-full err
 - `die_with_parent()`: called in a worker process, it makes the kernel SIGKILL the worker when its parent
   dies (Linux's PR_SET_PDEATHSIG; a watchdog thread elsewhere), so a SIGKILLed or OOM-killed main process
   does not leave workers blocked forever on a pipe nobody reads.
+- `usable_cores()`: the CPUs this process may use (affinity, cgroup CPU quota, Slurm's CPUs per task): what
+  every worker and thread count starts from, so that a container or a Slurm allocation is respected.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import math
 import os
 import signal
 import sys
@@ -24,7 +27,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 LOCK_NAME = ".dalifeed.lock"
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: a file-size limit (ulimit -f, RLIMIT_FSIZE)
@@ -131,3 +134,77 @@ def free_bytes(folder: str | os.PathLike) -> int | None:
 
 def mib(n: int | float | None) -> str:
     return "?" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+
+
+def usable_cores(*, affinity: int | None = None, cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP,
+                 environ: Mapping[str, str] = os.environ) -> int:
+    """The CPUs this process may keep busy, at least 1: the fewest of its affinity mask (`taskset`, Slurm's
+    and cpusets' binding), its cgroup's CPU quota rounded up (`docker run --cpus`, Kubernetes CPU limits: a
+    quota the affinity mask does not show) and SLURM_CPUS_PER_TASK when set. `os.cpu_count()` is none of
+    these: it counts the machine's CPUs, so inside an allocation it starts one worker per CPU of the host."""
+    limits = [affinity if affinity is not None else len(os.sched_getaffinity(0))]
+    quota = cgroup_cpu_quota(cgroup_root, proc_cgroup)
+    if quota is not None:
+        limits.append(math.ceil(quota))
+    slurm = environ.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit() and int(slurm) > 0:
+        limits.append(int(slurm))
+    return max(1, min(limits))
+
+
+def cgroup_cpu_quota(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
+    """CPUs' worth of time per period this process's cgroup may use (quota / period), the smallest along its
+    path to the root as the kernel enforces it; None when there is no quota. cgroup v2 (`cpu.max`: "max
+    100000" or "200000 100000") and v1 (`cpu/cpu.cfs_quota_us`, -1 for none, and `cpu.cfs_period_us`)."""
+    v2_path, v1_path = _own_cgroups(proc_cgroup)
+    quotas = []
+    for folder in _up_to(cgroup_root, v2_path):
+        quotas.append(_quota_v2(folder / "cpu.max"))
+    for mount in ("cpu", "cpu,cpuacct"):
+        for folder in _up_to(cgroup_root / mount, v1_path):
+            quotas.append(_quota_v1(folder / "cpu.cfs_quota_us", folder / "cpu.cfs_period_us"))
+    found = [q for q in quotas if q is not None]
+    return min(found) if found else None
+
+
+def _own_cgroups(proc_cgroup: Path) -> tuple[str, str]:
+    """This process's cgroup paths ("/" inside a container's own namespace): the v2 one ("0::<path>") and
+    the v1 one of the cpu controller ("<n>:cpu,cpuacct:<path>")."""
+    v2 = v1 = "/"
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return v2, v1
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            v2 = path or "/"
+        elif "cpu" in controllers.split(","):
+            v1 = path or "/"
+    return v2, v1
+
+
+def _up_to(mount: Path, path: str) -> list[Path]:
+    """`mount/path` and each of its parents up to `mount` itself."""
+    parts = [p for p in path.strip("/").split("/") if p and p != ".."]
+    return [mount.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _quota_v2(cpu_max: Path) -> float | None:
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def _quota_v1(quota_file: Path, period_file: Path) -> float | None:
+    try:
+        quota, period = int(quota_file.read_text()), int(period_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None

@@ -311,6 +311,69 @@ def test_detection_loader_gives_torchvision_targets_in_pixels(coco, tmp_path):
     assert sorted(seen) == [1, 2, 3, 5, 6, 7, 8, 9]  # validation: every sample once, padding trimmed
 
 
+def targets_one_image_at_a_time(batch: dict):
+    """targets_from_batch as it was (the oracle): five reads of device values per image."""
+    images, targets = [], []
+    for i in range(batch["images"].shape[0]):
+        _, height, width = (int(v) for v in batch["sizes"][i])
+        n = int(batch["counts"][i][0])
+        scale = torch.tensor([width, height, width, height], dtype=torch.float32, device=batch["boxes"].device)
+        images.append(batch["images"][i, :, :height, :width])
+        targets.append({"boxes": batch["boxes"][i, :n].float() * scale, "labels": batch["labels"][i, :n].long(),
+                        "image_id": int(batch["ids"][i][0])})
+    return images, targets
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the reads of tensor values by Python (`int()`, `.item()`, `.tolist()`, `.cpu()`, ...): on a GPU each
+    read of a device tensor waits for every queued kernel. Reads of a tensor a `.cpu()` returned are free and
+    not counted. (torch.cuda.set_sync_debug_mode counts real synchronisations, but only on CUDA.)"""
+
+    READS = {"__int__", "__float__", "__bool__", "__index__", "item", "tolist", "numpy", "cpu"}
+
+    def __init__(self):
+        super().__init__()
+        self.count, self._on_host = 0, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        if name in self.READS and not any(args[0] is t for t in self._on_host):
+            self.count += 1
+            if name == "cpu":
+                self._on_host.append(result)
+        return result
+
+
+@pytest.mark.parametrize("resize", [{"size": 48}, {"size": None, "min_size": 40, "max_size": 72}])
+def test_detection_targets_need_one_host_read_per_batch_and_equal_the_per_image_ones(coco, tmp_path, resize):
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+    from dalifeed.format import ShardManifest
+    from dalifeed.pipelines.detection import DETECTION_OUTPUTS, DetectionConfig, detection_pipeline, targets_from_batch
+
+    images, annotations = coco
+    out = tmp_path / "out"
+    convert(images, annotations, out)
+    manifest = ShardManifest.load(out)
+    tars, idx = [str(p) for p in manifest.shard_paths("mini")], [str(p) for p in manifest.index_paths("mini")]
+    pipe = detection_pipeline(tars, idx, DetectionConfig(**resize), True, "cpu", batch_size=4, num_threads=1,
+                              device_id=None, seed=5, initial_fill=8)
+    pipe.build()
+    batches = [b[0] for b in DALIGenericIterator([pipe], list(DETECTION_OUTPUTS), reader_name="Reader")]
+    assert len(batches) == 2 and sum(int(b["counts"].sum()) for b in batches) > 0
+    for batch in batches:
+        want_images, want_targets = targets_one_image_at_a_time(batch)
+        with HostReads() as reads:
+            got_images, got_targets = targets_from_batch(batch)
+        assert reads.count == 1  # one small copy per batch; the old function read 5 values per image
+        assert all(torch.equal(a, b) for a, b in zip(want_images, got_images))
+        for want, got in zip(want_targets, got_targets, strict=True):
+            assert got["image_id"] == want["image_id"] and type(got["image_id"]) is int
+            assert torch.equal(got["boxes"], want["boxes"]) and got["boxes"].dtype == torch.float32
+            assert torch.equal(got["labels"], want["labels"]) and got["labels"].dtype == torch.int64
+
+
 def test_torchvision_detector_trains_on_the_loader(coco, tmp_path):
     from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn
 

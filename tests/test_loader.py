@@ -38,7 +38,7 @@ def test_validation_sees_every_sample_exactly_once_across_ranks(unique_shards, w
     for rank in range(world_size):
         loader = make_loader(unique_shards, "train", batch, train=False, rank=rank, world_size=world_size,
                              image_size=16, device="cpu")
-        for epoch in range(2):  # the second epoch reuses the pipeline: same contract
+        for epoch in range(2):  # the second epoch builds its pipeline again: same contract
             batches = labels_of(loader)
             assert len(batches) == len(loader)
             assert sum(map(len, batches)) == loader.num_samples

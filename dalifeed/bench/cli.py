@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 import sys
 import time
@@ -21,6 +20,7 @@ from dalifeed.atomic import write_json_atomic
 from dalifeed.cliutil import LOCATION, default, run_command
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+from dalifeed.runtime import usable_cores
 
 from .detection import DETECTION_LOADERS, build_detection_loader, same_coco_data_problem
 from .loaders import GPU_LOADERS, LOADERS, build_loader
@@ -48,7 +48,7 @@ class BenchConfig:
     epochs: int | None = None  # instead of seconds: time whole passes over the split
     repeats: int = 3
     warmup_batches: int = 5
-    workers: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+    workers: int = field(default_factory=usable_cores)
     model: str | None = None
     model_steps: int = 20
     amp: bool = True  # bf16 autocast for --model, on a GPU (on the CPU it would be emulated)
@@ -124,7 +124,7 @@ def environment() -> dict:
     return {
         "python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
         "dali": nvidia.dali.__version__, "webdataset": getattr(webdataset, "__version__", "?"),
-        "cores": len(os.sched_getaffinity(0)), "cpu": cpu, "gpu": gpu, "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cores": usable_cores(), "cpu": cpu, "gpu": gpu, "date": time.strftime("%Y-%m-%d %H:%M"),
     }
 
 
@@ -154,7 +154,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
                                             workers=cfg.workers, device=device, fp16=cfg.fp16,
                                             hw_decoder_load=cfg.hw_decoder_load), device)
         timing = time_loader(loader, device, warmup_batches=cfg.warmup_batches, seconds=None if batches else cfg.seconds,
-                             batches=batches, repeats=cfg.repeats, cores=len(os.sched_getaffinity(0)))
+                             batches=batches, repeats=cfg.repeats, cores=usable_cores())
         record = {"loader": name, "images_per_s": timing.median, "images_per_s_runs": timing.images_per_s,
                   "cpu_percent": timing.cpu_percent, "peak_rss_mb": timing.peak_rss_mb, "output": timing.output}
         log(f"{name}: {timing.median:.0f} images/s (runs: {', '.join(f'{r:.0f}' for r in timing.images_per_s)})")

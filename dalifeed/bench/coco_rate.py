@@ -9,7 +9,6 @@ of every file with `shard-convert coco` of them, and prints the medians and the 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from dalifeed.runtime import usable_cores
 from dalifeed.tools.coco import CocoConfig, convert_coco
 from dalifeed.tools.sample_data import make_photos_coco
 
@@ -38,7 +38,7 @@ def convert_seconds(images: Path, annotations: Path, out: Path, workers: int) ->
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--workers", type=int, default=None, help="Default: the cores available.")
 def main(workdir: Path, per_class: int, repeats: int, workers: int | None) -> None:
-    workers = workers or len(os.sched_getaffinity(0))
+    workers = workers or usable_cores()
     images, annotations = workdir / "coco" / "images", workdir / "coco" / "instances_photos.json"
     if not annotations.is_file():
         images, annotations = make_photos_coco(workdir / "coco", per_class=per_class)

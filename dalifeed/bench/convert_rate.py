@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from dalifeed.runtime import usable_cores
 from dalifeed.tools import ConvertConfig, convert_imagefolder
 from dalifeed.tools.images import decode_check
 
@@ -50,7 +51,7 @@ def convert_seconds(src: Path, out: Path, workers: int) -> float:
 def measure(src: Path, workdir: Path, repeats: int = 5, workers: int | None = None) -> dict:
     """Median and spread of both rates over `repeats` alternating runs (alternating evens out drift)."""
     src, workdir = Path(src), Path(workdir)
-    workers = workers or os.cpu_count() or 1
+    workers = workers or usable_cores()
     files = sorted(str(p) for p in src.rglob("*") if p.is_file())
     total_bytes = sum(os.path.getsize(f) for f in files)
     decode_s, convert_s = [], []
@@ -92,7 +93,7 @@ def render_markdown(r: dict) -> str:
 @click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("build/convert-rate"), show_default=True)
 @click.option("--repeats", type=int, default=5, show_default=True)
-@click.option("--workers", type=int, default=None, help="Default: all cores.")
+@click.option("--workers", type=int, default=None, help="Default: the CPUs this process may use.")
 def main(src: Path, workdir: Path, repeats: int, workers: int | None) -> None:
     """Measure shard-convert's images/s and MB/s against the pure decode rate of the same files."""
     result = measure(src, workdir, repeats, workers)

@@ -41,6 +41,7 @@ import torch
 from dalifeed.atomic import write_atomic, write_json_atomic
 from dalifeed.cliutil import default, run_command
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+from dalifeed.runtime import usable_cores
 
 STEPS = ("tests", "loaders", "hw-decoder", "train", "checkpoint", "nccl")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the source checkout holding dalifeed/ and tests/
@@ -61,7 +62,7 @@ class GpuCheckConfig:
     image_size: int = 224
     seconds: float = 10.0
     repeats: int = 3
-    workers: int = field(default_factory=lambda: len(os.sched_getaffinity(0)))
+    workers: int = field(default_factory=usable_cores)
     hw_loads: list[float] = field(default_factory=lambda: [0.0, 0.65, 0.99])
     model: str = "resnet50"
     width: int | None = None
@@ -123,14 +124,11 @@ def decoder_budget(threads: int) -> dict:
 
 
 def nvml_device(index: int = 0):
-    """(pynvml, handle of GPU `index`), or None where NVML is missing or sees no such GPU."""
-    try:
-        import pynvml
+    """(pynvml, handle) of torch's cuda:`index` (NVML's own numbering differs under CUDA_VISIBLE_DEVICES:
+    dalifeed.nvml), or None where NVML is missing or does not list it."""
+    from dalifeed.nvml import open_gpu
 
-        pynvml.nvmlInit()
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:
-        return None
+    return open_gpu(index)
 
 
 def nvml_call(read, device):
@@ -260,8 +258,9 @@ def train_command(cfg: GpuCheckConfig, shards: Path, out: Path, has_gpu: bool, s
     command = [sys.executable, "-m", "dalifeed.train.cli", "--data", str(shards), "--out", str(out),
                "--model", cfg.model, "--epochs", str(cfg.train_epochs), "--batch-size", str(cfg.batch_size),
                "--image-size", str(cfg.image_size), "--amp", cfg.amp if has_gpu else "off", "--channels-last",
-               "--val-split", "none", "--warmup-epochs", "0", "--workers", str(cfg.workers),
-               "--device", "gpu" if has_gpu else "cpu"]
+               "--val-split", "none", "--warmup-epochs", "0", "--device", "gpu" if has_gpu else "cpu"]
+    # no --dali-threads: the slice checks the DALI threads dali-train gives a rank by default (its first
+    # line says how many), which is what a user's run gets
     if cfg.width:
         command += ["--width", str(cfg.width)]
     # a torch profiler trace of steps 3-7 of the first epoch (which the numbers leave out): where the time
@@ -293,7 +292,10 @@ def train_step(cfg: GpuCheckConfig, shards: Path, has_gpu: bool, log) -> dict:
                       "profile_trace": str(trace) if trace.is_file() else None,
                       "images_per_s": statistics.median(r["images_per_s"] for r in steady),
                       "images_per_s_epochs": [r["images_per_s"] for r in steady],
-                      "data_wait_share": statistics.median(r["data_wait_share"] for r in steady), **gpu.summary()}
+                      "data_wait_share": statistics.median(r["data_wait_share"] for r in steady),
+                      # the training pipeline is rebuilt every epoch: memory that grows epoch after epoch is a leak
+                      "gpu_process_memory_gb_epochs": [r.get("gpu_process_memory_gb") for r in records],
+                      "gpu_memory_used_gb_epochs": [r.get("gpu_memory_used_gb") for r in records], **gpu.summary()}
     share = runs["dali"]["images_per_s"] / runs["synthetic"]["images_per_s"]
     return {"model": cfg.model, "loader": "dali-gpu" if has_gpu else "dali-cpu", "amp": cfg.amp if has_gpu else "off",
             "channels_last": True,
@@ -552,7 +554,8 @@ def split_list(kind):
 @click.option("--seconds", type=float, default=d("seconds"), show_default=True, help="Each timed loader run.")
 @click.option("--repeats", type=int, default=d("repeats"), show_default=True, help="Timed runs per loader (median).")
 @click.option("--workers", type=int, default=d("workers"), show_default=True,
-              help="DataLoader workers and DALI threads (default: the cores this process may use).")
+              help="DataLoader workers and DALI threads of the loader race, the hw-decoder sweep and the checkpoint "
+                   "step (default: the CPUs this process may use); the training slice keeps dali-train's default.")
 @click.option("--hw-loads", default=",".join(f"{v:g}" for v in d("hw_loads")), show_default=True,
               callback=split_list(float),
               help="hw_decoder_load values the hw-decoder step measures dali-gpu at.")

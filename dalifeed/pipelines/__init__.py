@@ -19,6 +19,7 @@ _WHERE = {
     "ShardDataError": "checks",
     "DetectionConfig": "detection", "DetectionLoader": "detection", "detection_pipeline": "detection",
     "make_detection_loader": "detection",
+    "ThreadBudget": "budget", "thread_budget": "budget",
 }
 __all__ = list(_WHERE)
 

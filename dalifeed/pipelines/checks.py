@@ -10,13 +10,14 @@ run over given encoded images, bisecting a failing batch down to the samples it 
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+
+from .budget import thread_budget
 
 VERIFY_HINT = "check the shards with: shard-convert verify --decode {root}"
 
@@ -99,7 +100,7 @@ class DaliDecoder:
     def __init__(self, device: str = "cpu", device_id: int | None = None, batch_size: int = 32,
                  num_threads: int | None = None):
         self.device, self.device_id, self.batch_size = device, device_id, batch_size
-        self.num_threads = num_threads or len(os.sched_getaffinity(0))
+        self.num_threads = num_threads or thread_budget(device).threads
         self._pipe = None
 
     def pipeline(self):

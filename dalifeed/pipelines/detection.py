@@ -24,6 +24,7 @@ from nvidia.dali import fn, pipeline_def, types
 from dalifeed.format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
                              COCO_LABELS_MEMBER, IMAGE_MEMBER, ShardManifest)
 
+from .budget import thread_budget
 from .graphs import (ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER, AugmentConfig, after_decode,
                      decoder_device, decoder_hints, read_members, uses_gpu)
 from .loader import DaliLoader, resolve_device
@@ -106,7 +107,9 @@ def resize_and_normalize(images, cfg: DetectionConfig):
                                     mean=[m * 255 for m in cfg.mean], std=[s * 255 for s in cfg.std])
 
 
-@pipeline_def(enable_conditionals=False)
+# exec_dynamic: `images.shape()` of a GPU node read on the CPU (below) is a GPU-to-CPU edge, which only
+# DALI's dynamic executor runs; it is DALI 2.4's default only while exec_async and exec_pipelined are on.
+@pipeline_def(enable_conditionals=False, exec_dynamic=True)
 def detection_pipeline(paths: list[str], index_paths: list[str], cfg: DetectionConfig, train: bool, device: str,
                        shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024, debug: bool = False):
     """Returns images (3, H, W) padded to the batch's largest, boxes (N, 4) relative xyxy padded with zeros,
@@ -139,15 +142,20 @@ def detection_pipeline(paths: list[str], index_paths: list[str], cfg: DetectionC
 
 
 def targets_from_batch(batch: dict) -> tuple[list[torch.Tensor], list[dict]]:
-    """DALI's padded batch -> a list of images and torchvision detection targets, trimmed per image."""
+    """DALI's padded batch -> a list of images and torchvision detection targets, trimmed per image.
+
+    On the GPU every read of a device value by Python (`int()`, `.item()`) waits for the GPU to finish all
+    queued work: the sizes, box counts and ids the trimming needs come to the host in one small copy per
+    batch, and the boxes are scaled to pixels for the whole batch in one kernel, on the device."""
+    sizes = batch["sizes"]  # (B, 3): C, H, W of each image before padding
+    host = torch.cat([sizes[:, 1:3], batch["counts"][:, :1], batch["ids"][:, :1]], dim=1).cpu().tolist()
+    scale = sizes[:, [2, 1, 2, 1]].to(torch.float32)  # (B, 4): W, H, W, H
+    boxes = batch["boxes"].float() * scale[:, None, :]  # relative xyxy -> pixels of each image
+    labels = batch["labels"].long()
     images, targets = [], []
-    for i in range(batch["images"].shape[0]):
-        _, height, width = (int(v) for v in batch["sizes"][i])
-        n = int(batch["counts"][i][0])
-        scale = torch.tensor([width, height, width, height], dtype=torch.float32, device=batch["boxes"].device)
+    for i, (height, width, n, image_id) in enumerate(host):
         images.append(batch["images"][i, :, :height, :width])
-        targets.append({"boxes": batch["boxes"][i, :n].float() * scale, "labels": batch["labels"][i, :n].long(),
-                        "image_id": int(batch["ids"][i][0])})
+        targets.append({"boxes": boxes[i, :n], "labels": labels[i, :n], "image_id": image_id})
     return images, targets
 
 
@@ -197,6 +205,6 @@ def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size:
     return DetectionLoader(
         manifest, split, batch_size, train=split.startswith("train") if train is None else train, rank=rank,
         world_size=world_size, seed=seed, device=resolved, augment=AugmentConfig(), detection=detection,
-        num_threads=num_threads or len(os.sched_getaffinity(0)), prefetch_queue_depth=prefetch_queue_depth,
+        num_threads=num_threads or thread_budget(resolved).threads, prefetch_queue_depth=prefetch_queue_depth,
         initial_fill=initial_fill, device_id=device_id if uses_gpu(resolved) else None, checkpointing=checkpointing,
         check=check)

@@ -21,6 +21,9 @@ Epoch semantics (what a trainer may rely on):
   of the reader and random generators after the last batch handed out; a fresh loader given it by
   `load_state_dict` yields exactly the rest of that epoch, then carries on as usual. The reader
   fast-forwards through the tar index without decoding what was already seen.
+- One pipeline per epoch: each iteration builds its DALI pipeline and frees it when the epoch ends, so a
+  trainer's rank holds one pipeline at a time (training's while it trains, validation's while it
+  evaluates) with its thread pool and decoder buffers. Why not one pipeline for all epochs: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from dalifeed import storage
 from dalifeed.format import ShardInfo, ShardManifest
 
+from .budget import thread_budget
 from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, dali_sees_gpu, find_undecodable,
                      index_named_in, indexed_samples, sample_named_in, summarize_dali_error, tar_of_index)
 from .graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, AugmentConfig, shard_pipeline, uses_gpu
@@ -155,6 +159,11 @@ class DaliLoader:
             initial_fill=self.initial_fill, batch_size=self.batch_size, num_threads=self.num_threads,
             device_id=self.device_id, seed=self._pipeline_seed(), prefetch_queue_depth=self.prefetch_queue_depth,
             enable_checkpointing=self.checkpointing, checkpoint=checkpoint,
+            # Said, not assumed: DALI 2.4's iterator hands out its buffers without a copy only under the
+            # dynamic executor (plugin/pytorch: `copy = not pipe.exec_dynamic`), and the detection graph reads
+            # `.shape()` of GPU nodes on the CPU, which only it allows. It is DALI's default only while
+            # exec_async and exec_pipelined are on and the prefetch queues are not split (pipeline.py).
+            exec_dynamic=True,
         )
 
     def _build_iterator(self, checkpoint: str | None = None) -> DALIGenericIterator:
@@ -173,11 +182,10 @@ class DaliLoader:
         if restore is None:
             self._batches_done = 0
         try:
-            if self.train or not self._epoch_complete or restore:
-                # Training rebuilds per epoch so the order is a function of (seed, epoch); validation has one
-                # fixed order and reuses its pipeline once an epoch has run to the end.
-                self._iterator = None  # free the previous pipeline first
-                self._iterator = self._build_iterator(restore)  # runs the first batches already
+            # A pipeline per epoch: training's order is a function of (seed, epoch) that the reader is given
+            # at build time, and between epochs no pipeline is held (see the module docstring).
+            self._iterator = None  # free the pipeline of an epoch left unfinished first
+            self._iterator = self._build_iterator(restore)  # runs the first batches already
             self._epoch_complete = False
             limit = len(self)
             for batch in self._iterator:
@@ -189,7 +197,9 @@ class DaliLoader:
                 raise
             self._iterator, self._epoch_complete = None, True  # a pipeline that failed is not reused
             raise self._explain(e) from e
-        self._epoch_complete = True
+        # the epoch is over: free the pipeline (its threads, decoder state and buffers go back to DALI's
+        # pools) so that the next loader to run, validation's or the next epoch's, does not sit beside it
+        self._iterator, self._epoch_complete = None, True
         self.epoch += 1
 
     # -- when DALI fails ---------------------------------------------------------------------------
@@ -265,11 +275,13 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     with 'gpu', the share of JPEGs given to the hardware decoder of A100/H100-class GPUs (the rest go to CUDA
     cores; ignored where there is none). `device_id` defaults to the current CUDA device (set it from
     LOCAL_RANK under torchrun). `dtype` float32 or float16; `channels_last` gives
-    NHWC. `num_threads` defaults to the cores this process may use. `checkpointing` enables DALI's
-    checkpointing so that `state_dict()` can be taken mid-epoch (see the module docstring). `check`: what
-    is compared with the manifest before reading, 'size' (sizes and indexes: two stats and two small
-    reads per shard) or 'sha256' (also hashes every byte of the split). `multilabel` (COCO shards): labels are
-    float multi-hot (B, num_classes) vectors of the categories each image holds, built in the DALI graph.
+    NHWC. `num_threads`: DALI threads of the pipeline; default: this rank's share of the CPUs the process
+    may use, capped (`dalifeed.pipelines.budget`: 4 with GPU decoding, 16 with CPU decoding).
+    `checkpointing` enables DALI's checkpointing so that `state_dict()` can be taken mid-epoch (see the
+    module docstring). `check`: what is compared with the manifest before reading, 'size' (sizes and
+    indexes: two stats and two small reads per shard) or 'sha256' (also hashes every byte of the split).
+    `multilabel` (COCO shards): labels are float multi-hot (B, num_classes) vectors of the categories each
+    image holds, built in the DALI graph.
     """
     if dtype not in (torch.float32, torch.float16):
         raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
@@ -282,7 +294,7 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
         device_id = torch.cuda.current_device()
     augment = AugmentConfig(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
                             fp16=dtype == torch.float16, channels_last=channels_last, hw_decoder_load=hw_decoder_load)
-    threads = num_threads or len(os.sched_getaffinity(0))
+    threads = num_threads or thread_budget(resolved).threads
     return DaliLoader(manifest, split, batch_size, train=split == "train" if train is None else train, rank=rank,
                       world_size=world_size, seed=seed, device=resolved, augment=augment, num_threads=threads,
                       prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,

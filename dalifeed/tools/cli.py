@@ -71,7 +71,8 @@ def shard_options(command):
                      help="Skip images with more pixels than this (reason 'image larger than --max-pixels'): a "
                           "decompression bomb is refused before it is decoded. Applies only inside the conversion."),
         click.option("--workers", type=int, default=d("workers"), show_default=True,
-                     help="Worker processes that decode-check and encode. The output bytes do not depend on it."),
+                     help="Worker processes that decode-check and encode (default: the CPUs this process may use: "
+                          "affinity, cgroup quota, SLURM_CPUS_PER_TASK). The output bytes do not depend on it."),
         click.option("--on-error", type=click.Choice(["skip", "fail"]), default=d("on_error"), show_default=True,
                      help="skip: list undecodable, non-image and unreadable files (a broken symlink, a FIFO) in "
                           "the manifest's 'skipped' with the reason; fail: stop at the first one (exit 1)."),

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from ..atomic import write_json_atomic
 from ..format import FORMAT_VERSION, MANIFEST_NAME, ShardManifest, SplitInfo
-from ..runtime import LOCK_NAME, DiskFull, FolderInUse, folder_lock, free_bytes, mib
+from ..runtime import LOCK_NAME, DiskFull, FolderInUse, folder_lock, free_bytes, mib, usable_cores
 from .images import DEFAULT_MAX_PIXELS
 from ..storage import StorageError, is_s3_url, parse_s3_url
 from . import remote
@@ -92,7 +92,7 @@ class ShardOptions:
     jpeg_quality: int = 95
     max_side: int | None = None
     max_pixels: int = DEFAULT_MAX_PIXELS
-    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    workers: int = field(default_factory=usable_cores)  # affinity, cgroup quota, Slurm: not the host's CPUs
     on_error: str = "skip"
     overwrite: bool = False
     progress: bool = True

@@ -16,20 +16,37 @@ LAST, BEST = "last.pt", "best.pt"
 
 
 def rng_state() -> dict:
+    """The random generators' states of this process. "cuda" is the generator of the GPU this process
+    computes on (None without one), not every visible GPU's: a checkpoint from 8 GPUs must resume on 4, or
+    under CUDA_VISIBLE_DEVICES=0, where a list of 8 states has nowhere to go."""
     return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
 
 
 def restore_rng(state: dict) -> None:
+    """Put the generators back as `rng_state()` found them. Only rank 0 saves, and every rank restores rank 0's
+    states, its GPU's on each rank's own GPU: that is what each rank held anyway, since every rank seeds alike
+    (`torch.manual_seed(cfg.seed)`) and DDP runs the same operations on every rank, so their generators stay
+    equal (DALI's augmentations have their own seeds per rank and epoch)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = own_gpu_state(state["cuda"])
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)  # the current device: this rank's (distributed.setup set it)
+
+
+def own_gpu_state(saved) -> torch.Tensor | None:
+    """The CUDA generator state to restore on this process's GPU from a checkpoint's "cuda": one state, or
+    (checkpoints written before) the list `get_rng_state_all()` made of every GPU rank 0 saw, whose first
+    entry is the GPU rank 0 computed on (cuda:0, its LOCAL_RANK); None without one."""
+    if isinstance(saved, (list, tuple)):
+        return saved[0] if saved else None
+    return saved
 
 
 def save(path: Path, state: dict) -> None:

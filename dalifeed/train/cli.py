@@ -42,7 +42,7 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
                             "run made with the same options, that run continues (what a restarted job wants).")
 @click.option("--resume", default="auto", show_default=True, metavar="RUN|auto",
               help="RUN: continue the run in this folder from its last.pt with its saved config (options given "
-                   "must agree with it, except --epochs, --workers, --profile, --compile, --checkpoint-every, "
+                   "must agree with it, except --epochs, --dali-threads, --profile, --compile, --checkpoint-every, "
                    "--check-shards). auto: continue --out's run if it has one and the options are the same.")
 @click.option("--task", type=click.Choice(["classify", "multilabel"]), default=d("task"), show_default=True,
               help="classify: one class per image (cross-entropy; top-1/top-5). multilabel: COCO shards, predict "
@@ -90,7 +90,10 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 @click.option("--seed", type=int, default=d("seed"), show_default=True)
 @click.option("--max-bad-steps", type=int, default=d("max_bad_steps"), show_default=True,
               help="Abort after this many non-finite losses or gradients in a row (each is skipped and logged).")
-@click.option("--workers", type=int, default=d("workers"), help="DALI threads per process (default: available cores).")
+@click.option("--dali-threads", "--workers", "workers", type=int, default=d("workers"), metavar="N",
+              help="DALI threads per pipeline (each rank runs one pipeline at a time). Default: the CPUs this "
+                   "process may use divided by the ranks on this node (LOCAL_WORLD_SIZE), at most 4 with GPU "
+                   "decoding and 16 with CPU decoding; printed at start. --workers is its old name.")
 @click.option("--profile", type=int, default=d("profile"), show_default=True,
               help="Write RUN/profile_trace.json, a torch profiler trace of this many steps.")
 @click.option("--checkpoint-every", type=int, default=d("checkpoint_every"), show_default=True, metavar="STEPS",

@@ -44,7 +44,7 @@ class TrainConfig:
     pretrained: str | None = None
     seed: int = 0
     max_bad_steps: int = 5  # abort after this many non-finite losses or gradients in a row
-    workers: int | None = None  # DALI threads per process; default: the cores this process may use
+    workers: int | None = None  # --dali-threads: DALI threads per pipeline; None: pipelines.budget decides
     profile: int = 0  # write a torch profiler trace of this many steps (0: off)
     checkpoint_every: int = 0  # also save last.pt every this many optimizer steps inside an epoch (0: off)
     device: str = "auto"  # auto | cpu | gpu | hybrid (train on the GPU, decode JPEGs on the CPU)
@@ -78,7 +78,8 @@ class TrainConfig:
              f"--device must be auto, cpu, gpu or hybrid, got {self.device!r}"),
             (0 <= self.hw_decoder_load <= 1, f"--hw-decoder-load must be in [0, 1], got {self.hw_decoder_load}"),
             (self.profile >= 0, f"--profile must be >= 0, got {self.profile}"),
-            (self.workers is None or self.workers >= 1, f"--workers must be >= 1 (DALI threads), got {self.workers}"),
+            (self.workers is None or self.workers >= 1,
+             f"--dali-threads / --workers must be >= 1 (DALI threads), got {self.workers}"),
             (self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}"),
             (self.check_shards in ("size", "sha256"), f"--check-shards must be size or sha256, got {self.check_shards!r}"),
         ]

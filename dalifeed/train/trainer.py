@@ -25,7 +25,8 @@ from tqdm import tqdm
 from dalifeed.atomic import write_atomic, write_json_atomic
 from dalifeed import storage
 from dalifeed.format import ManifestError, ShardManifest
-from dalifeed.pipelines import make_loader
+from dalifeed.nvml import gpu_stats
+from dalifeed.pipelines import make_loader, thread_budget
 from dalifeed.runtime import DiskFull, Stopped, folder_lock, free_bytes, is_disk_full, mib
 
 from . import checkpoint, models
@@ -469,10 +470,16 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     if resume is not None:
         check_resumable(cfg, dist, resume, manifest)
     dtype = amp_dtype(cfg, dist.device)
+    budget = thread_budget(loader_device(cfg, dist))
+    if dist.device.type == "cuda":
+        # every batch has the same shape (--image-size): cuDNN times its algorithms once per layer shape in
+        # the first steps and keeps the fastest (gpu-check leaves the first epoch out for it)
+        torch.backends.cudnn.benchmark = True
     if dist.is_main:
         print(f"dali-train config: {json.dumps(cfg.to_json())}")
         print(f"world size {dist.world_size}, device {dist.device}, {manifest.num_classes} classes, "
               f"{manifest.num_samples(cfg.train_split)} train samples")
+        print(f"--dali-threads {cfg.workers}: DALI threads per pipeline" if cfg.workers else budget.describe())
         write_json_atomic(out / "config.json", cfg.to_json())
         if dtype == torch.float16 and dist.device.type == "cpu":
             print("warning: --amp fp16 on the CPU runs about 10x slower than fp32 (PyTorch has few fp16 CPU "
@@ -488,7 +495,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
 
     check_batch_fits(cfg, dist, manifest)
     loader_args = dict(rank=dist.rank, world_size=dist.world_size, device=loader_device(cfg, dist),
-                       image_size=cfg.image_size, channels_last=cfg.channels_last, num_threads=cfg.workers,
+                       image_size=cfg.image_size, channels_last=cfg.channels_last,
+                       num_threads=cfg.workers or budget.threads,
                        device_id=dist.local_rank if dist.device.type == "cuda" else None, check=cfg.check_shards,
                        hw_decoder_load=cfg.hw_decoder_load)
     # DALI's checkpointing costs nothing measurable (docs; 575-625 images/s either way here) and lets any
@@ -618,23 +626,6 @@ class RunLog:
     def close(self) -> None:
         if self.tb:
             self.tb.close()
-
-
-def gpu_stats(device: torch.device) -> dict:
-    """Utilisation and memory of this process's GPU (nvidia-ml-py), empty on the CPU."""
-    if device.type != "cuda":
-        return {}
-    stats = {"gpu_max_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30}
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-        stats["gpu_util_percent"] = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
-        stats["gpu_memory_used_gb"] = pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**30
-    except Exception:
-        pass
-    return stats
 
 
 def make_profiler(cfg: TrainConfig, out: Path, dist: Dist):

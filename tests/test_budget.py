@@ -1,0 +1,138 @@
+"""The CPUs a process may use (affinity, cgroup quota, Slurm) and the DALI threads per pipeline they give each
+rank: the functions under given cgroup files and environments, and two real torchrun ranks on 2 CPUs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dalifeed.pipelines.budget import CPU_DECODE_MAX_THREADS, MIXED_DECODE_MAX_THREADS, ranks_on_node, thread_budget
+from dalifeed.runtime import cgroup_cpu_quota, usable_cores
+
+
+def cgroup(tmp_path: Path, files: dict[str, str], own: str = "0::/") -> dict:
+    """A fake /sys/fs/cgroup under tmp_path holding `files` (path -> content) and a /proc/self/cgroup saying
+    this process is in `own`: the keyword arguments usable_cores and cgroup_cpu_quota take."""
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    root.mkdir(exist_ok=True)
+    (tmp_path / "proc-cgroup").write_text(own + "\n")
+    return {"cgroup_root": root, "proc_cgroup": tmp_path / "proc-cgroup"}
+
+
+@pytest.mark.parametrize("files, own, cores", [
+    ({}, "0::/", 8),  # no cgroup files: the affinity mask
+    ({"cpu.max": "max 100000"}, "0::/", 8),  # v2 without a quota
+    ({"cpu.max": "150000 100000"}, "0::/", 2),  # docker --cpus 1.5: rounded up
+    ({"cpu.max": "20000 100000"}, "0::/", 1),  # a fifth of a CPU: still one
+    # v2, the kernel enforces the smallest quota on the way to the root
+    ({"cpu.max": "max 100000", "job/cpu.max": "400000 100000", "job/step/cpu.max": "max 100000"},
+     "0::/job/step", 4),
+    ({"job/cpu.max": "1200000 100000", "job/step/cpu.max": "300000 100000"}, "0::/job/step", 3),
+    ({"cpu/cpu.cfs_quota_us": "300000", "cpu/cpu.cfs_period_us": "100000"}, "3:cpu:/", 3),  # v1
+    ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, "3:cpu:/", 8),  # v1, no quota
+    ({"cpu,cpuacct/kube/cpu.cfs_quota_us": "200000", "cpu,cpuacct/kube/cpu.cfs_period_us": "100000"},
+     "0::/\n4:cpu,cpuacct:/kube", 2),
+])
+def test_usable_cores_is_the_smallest_of_affinity_and_cgroup_quota(tmp_path, files, own, cores):
+    assert usable_cores(affinity=8, environ={}, **cgroup(tmp_path, files, own)) == cores
+
+
+def test_slurm_cpus_per_task_limits_the_cores_and_nonsense_is_ignored(tmp_path):
+    paths = cgroup(tmp_path, {"cpu.max": "300000 100000"})
+    assert usable_cores(affinity=64, environ={"SLURM_CPUS_PER_TASK": "8"}, **paths) == 3  # the quota is smaller
+    assert usable_cores(affinity=64, environ={"SLURM_CPUS_PER_TASK": "2"}, **paths) == 2
+    for nonsense in ("", "0", "two", "-4"):
+        assert usable_cores(affinity=64, environ={"SLURM_CPUS_PER_TASK": nonsense}, **paths) == 3
+
+
+def test_this_machine_has_a_quota_or_none_and_its_cores_are_its_affinity_at_most():
+    quota = cgroup_cpu_quota()
+    assert quota is None or quota > 0
+    assert 1 <= usable_cores(environ={}) <= len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("device, cores, environ, visible, threads, ranks", [
+    ("cpu", 2, {"LOCAL_WORLD_SIZE": "2"}, 0, 1, 2),  # the 2-core CI machine under torchrun
+    ("cpu", 2, {}, 0, 2, 1),
+    ("cpu", 3, {"LOCAL_WORLD_SIZE": "8"}, 0, 1, 8),  # never 0
+    ("gpu", 64, {"LOCAL_WORLD_SIZE": "8"}, 8, MIXED_DECODE_MAX_THREADS, 8),  # 8 each: capped
+    ("hybrid", 64, {"LOCAL_WORLD_SIZE": "8"}, 8, 8, 8),  # CPU decoding takes its 8
+    ("hybrid", 224, {"LOCAL_WORLD_SIZE": "8"}, 8, CPU_DECODE_MAX_THREADS, 8),  # 28 each: capped
+    ("gpu", 224, {"LOCAL_WORLD_SIZE": "8"}, 8, MIXED_DECODE_MAX_THREADS, 8),
+    ("gpu", 16, {"LOCAL_WORLD_SIZE": "8"}, 8, 2, 8),
+    ("gpu", 64, {}, 8, MIXED_DECODE_MAX_THREADS, 1),  # one process on an 8-GPU node uses one GPU
+    ("hybrid", 64, {"WORLD_SIZE": "16"}, 8, 8, 8),  # a launcher without LOCAL_WORLD_SIZE: a rank per GPU
+    ("hybrid", 64, {"WORLD_SIZE": "2"}, 8, 16, 2),  # ... but not more ranks than the job has
+    ("cpu", 64, {"WORLD_SIZE": "16"}, 0, 16, 1),  # CPU ranks: nothing says how many share this node
+])
+def test_thread_budget_is_the_ranks_share_of_the_cores_capped(device, cores, environ, visible, threads, ranks):
+    budget = thread_budget(device, cores=cores, visible_gpus=visible, environ=environ)
+    assert (budget.threads, budget.ranks_on_node, budget.cores) == (threads, ranks, cores)
+    assert budget.describe().startswith(f"DALI threads per pipeline: {threads} ({cores} CPUs")
+    assert ("capped at" in budget.describe()) == (cores // ranks > budget.cap)
+
+
+def test_ranks_on_node_prefers_torchruns_local_world_size():
+    assert ranks_on_node(True, 8, {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "32"}) == 4
+    assert ranks_on_node(True, 8, {"LOCAL_WORLD_SIZE": "x", "WORLD_SIZE": "1"}) == 1
+
+
+def dali_pool_threads(pid: int) -> int:
+    """Threads of DALI pipelines' worker pools in process `pid` (named "[DALI][TP<i>]Exec"; the
+    executor's and the reader's threads have other names)."""
+    count = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            count += (task / "comm").read_text().startswith("[DALI][TP")
+        except OSError:  # the thread ended while we looked
+            pass
+    return count
+
+
+@pytest.mark.slow  # two dali-train ranks under torchrun: ~30-60 s on 2 cores
+def test_two_ranks_on_two_cpus_run_one_dali_thread_each_and_one_pipeline_at_a_time(make_shards, tmp_path):
+    """With 2 ranks on a node whose job may use 2 CPUs (SLURM_CPUS_PER_TASK=2, whatever the machine has), each
+    rank's pipelines get 1 DALI thread by default, and a rank never holds its training and its validation
+    pipeline at once: its DALI worker threads, sampled while it trains and evaluates, never exceed 1."""
+    _, shards = make_shards({"train": {"red": 17, "green": 15, "blue": 13}, "val": {"red": 7, "green": 7, "blue": 7}},
+                            samples_per_shard=10)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "dalifeed.train.cli", "--data", str(shards),
+               "--out", str(tmp_path / "run"), "--epochs", "3", "--model", "resnet18", "--width", "8",
+               "--image-size", "16", "--batch-size", "8", "--optimizer", "adamw", "--lr", "0.032"]
+    env = dict(os.environ, SLURM_CPUS_PER_TASK="2", OMP_NUM_THREADS="1")
+    log = tmp_path / "log.txt"
+    with open(log, "w") as output:
+        agent = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    most: dict[int, int] = {}
+    seen_one: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while agent.poll() is None and time.monotonic() < deadline:
+            for worker in psutil.Process(agent.pid).children(recursive=True):
+                threads = dali_pool_threads(worker.pid)
+                most[worker.pid] = max(most.get(worker.pid, 0), threads)
+                if threads == 1:
+                    seen_one.add(worker.pid)
+            time.sleep(0.02)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, 9)
+    output = log.read_text()
+    assert agent.wait(timeout=30) == 0, output[-3000:]
+    assert all(threads <= 1 for threads in most.values()), most
+    assert len(seen_one) == 2, (most, output[-2000:])  # both ranks were seen running their pipeline
+    assert "DALI threads per pipeline: 1 (2 CPUs this process may use / 2 rank(s) on this node = 1)" in output
