@@ -192,8 +192,10 @@ class DaliLoader:
                 if self._batches_done < limit:
                     self._batches_done += 1
                     yield self._to_torch(batch[0])
-        except RuntimeError as e:
-            if "Critical error" not in str(e):  # DALI's wrapper of an operator's failure; anything else is a bug
+        except Exception as e:
+            # DALI 2.4 raises an operator's failure as the operator's own type (RuntimeError from a decoder,
+            # IndexError from an axis out of range, ...), always with this text; anything else is a bug
+            if "Critical error in pipeline" not in str(e):
                 raise
             self._iterator, self._epoch_complete = None, True  # a pipeline that failed is not reused
             raise self._explain(e) from e
@@ -203,7 +205,7 @@ class DaliLoader:
         self.epoch += 1
 
     # -- when DALI fails ---------------------------------------------------------------------------
-    def _explain(self, error: RuntimeError) -> ShardDataError | storage.StorageError:
+    def _explain(self, error: Exception) -> ShardDataError | storage.StorageError:
         """One line for a failed pipeline: the tar, and the sample when DALI names it or a re-decode of what
         this rank had read finds it; or what DALI's S3 client met."""
         tars, indexes = self._epoch_files()
