@@ -10,6 +10,7 @@ with --debug), never to the terminal by default.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sys
 import traceback
@@ -61,6 +62,27 @@ def size_option(ctx, param, value):
         return parse_size(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+
+
+def output_folder_problem(option: str, folder: str | os.PathLike) -> str | None:
+    """Why `folder` cannot become a command's output folder (a file is there, or above it; its nearest
+    existing folder is not writable), as one line naming `option`; None when nothing is known against it.
+    Checked before any work starts, so that a typo costs nothing; creating it can still fail (a read-only
+    or virtual file system), which the command reports as well."""
+    path = Path(folder)
+    if path.exists() and not path.is_dir():
+        return f"{option} {folder}: is a file, not a folder (choose another {option})"
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{option} {folder}: {existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{option} {folder}: {existing} is not writable"
+    return None
+
+
+def folder_not_created(option: str, folder: str | os.PathLike, error: OSError) -> str:
+    """The one line for an output folder that could not be created."""
+    return f"{option} {folder}: cannot create this folder ({error.strerror or error})"
 
 
 class Location(click.ParamType):

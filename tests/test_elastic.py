@@ -99,8 +99,9 @@ def assert_same_weights(a: Path, b: Path) -> None:
 
 
 def epoch_lines(log: Path) -> list[str]:
-    """Rank 0's per-epoch lines without the timings (which never repeat)."""
-    lines = [line for line in log.read_text().splitlines() if line.startswith("epoch ")]
+    """Rank 0's per-epoch lines without the timings (which never repeat); not its progress lines ('epoch 0 step
+    3/50: ...', every --progress-every seconds)."""
+    lines = [line for line in log.read_text().splitlines() if re.match(r"epoch \d+, ", line)]
     return [re.sub(r", (images_per_s|epoch_seconds|data_wait_share) [^,]+", "", line) for line in lines]
 
 

@@ -145,7 +145,7 @@ def test_synthetic_training_runs_the_same_trainer(shards, tmp_path):
     run = tmp_path / "run"
     result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(run), "--model", "resnet18", "--width",
                                             "8", "--epochs", "1", "--batch-size", "8", "--image-size", "32",
-                                            "--synthetic", "--device", "cpu"])
+                                            "--synthetic", "--device", "cpu", "--val-split", "none"])
     assert result.exit_code == 0, result.output
     assert "synthetic data (one batch, repeated)" in result.output
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])

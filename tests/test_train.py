@@ -103,7 +103,7 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(shards, tmp_path):
 
     # TensorBoard reads event files in name order, and names start with the second they were opened in: a
     # resume within the killed writer's second (only in a test this fast) would be read before it
-    killed_second = max(int(f.name.split(".")[3]) for f in (killed / "tensorboard").iterdir())
+    killed_second = max(int(f.name.split(".")[3]) for f in (killed / "tensorboard").iterdir() if f.is_file())
     while int(time.time()) <= killed_second:
         time.sleep(0.05)
     resumed = CliRunner().invoke(train_cli, ["--resume", str(killed)])

@@ -17,7 +17,7 @@ from dalifeed.format import ManifestError
 from dalifeed.storage import StorageError, is_s3_url, load_manifest
 
 from dalifeed.atomic import write_json_atomic
-from dalifeed.cliutil import LOCATION, default, run_command
+from dalifeed.cliutil import LOCATION, default, folder_not_created, output_folder_problem, run_command
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 from dalifeed.runtime import usable_cores
@@ -69,10 +69,13 @@ class BenchConfig:
         except ManifestError as e:
             raise BenchUsageError(f"--shards: {e}") from None
         if self.split not in manifest.splits:
-            raise BenchUsageError(f"--shards {self.shards}: no split {self.split!r}")
+            raise BenchUsageError(f"--split {self.split}: --shards {self.shards} has no such split (has: "
+                                  f"{', '.join(manifest.splits)})")
         known = DETECTION_LOADERS if self.task == "detection" else LOADERS
         if self.task == "detection" and self.loaders == list(LOADERS):  # the default list: the detection ones
             self.loaders = list(DETECTION_LOADERS)
+        if not self.loaders:
+            raise BenchUsageError(f"--loaders: none given (choose from {', '.join(known)})")
         unknown = [name for name in self.loaders if name not in known]
         if unknown:
             raise BenchUsageError(f"--loaders: unknown {', '.join(unknown)} for --task {self.task} (choose from "
@@ -80,9 +83,20 @@ class BenchConfig:
         if self.task == "detection" and self.model:
             raise BenchUsageError("--model times classification models; it does not apply to --task detection")
         for name, value in (("--batch-size", self.batch_size), ("--repeats", self.repeats),
-                            ("--workers", self.workers), ("--image-size", self.image_size)):
+                            ("--workers", self.workers), ("--image-size", self.image_size),
+                            ("--epochs", 1 if self.epochs is None else self.epochs),
+                            ("--model-steps", self.model_steps)):
             if value < 1:
                 raise BenchUsageError(f"{name} must be >= 1, got {value}")
+        if self.seconds is not None and not self.seconds > 0:
+            raise BenchUsageError(f"--seconds must be > 0, got {self.seconds}")
+        if self.warmup_batches < 0:
+            raise BenchUsageError(f"--warmup must be >= 0, got {self.warmup_batches}")
+        problem = output_folder_problem("--out", self.out)
+        if problem:
+            raise BenchUsageError(problem)
+        if self.model:
+            self.check_model()
         if not 0 <= self.hw_decoder_load <= 1:
             raise BenchUsageError(f"--hw-decoder-load must be in [0, 1], got {self.hw_decoder_load}")
         if self.task == "detection" and self.fp16:
@@ -98,6 +112,15 @@ class BenchConfig:
         if problem and not self.allow_different_data:
             raise BenchUsageError(f"not the same data, so the race would compare nothing: {problem}; point both at "
                                   f"the same images (or pass --allow-different-data)")
+
+    def check_model(self) -> None:
+        """--model exists and takes --image-size: checked on the meta device before any loader is timed."""
+        from dalifeed.train.models import ModelError, check_input_size
+
+        try:
+            check_input_size(self.model, self.image_size)
+        except ModelError as e:
+            raise BenchUsageError(str(e)) from None
 
     def validate_detection_source(self) -> None:
         for name, path in (("--images", self.images), ("--annotations", self.annotations)):
@@ -190,10 +213,10 @@ class on_device:
 def measure_model(cfg: BenchConfig, loader, device: torch.device, cache: dict, log, name: str) -> dict:
     """Train steps/s fed by `loader`, against the same model fed one synthetic on-device batch. Long on a
     CPU: says how long after the first step, and shows a progress bar where someone watches."""
-    import torchvision
+    from dalifeed.train.models import build_model
 
     torch.manual_seed(0)
-    model = torchvision.models.get_model(cfg.model, num_classes=1000).to(device).train()
+    model = build_model(cfg.model, 1000, image_size=cfg.image_size).to(device).train()  # as dali-train builds it
     stream = forever(loader)
     warmup = 3
     if "synthetic" not in cache:
@@ -373,11 +396,12 @@ def main(debug: bool, **options):
       dali-bench --imagefolder /data/imagenet/train --shards /data/imagenet-shards --model resnet50
 
     Before timing anything it checks that --imagefolder holds the files the shards' split was made from
-    (shard-convert records their names and sizes) and that the split holds at least one batch; either
-    failing is one line and exit 2. Reports images/s (median of --repeats), speed-up over baseline
-    measured in the same run, CPU use and peak memory, and with --model the training steps/s each loader
-    sustains against synthetic data (with a time estimate after the first step); writes OUT/bench.json,
-    OUT/bench.png and OUT/config.json.
+    (shard-convert records their names and sizes), that the split holds at least one batch and that --model
+    takes --image-size (built on the meta device, as dali-train builds it); any failing is one line and
+    exit 2. Reports images/s (median of --repeats), speed-up over baseline measured in the same run, CPU
+    use and peak memory, and with --model the training steps/s each loader sustains against synthetic
+    data (with a time estimate after the first step); writes OUT/bench.json, OUT/bench.png and
+    OUT/config.json.
     """
     options["loaders"] = [name.strip() for name in options["loaders"].split(",") if name.strip()]
     if options["epochs"] is not None:
@@ -387,7 +411,10 @@ def main(debug: bool, **options):
     def bench() -> dict:
         cfg.validate()
         click.echo(f"dali-bench: {json.dumps(cfg.to_json())}", err=True)
-        cfg.out.mkdir(parents=True, exist_ok=True)
+        try:
+            cfg.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BenchUsageError(folder_not_created("--out", cfg.out, e)) from None
         write_json_atomic(cfg.out / "config.json", cfg.to_json())
         report = run_bench(cfg, log=lambda msg: click.echo(msg, err=True))
         write_json_atomic(cfg.out / "bench.json", report)

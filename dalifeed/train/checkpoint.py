@@ -74,7 +74,13 @@ def load(path: Path) -> dict:
         # our own file: it holds RNG states and the config, not only tensors
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or foreign file
-        raise ConfigError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"{path}: unreadable checkpoint ({type(e).__name__}: {first_line(e)})") from None
+
+
+def first_line(error: BaseException) -> str:
+    """torch.load's errors run over several lines (weights_only's advice); the error line says one."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def load_pretrained(model: torch.nn.Module, path: str) -> list[str]:
@@ -83,7 +89,7 @@ def load_pretrained(model: torch.nn.Module, path: str) -> list[str]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ConfigError(f"--pretrained {path}: unreadable ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"--pretrained {path}: unreadable ({type(e).__name__}: {first_line(e)})") from None
     state = state.get("model", state) if isinstance(state, dict) else state
     own = model.state_dict()
     unknown = [k for k in state if k not in own]

@@ -16,15 +16,20 @@ from dalifeed.runtime import DiskFull, FolderInUse
 from dalifeed.storage import StorageError
 
 from . import checkpoint
-from .config import ConfigError, TrainConfig
+from .config import NO_SPLIT, ConfigError, TrainConfig
 from .trainer import TrainingDiverged, TrainingStopped, main as train
 
 # Options that may differ from the checkpoint's config when resuming: they do not change the maths.
-RESUMABLE_OVERRIDES = {"epochs", "workers", "profile", "compile", "checkpoint_every", "check_shards"}
+RESUMABLE_OVERRIDES = {"epochs", "workers", "profile", "compile", "checkpoint_every", "check_shards", "progress_every",
+                       "tensorboard_every"}
 
 
 def d(name: str):
     return default(TrainConfig, name)
+
+
+def parse_val_split(ctx, param, value: str) -> str | None:
+    return None if value.strip().lower() in NO_SPLIT else value
 
 
 def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
@@ -43,16 +48,20 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 @click.option("--resume", default="auto", show_default=True, metavar="RUN|auto",
               help="RUN: continue the run in this folder from its last.pt with its saved config (options given "
                    "must agree with it, except --epochs, --dali-threads, --profile, --compile, --checkpoint-every, "
-                   "--check-shards). auto: continue --out's run if it has one and the options are the same.")
+                   "--check-shards, --progress-every, --tensorboard-every). auto: continue --out's run if it has "
+                   "one and the options are the same.")
 @click.option("--task", type=click.Choice(["classify", "multilabel"]), default=d("task"), show_default=True,
               help="classify: one class per image (cross-entropy; top-1/top-5). multilabel: COCO shards, predict "
                    "which categories an image holds (multi-hot targets built in the DALI graph from .labels.i32, "
                    "binary cross-entropy; mean average precision reported as `map`).")
 @click.option("--train-split", default=d("train_split"), show_default=True,
               help="The split that trains (COCO shards: e.g. train2017).")
-@click.option("--val-split", default=d("val_split"), show_default=True,
-              help="The split that evaluates after each epoch; none if the shards lack it (e.g. val2017).")
-@click.option("--model", default=d("model"), show_default=True, help="Any torchvision classification model name.")
+@click.option("--val-split", default=d("val_split"), show_default=True, callback=parse_val_split,
+              help="The split that evaluates after each epoch (COCO shards: e.g. val2017). none: train without "
+                   "evaluation (best.pt then keeps the lowest train loss). A split the shards lack is an error.")
+@click.option("--model", default=d("model"), show_default=True,
+              help="Any torchvision classification model name, built for --image-size (ViT: a multiple of its patch "
+                   "size); a size the model cannot take is refused before any data is read.")
 @click.option("--width", type=int, default=d("width"),
               help="ResNets only: channels of the first stage (torchvision's: 64; the stages are w, 2w, 4w, 8w). "
                    "Small images need less: ResNet-18 at width 32 has a quarter of the weights.")
@@ -111,6 +120,12 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 @click.option("--check-shards", type=click.Choice(["size", "sha256"]), default=d("check_shards"), show_default=True,
               help="Before training, compare every shard with the manifest: size (sizes and DALI indexes, "
                    "instant) or sha256 (also hashes every byte: catches bit flips, costs a full read).")
+@click.option("--progress-every", type=float, default=d("progress_every"), show_default=True, metavar="SECONDS",
+              help="When stdout is not a terminal (Slurm, nohup, > log): a progress line every SECONDS with the "
+                   "step, images/s, mean loss, data-wait share and the time left (0: none). A terminal gets a bar.")
+@click.option("--tensorboard-every", type=int, default=d("tensorboard_every"), show_default=True, metavar="STEPS",
+              help="Per-step TensorBoard scalars (step/train_loss, step/lr, step/images_per_s, "
+                   "step/data_wait_share) every STEPS optimizer steps, in RUN/tensorboard/steps (0: none).")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 @click.pass_context
 def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
@@ -123,11 +138,12 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
                          --rdzv-endpoint=HOST:29500 -m dalifeed.train.cli --data SHARDS --out runs/r50
     After a crash, a kill or a requeue: the same command continues the run in --out (or: --resume RUN)
 
-    Every epoch: train, evaluate top-1/top-5 on the whole val split, append RUN/metrics.jsonl, save
-    RUN/last.pt (and RUN/best.pt on a new best top-1). Resuming continues where the last checkpoint was
-    taken (an epoch's end, mid-epoch with --checkpoint-every, or where Ctrl-C / SIGTERM stopped it: the
-    current step finishes and a checkpoint is saved) and replays exactly what an uninterrupted run would
-    have done. One run at a time per --out. See docs/training.md.
+    Every epoch: train, evaluate top-1/top-5 on the whole val split (unless --val-split none), append
+    RUN/metrics.jsonl, save RUN/last.pt (and RUN/best.pt on a new best top-1). In between: a bar on a
+    terminal, a progress line every --progress-every seconds in a log. Resuming continues where the last
+    checkpoint was taken (an epoch's end, mid-epoch with --checkpoint-every, or where Ctrl-C / SIGTERM
+    stopped it: the current step finishes and a checkpoint is saved) and replays exactly what an
+    uninterrupted run would have done. One run at a time per --out. See docs/training.md.
 
     Exit codes: 0 done; 2 usage (bad option, unusable --out or checkpoint, --out in use); 1 a runtime
     failure (a shard that does not match its manifest or a sample DALI cannot decode, named in one line

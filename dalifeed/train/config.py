@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from dalifeed.cliutil import output_folder_problem
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, uses_gpu
 from dalifeed.storage import is_s3_url
+
+NO_SPLIT = ("none", "")  # --val-split values that mean: train without evaluation
 
 
 class ConfigError(Exception):
@@ -19,7 +22,7 @@ class TrainConfig:
     out: str
     task: str = "classify"  # classify (one label, cross-entropy, top-1) | multilabel (COCO: BCE, mAP)
     train_split: str = "train"
-    val_split: str = "val"  # trained without validation when the shards have no such split
+    val_split: str | None = "val"  # None (--val-split none): no evaluation; a split the data lacks is refused
     model: str = "resnet50"
     width: int | None = None  # ResNets only: stage widths (w, 2w, 4w, 8w) instead of torchvision's 64
     epochs: int = 90
@@ -51,16 +54,23 @@ class TrainConfig:
     hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # gpu: share of JPEGs for the hardware decoder
     synthetic: bool = False  # train on one real batch repeated: the speed of the model alone
     check_shards: str = "size"  # size | sha256: what is compared with the manifest before training
+    progress_every: float = 30.0  # seconds between progress lines when stdout is not a terminal (0: none)
+    tensorboard_every: int = 50  # optimizer steps between per-step TensorBoard scalars (0: none)
 
     def validate(self) -> None:
         """Check every option, naming the bad value; fills in the defaults that depend on others."""
         if self.warmup_epochs is None:
             self.warmup_epochs = min(5.0, self.epochs / 10)
+        if self.val_split in NO_SPLIT:
+            self.val_split = None
         checks = [
             (self.task in ("classify", "multilabel"), f"--task must be classify or multilabel, got {self.task!r}"),
             (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}"),
+            (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
+            (0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}"),
             (self.optimizer in ("sgd", "adamw"), f"--optimizer must be sgd or adamw, got {self.optimizer!r}"),
             (self.amp in ("auto", "bf16", "fp16", "off"), f"--amp must be auto, bf16, fp16 or off, got {self.amp!r}"),
             (self.accum_steps >= 1, f"--accum-steps must be >= 1, got {self.accum_steps}"),
@@ -82,6 +92,8 @@ class TrainConfig:
              f"--dali-threads / --workers must be >= 1 (DALI threads), got {self.workers}"),
             (self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}"),
             (self.check_shards in ("size", "sha256"), f"--check-shards must be size or sha256, got {self.check_shards!r}"),
+            (self.progress_every >= 0, f"--progress-every must be >= 0 seconds, got {self.progress_every}"),
+            (self.tensorboard_every >= 0, f"--tensorboard-every must be >= 0 steps, got {self.tensorboard_every}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -93,9 +105,24 @@ class TrainConfig:
                 raise ConfigError(f"--device {self.device} needs a CUDA GPU, and torch sees none here "
                                   f"(use --device cpu, or auto)")
         if not is_s3_url(self.data) and not Path(self.data).is_dir():
-            raise ConfigError(f"--data {self.data}: no such shard folder")
+            what = "is a file, not a shard folder" if Path(self.data).exists() else "no such shard folder"
+            raise ConfigError(f"--data {self.data}: {what}")
         if self.pretrained and not Path(self.pretrained).is_file():
             raise ConfigError(f"--pretrained {self.pretrained}: no such file")
+        problem = output_folder_problem("--out", self.out)
+        if problem:
+            raise ConfigError(problem)
+        self.check_model()
+
+    def check_model(self) -> None:
+        """The model exists and takes --image-size (and --width): checked on the meta device, before any data
+        is read, instead of failing at the first batch."""
+        from . import models  # torchvision: imported when a run is checked, not by `dali-train --help`
+
+        try:
+            models.check_input_size(self.model, self.image_size, self.width)
+        except models.ModelError as e:
+            raise ConfigError(str(e)) from None
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -1,7 +1,9 @@
-"""Models by torchvision name, and the one knob torchvision lacks for small images: ResNet width."""
+"""Models by torchvision name, built for the image size they train on (`check_input_size` refuses a size a
+model cannot take before any data is read), and the one knob torchvision lacks for small images: ResNet width."""
 
 from __future__ import annotations
 
+import torch
 import torchvision
 from torch import nn
 from torchvision.models.resnet import ResNet
@@ -35,16 +37,105 @@ class ModelError(ValueError):
     """An unknown model name, or an option the model does not have."""
 
 
-def build_model(name: str, num_classes: int, width: int | None = None) -> nn.Module:
-    """`torchvision.models.get_model(name)` with fresh weights; `width` rebuilds a ResNet at that width."""
-    try:
-        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
-    except ValueError:
-        names = ", ".join(n for n in torchvision.models.list_models(torchvision.models) if n.startswith("resnet"))
-        raise ModelError(f"--model {name!r}: not a torchvision classification model (e.g. {names})") from None
+def sized_by_builder(name: str) -> bool:
+    """Whether the model's weights or layers are planned for one input size, given to its builder."""
+    return name.startswith(("vit_", "maxvit_"))
+
+
+def builder_options(name: str, image_size: int) -> dict:
+    """What torchvision's builder of `name` needs besides the class count to train at `image_size`."""
+    if name.startswith("vit_"):  # position embeddings: one per patch of an image of this size
+        return {"image_size": image_size}
+    if name.startswith("maxvit_"):  # window and grid partitions are planned for this size
+        return {"input_size": (image_size, image_size)}
+    if name in ("googlenet", "inception_v3"):
+        # with their auxiliary heads they return (logits, aux...) in training, which no loss here takes;
+        # init_weights=True is what torchvision does by default (it only warns that it will change)
+        return {"aux_logits": False, "init_weights": True}
+    return {}
+
+
+def build_model(name: str, num_classes: int, width: int | None = None, image_size: int = 224) -> nn.Module:
+    """`torchvision.models.get_model(name)` with fresh weights, built for `image_size` where the model's
+    shape depends on it (ViT, MaxViT); `width` rebuilds a ResNet at that width."""
+    classifiers = torchvision.models.list_models(torchvision.models)  # not detection, video, ... models
+    if name not in classifiers:
+        names = ", ".join(n for n in classifiers if n.startswith("resnet"))
+        raise ModelError(f"--model {name!r}: not a torchvision classification model (e.g. {names})")
+    builder = torchvision.models.get_model_builder(name)
+    model = builder(weights=None, num_classes=num_classes, **builder_options(name, image_size))
     if width is None:
         return model
     if type(model) is not ResNet or (model.groups, model.base_width) != (1, 64):
         raise ModelError(f"--width applies to torchvision's plain ResNets (resnet18 ... resnet152), not {name}")
     layers = [len(model.layer1), len(model.layer2), len(model.layer3), len(model.layer4)]
     return WidthResNet(type(model.layer1[0]), layers, width, num_classes)
+
+
+def check_input_size(name: str, image_size: int, width: int | None = None) -> None:
+    """Raise ModelError, in one line, if `name` cannot train on `image_size` square images: the model is built
+    on the meta device (shapes only: no memory, no arithmetic) and a training-mode batch of two goes through
+    it, so that a bad combination is refused before any data is read rather than at the first batch."""
+    try:
+        model = build_on_meta(name, image_size, width)
+    except ModelError:
+        raise
+    except NotImplementedError:  # regnets compute their widths with .tolist(), which meta tensors refuse;
+        return  # they pool adaptively and take any size from 8 px
+    except Exception as e:  # the builder refuses the size (ViT: not a multiple of the patch)
+        raise ModelError(size_refused(name, image_size, first_line(e))) from None
+    problem = forward_problem(model, image_size)
+    if problem is None:
+        return
+    if not sized_by_builder(name):  # one model for all sizes: find the smallest it takes
+        smallest = smallest_size(model, image_size)
+        if smallest is not None:
+            raise ModelError(f"--model {name} needs --image-size >= {smallest}, got {image_size} (smaller images "
+                             f"shrink to nothing in its layers)")
+    raise ModelError(size_refused(name, image_size, problem))
+
+
+def build_on_meta(name: str, image_size: int, width: int | None = None) -> nn.Module:
+    with torch.device("meta"):
+        return build_model(name, 2, width, image_size).train()
+
+
+def forward_problem(model: nn.Module, image_size: int) -> str | None:
+    """Why a training-mode forward pass of two `image_size` images fails or returns no logits; None if fine."""
+    try:
+        with torch.no_grad():
+            out = model(torch.empty(2, 3, image_size, image_size, device="meta"))
+    except Exception as e:  # torch's shape checks: "Output size is too small", "Kernel size can't be greater"
+        return first_line(e)
+    if not isinstance(out, torch.Tensor) or out.shape != (2, 2):
+        return f"it returns {type(out).__name__} in training, not a batch of logits"
+    return None
+
+
+def smallest_size(model: nn.Module, failed: int, largest: int = 1024) -> int | None:
+    """The smallest image size above `failed` that `model` takes (bisection: for convolution and pooling stacks
+    a larger image never fails where a smaller one passed), or None if even `largest` fails."""
+    if forward_problem(model, largest) is not None:
+        return None
+    lo, hi = failed, largest  # lo fails, hi works
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if forward_problem(model, mid) is None else (mid, hi)
+    return hi
+
+
+def size_refused(name: str, image_size: int, reason: str) -> str:
+    """The one-line refusal of `image_size` for `name`, with the sizes that work where they are known."""
+    if name.startswith("vit_"):
+        patch = build_on_meta(name, 224).patch_size
+        near = [s for s in (image_size // patch * patch, (image_size // patch + 1) * patch) if s >= 8]
+        return (f"--model {name} needs an --image-size divisible by its patch size {patch} "
+                f"(e.g. {' or '.join(map(str, near))}), got {image_size}")
+    works = image_size != 224 and forward_problem(build_on_meta(name, 224), 224) is None
+    return (f"--model {name} cannot take --image-size {image_size}: {reason.rstrip('.')}"
+            + ("; 224 works" if works else ""))
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

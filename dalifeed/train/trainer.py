@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from dalifeed.atomic import write_atomic, write_json_atomic
 from dalifeed import storage
+from dalifeed.cliutil import folder_not_created
 from dalifeed.format import ManifestError, ShardManifest
 from dalifeed.nvml import gpu_stats
 from dalifeed.pipelines import make_loader, thread_budget
@@ -53,7 +54,7 @@ class TrainingStopped(Stopped):
 
 def build_model(cfg: TrainConfig, num_classes: int) -> tuple[torch.nn.Module, list[str]]:
     try:
-        model = models.build_model(cfg.model, num_classes, cfg.width)
+        model = models.build_model(cfg.model, num_classes, cfg.width, cfg.image_size)
     except models.ModelError as e:
         raise ConfigError(str(e)) from None
     replaced = checkpoint.load_pretrained(model, cfg.pretrained) if cfg.pretrained else []
@@ -143,16 +144,15 @@ class Stop:
 
 def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: TrainConfig, dist: Dist,
                     dtype: torch.dtype | None, state: TrainState, profiler=None, stats: EpochStats | None = None,
-                    save_midway=None, stop: Stop | None = None) -> EpochStats:
+                    save_midway=None, stop: Stop | None = None, run_log: "RunLog | None" = None) -> EpochStats:
     """One epoch, or the rest of one: resuming mid-epoch, `stats` are those of the part already run and the
     loader yields the rest. `save_midway(stats)` runs every `cfg.checkpoint_every` optimizer steps, and when
-    a `stop` is agreed (then the epoch ends early, with `stop.agreed` set)."""
+    a `stop` is agreed (then the epoch ends early, with `stop.agreed` set). `run_log` takes the per-step
+    TensorBoard scalars (`EpochProgress`)."""
     model.train()
     stats = stats or EpochStats()
     steps = len(loader) // cfg.accum_steps
-    # a bar only where a person watches; logs get the one line per epoch that main() prints
-    bar = tqdm(total=steps, initial=stats.steps, desc=f"epoch {state.epoch}", unit="step", dynamic_ncols=True,
-               leave=False, disable=not (dist.is_main and sys.stderr.isatty()))
+    progress = EpochProgress(cfg, dist, state, steps, stats, run_log)
     loss_sum = torch.zeros(2, device=dist.device)  # (sum of losses, count) for this step, kept on device
     finite = torch.ones(1, device=dist.device)
     seconds_before = stats.seconds
@@ -174,15 +174,10 @@ def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: Train
         loss_sum += torch.stack([loss.detach().float().nan_to_num(0.0), torch.ones((), device=dist.device)])
         stats.images += labels.shape[0]
         if last_micro:
-            if optimizer_step(model, ema, optimizer, scheduler, scaler, cfg, finite, state, stats, dist.is_main, stop):
-                stats.loss += float(loss_sum[0] / loss_sum[1])
+            taken = optimizer_step(model, ema, optimizer, scheduler, scaler, cfg, finite, state, stats, dist.is_main,
+                                   stop)
             stats.steps += 1
-            bar.update(1)
-            if dist.is_main and stats.steps % 10 == 0:
-                elapsed = seconds_before + time.perf_counter() - start
-                bar.set_postfix(loss=f"{stats.loss / max(1, stats.steps - stats.bad_steps):.3f}",
-                                lr=f"{optimizer.param_groups[0]['lr']:.3g}",
-                                img_s=f"{stats.images * dist.world_size / elapsed:.0f}")
+            progress.step_done(stats, loss_sum, taken, optimizer.param_groups[0]["lr"])
             loss_sum.zero_()
             finite.fill_(1.0)
             if profiler is not None:
@@ -190,16 +185,93 @@ def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: Train
             stopping = stop is not None and stop.agreed
             periodic = cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0
             if save_midway and (stopping or periodic) and stats.steps < steps:
+                progress.settle(stats)
                 save_midway(replace(stats, seconds=seconds_before + time.perf_counter() - start))
             if stopping:
                 break
         wait_start = time.perf_counter()
-    bar.close()
+    progress.close(stats)
     if dist.device.type == "cuda":
         torch.cuda.synchronize(dist.device)
     stats.seconds = seconds_before + time.perf_counter() - start
     stats.loss /= max(1, stats.steps - stats.bad_steps)  # mean over the steps that were taken
     return stats
+
+
+class EpochProgress:
+    """What rank 0 shows while an epoch runs, between the lines `finish_epoch` prints: a tqdm bar where a
+    person watches (stderr is a terminal); where stdout is not a terminal (Slurm, nohup, `> log`) a line every
+    `cfg.progress_every` seconds; and every `cfg.tensorboard_every` optimizer steps, per-step TensorBoard
+    scalars. The loss is summed on the device and read only when one of these shows it, so they add no host
+    sync to a step. That sum, in float64 and in step order, is also the epoch's `stats.loss` (written back by
+    `settle`): a run resumed mid-epoch goes on from the checkpoint's sum and adds exactly what an
+    uninterrupted run adds, however often its sum was read."""
+
+    def __init__(self, cfg: TrainConfig, dist: Dist, state: TrainState, steps: int, stats: EpochStats,
+                 run_log: "RunLog | None" = None):
+        self.cfg, self.dist, self.state, self.steps = cfg, dist, state, steps
+        self.loss_total = torch.tensor(stats.loss, dtype=torch.float64, device=dist.device)  # of steps taken
+        self.start, self.seconds_before, self.steps_before = time.perf_counter(), stats.seconds, stats.steps
+        self.bar = tqdm(total=steps, initial=stats.steps, desc=f"epoch {state.epoch}", unit="step",
+                        dynamic_ncols=True, leave=False, disable=not (dist.is_main and sys.stderr.isatty()))
+        self.lines = dist.is_main and cfg.progress_every > 0 and not sys.stdout.isatty()
+        self.next_line = self.start + cfg.progress_every
+        self.run_log = run_log if dist.is_main and cfg.tensorboard_every and run_log and run_log.tb else None
+        # where the last TensorBoard point was: time, images, data wait, loss sum, steps taken
+        self.mark = (self.start, stats.images, stats.data_wait, stats.loss, stats.steps - stats.bad_steps)
+
+    def step_done(self, stats: EpochStats, loss_sum: torch.Tensor, taken: bool, lr: float) -> None:
+        """After each optimizer step (`taken`: applied; `loss_sum`: its micro-steps' (loss sum, count))."""
+        if taken:
+            self.loss_total += (loss_sum[0] / loss_sum[1]).double()
+        self.bar.update(1)
+        now = time.perf_counter()
+        if not self.bar.disable and stats.steps % 10 == 0:
+            self.bar.set_postfix(loss=f"{self.mean_loss(stats):.3f}", lr=f"{lr:.3g}",
+                                 img_s=f"{self.images_per_s(stats, now):.0f}")
+        if self.lines and now >= self.next_line:
+            self.next_line = now + self.cfg.progress_every
+            print(self.line(stats, now), flush=True)
+        if self.run_log is not None and self.state.step % self.cfg.tensorboard_every == 0:
+            self.write_scalars(stats, now, lr)
+
+    def mean_loss(self, stats: EpochStats) -> float:
+        return float(self.loss_total) / max(1, stats.steps - stats.bad_steps)  # the one device read
+
+    def images_per_s(self, stats: EpochStats, now: float) -> float:
+        return stats.images * self.dist.world_size / max(1e-9, self.seconds_before + now - self.start)
+
+    def line(self, stats: EpochStats, now: float) -> str:
+        """`epoch 3 step 412/1251: 2519 images/s, loss 2.871, data wait 4%, left: epoch 05:31, run 7:42:10`;
+        the rates over the epoch so far, the time left at this process's pace of steps (not counting
+        evaluation)."""
+        elapsed = self.seconds_before + now - self.start
+        seconds_per_step = (now - self.start) / max(1, stats.steps - self.steps_before)
+        epoch_left = (self.steps - stats.steps) * seconds_per_step
+        run_left = epoch_left + (self.cfg.epochs - self.state.epoch - 1) * self.steps * seconds_per_step
+        return (f"epoch {self.state.epoch} step {stats.steps}/{self.steps}: {self.images_per_s(stats, now):.0f} "
+                f"images/s, loss {self.mean_loss(stats):.4g}, data wait {stats.data_wait / max(1e-9, elapsed):.0%}, "
+                f"left: epoch {tqdm.format_interval(epoch_left)}, run {tqdm.format_interval(run_left)}")
+
+    def write_scalars(self, stats: EpochStats, now: float, lr: float) -> None:
+        """TensorBoard's step/ scalars, as means over the steps since the previous point."""
+        start, images, data_wait, loss, taken = self.mark
+        loss_now, taken_now = float(self.loss_total), stats.steps - stats.bad_steps
+        seconds = max(1e-9, now - start)
+        scalars = {"step/lr": lr, "step/images_per_s": (stats.images - images) * self.dist.world_size / seconds,
+                   "step/data_wait_share": (stats.data_wait - data_wait) / seconds}
+        if taken_now > taken:
+            scalars["step/train_loss"] = (loss_now - loss) / (taken_now - taken)
+        self.run_log.write_step(self.state.step, scalars)
+        self.mark = (now, stats.images, stats.data_wait, loss_now, taken_now)
+
+    def settle(self, stats: EpochStats) -> None:
+        """Write the device's loss sum into `stats.loss` (before a checkpoint takes the stats, and at the end)."""
+        stats.loss = float(self.loss_total)
+
+    def close(self, stats: EpochStats) -> None:
+        self.bar.close()
+        self.settle(stats)
 
 
 def optimizer_step(model, ema, optimizer, scheduler, scaler, cfg: TrainConfig, finite: torch.Tensor,
@@ -328,10 +400,22 @@ def main(cfg: TrainConfig, resume: dict | None = None) -> TrainResult:
     cfg.validate()
     dist = setup(cfg.device)
     try:
+        if dist.is_main:
+            make_run_folder(cfg.out)
         with folder_lock(cfg.out, "dali-train") if dist.is_main else nullcontext():
             return fit(build_run(cfg, dist, resume))
     finally:
         teardown()
+
+
+def make_run_folder(out: str) -> None:
+    """--out, made before its lock is taken: a folder that cannot be made is a usage error naming it."""
+    try:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if is_disk_full(e):
+            raise DiskFull(f"--out {out}: {e.strerror}") from e
+        raise ConfigError(folder_not_created("--out", out, e)) from None
 
 
 def fit(run: "Run") -> TrainResult:
@@ -346,7 +430,7 @@ def fit(run: "Run") -> TrainResult:
             partial = run.start_epoch(epoch)
             stats = train_one_epoch(run.train_model, run.ema, run.train_loader, run.optimizer, run.scheduler,
                                     run.scaler, cfg, dist, run.dtype, state, run.profiler, partial, run.save_midway,
-                                    run.stop)
+                                    run.stop, run.log)
             if run.stop.agreed and stats.steps < len(run.train_loader) // cfg.accum_steps:
                 raise TrainingStopped(run.stop.agreed, run.where(f"epoch {epoch}, step {stats.steps} of "
                                                                  f"{len(run.train_loader) // cfg.accum_steps}"))
@@ -481,6 +565,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
               f"{manifest.num_samples(cfg.train_split)} train samples")
         print(f"--dali-threads {cfg.workers}: DALI threads per pipeline" if cfg.workers else budget.describe())
         write_json_atomic(out / "config.json", cfg.to_json())
+        if cfg.val_split is None:
+            print("--val-split none: no evaluation; best.pt keeps the epoch of lowest train loss", flush=True)
         if dtype == torch.float16 and dist.device.type == "cpu":
             print("warning: --amp fp16 on the CPU runs about 10x slower than fp32 (PyTorch has few fp16 CPU "
                   "kernels); use --amp off, or bf16 on a CPU with AVX-512 BF16 or AMX", flush=True)
@@ -505,7 +591,7 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     train_loader = make_loader(cfg.data, cfg.train_split, cfg.batch_size, seed=cfg.seed, crop_scale=cfg.crop_scale,
                                flip=cfg.flip, checkpointing=True, train=True, **loader_args)
     val_loader = make_loader(cfg.data, cfg.val_split, cfg.batch_size, seed=cfg.seed, train=False, **loader_args) \
-        if cfg.val_split in manifest.splits and manifest.num_samples(cfg.val_split) else None
+        if cfg.val_split is not None else None
     if cfg.synthetic:
         train_loader = SyntheticLoader(train_loader)
 
@@ -534,7 +620,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     if cfg.compile:
         train_model = torch.compile(train_model)
 
-    log = RunLog(out, dist.is_main, state.epoch if resume is not None else None)
+    log = RunLog(out, dist.is_main, state.epoch if resume is not None else None,
+                 state.step if resume is not None else None)
     if dist.is_main:
         where = f", batch {midway['loaders'][0]['batches_done']} of {len(train_loader)}" if midway else ""
         print(f"global batch {global_batch} (lr {lr:.4g}), {steps_per_epoch} steps/epoch, "
@@ -586,10 +673,14 @@ def check_batch_fits(cfg: TrainConfig, dist: Dist, manifest: ShardManifest) -> N
 
 
 class RunLog:
-    """Rank 0's outputs: config.json, metrics.jsonl, TensorBoard events when tensorboard is installed."""
+    """Rank 0's outputs: config.json, metrics.jsonl, TensorBoard events when tensorboard is installed: per
+    epoch in RUN/tensorboard, per optimizer step (`write_step`) in RUN/tensorboard/steps. A writer each,
+    because TensorBoard hides a resumed run's replayed events by step number, which counts epochs in one and
+    optimizer steps in the other."""
 
-    def __init__(self, out: Path, enabled: bool, resume_epoch: int | None):
-        self.out, self.enabled, self.tb = out, enabled, None
+    def __init__(self, out: Path, enabled: bool, resume_epoch: int | None, resume_step: int | None = None):
+        self.out, self.enabled, self.tb, self.steps_tb = out, enabled, None, None
+        self.resume_step = resume_step
         if not enabled:
             return
         out.mkdir(parents=True, exist_ok=True)
@@ -623,9 +714,24 @@ class RunLog:
                     self.tb.add_scalar(key, value, record["epoch"])
             self.tb.flush()
 
+    def write_step(self, step: int, scalars: dict) -> None:
+        """Per-step scalars at optimizer step `step` (the writer is made on first use)."""
+        if not self.tb:
+            return
+        if self.steps_tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # the steps after the checkpoint a resumed run started from are replayed: hide their old events
+            purge = None if self.resume_step is None else self.resume_step + 1
+            self.steps_tb = SummaryWriter(str(self.out / "tensorboard" / "steps"), purge_step=purge)
+        for key, value in scalars.items():
+            self.steps_tb.add_scalar(key, value, step)
+        self.steps_tb.flush()
+
     def close(self) -> None:
-        if self.tb:
-            self.tb.close()
+        for writer in (self.tb, self.steps_tb):
+            if writer:
+                writer.close()
 
 
 def make_profiler(cfg: TrainConfig, out: Path, dist: Dist):
@@ -640,14 +746,26 @@ def make_profiler(cfg: TrainConfig, out: Path, dist: Dist):
     )
 
 
+def check_splits(cfg: TrainConfig, manifest: ShardManifest) -> None:
+    """Both splits exist and hold samples: a typo in a split name (--val-split validation) is refused before
+    training, not trained through without evaluation. No evaluation is asked for with --val-split none."""
+    for option, split in (("--train-split", cfg.train_split), ("--val-split", cfg.val_split)):
+        if split is None:
+            continue
+        hint = "; --val-split none trains without evaluation" if option == "--val-split" else ""
+        if split not in manifest.splits:
+            raise ConfigError(f"{option} {split}: --data {cfg.data} has no such split (has: "
+                              f"{', '.join(manifest.splits)}){hint}")
+        if not manifest.num_samples(split):
+            raise ConfigError(f"{option} {split}: that split of --data {cfg.data} holds no samples{hint}")
+
+
 def load_manifest(cfg: TrainConfig) -> ShardManifest:
     try:
         manifest = storage.load_manifest(cfg.data)  # a folder, or s3://bucket/prefix
     except ManifestError as e:
         raise ConfigError(str(e)) from None
-    if cfg.train_split not in manifest.splits:
-        raise ConfigError(f"--data {cfg.data}: has no split {cfg.train_split!r} (has: {', '.join(manifest.splits)}; "
-                          f"choose one with --train-split)")
+    check_splits(cfg, manifest)
     if cfg.task == "multilabel" and manifest.kind != "coco":
         raise ConfigError(f"--task multilabel needs COCO shards (shard-convert coco); {cfg.data} holds {manifest.kind}")
     return manifest
