@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, uses_gpu
-from dalifeed.storage import is_s3_url
+from dalifeed.s3 import is_s3_url
 
 
 class ConfigError(Exception):
