@@ -20,7 +20,7 @@ from typing import Callable, TypeVar
 import click
 
 from .runtime import Stopped, stop_on_signals
-from .storage import is_s3_url
+from .s3 import is_s3_url
 
 T = TypeVar("T")
 

@@ -95,7 +95,9 @@ class SplitInfo:
 
 @dataclass
 class ShardManifest:
-    """What a shard folder holds. `ShardManifest.load(folder)` is how pipelines and trainers find data."""
+    """What a shard folder holds. `ShardManifest.load(folder)` reads a local one;
+    `shardfolder.open_shard_folder(location)`, which every command and loader uses, a local one or one in a
+    store."""
 
     root: Path
     kind: str
@@ -109,7 +111,7 @@ class ShardManifest:
     warnings: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # converter-specific fields (COCO categories, ...)
     summary: object | None = field(default=None, repr=False, compare=False)  # set by a converter run
-    # s3://bucket/prefix when the shards live in object storage (dalifeed.storage): `root` then holds the
+    # s3://bucket/prefix when the shards live in object storage (dalifeed.shardfolder): `root` then holds the
     # cached manifest and indexes, and the tars are read from the store
     url: str | None = field(default=None, repr=False, compare=False)
 

@@ -1,6 +1,7 @@
 """Shard folders in S3-compatible object storage, against a real local S3 server (moto's, a subprocess: see
-the `s3_endpoint` fixture; no mocked clients): conversion into s3://, verify, the loader and dali-train
-reading from it, a conversion killed mid-upload and resumed, and each failure as one line."""
+the `s3_endpoint` fixture; no mocked clients): conversion into s3://, verify, info, export-coco, both loaders
+and dali-train reading from it (each compared with the same folder on disk), a conversion killed
+mid-upload and resumed, and each failure as one line."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from dalifeed import storage
+from dalifeed import s3
+from dalifeed.shardfolder import cache_dir, open_shard_folder
 from dalifeed.pipelines import ShardDataError, make_loader
 from dalifeed.tools import ConvertConfig, convert_imagefolder
 from dalifeed.tools.cli import main as convert_cli
@@ -75,6 +77,22 @@ def s3_shards(s3_endpoint, tmp_path_factory) -> tuple[Path, Path, str]:
     return tmp / "src", tmp / "local", url
 
 
+@pytest.fixture(scope="module")
+def s3_coco(s3_endpoint, tmp_path_factory) -> tuple[Path, Path, str, Path]:
+    """tests/helpers.write_coco's data converted by `shard-convert coco` (3 samples a shard) to a local folder
+    and into the store, through a given --staging folder: (instances file, local shards, s3:// URL, staging
+    folder). Read-only."""
+    tmp = tmp_path_factory.mktemp("s3-coco")
+    images, annotations = write_coco(tmp / "coco")
+    source = ["--images", str(images), "--annotations", str(annotations), "--samples-per-shard", "3", "--quiet"]
+    boto3.client("s3").create_bucket(Bucket="shared-coco")
+    url = "s3://shared-coco/coco"
+    for args in ([str(tmp / "local")], [url, "--staging", str(tmp / "staging")]):
+        result = CliRunner().invoke(convert_cli, ["coco", *args, *source])
+        assert result.exit_code == 0, result.output
+    return annotations, tmp / "local", url, tmp / "staging"
+
+
 # ----------------------------------------------------------------------------------------------------
 # writing and reading
 
@@ -88,11 +106,11 @@ def test_conversion_into_s3_stores_the_bytes_of_a_local_conversion(s3_shards, s3
     assert f"Manifest: {url}/manifest.json" in result.output
 
     written = {p.name for p in local.iterdir() if p.suffix in (".tar", ".idx")} | {"manifest.json"}
-    assert set(storage.list_objects(url)) == written | {"convert.json"}  # and no progress records left
+    assert set(s3.list_objects(url)) == written | {"convert.json"}  # and no progress records left
     for name in sorted(written):  # same shards, same indexes, same manifest, byte for byte
-        assert storage.get_bytes(f"{url}/{name}") == (local / name).read_bytes(), name
+        assert s3.get_bytes(f"{url}/{name}") == (local / name).read_bytes(), name
     for shard in json.loads((local / "manifest.json").read_text())["splits"]["train"]["shards"]:
-        assert storage.head(f"{url}/{shard['path']}") == storage.ObjectHead(shard["bytes"], shard["sha256"])
+        assert s3.head(f"{url}/{shard['path']}") == s3.ObjectHead(shard["bytes"], shard["sha256"])
     assert not default_staging(url).exists()  # the default staging folder is removed when done
 
     again = convert_to(src, url, "--samples-per-shard", "5")
@@ -103,16 +121,58 @@ def test_conversion_into_s3_stores_the_bytes_of_a_local_conversion(s3_shards, s3
     assert "verify: 9 shards, 40 samples: OK" in verified.output
 
 
-def test_coco_conversion_into_s3_goes_through_the_same_core(s3_bucket, tmp_path):
-    images, annotations = write_coco(tmp_path / "coco")
-    source = ["--images", str(images), "--annotations", str(annotations), "--quiet"]
-    for args in ([str(tmp_path / "local")], [f"{s3_bucket}/coco", "--staging", str(tmp_path / "staging")]):
-        result = CliRunner().invoke(convert_cli, ["coco", *args, *source])
-        assert result.exit_code == 0, result.output
-    assert storage.get_bytes(f"{s3_bucket}/coco/manifest.json") == (tmp_path / "local" / "manifest.json").read_bytes()
-    assert not list((tmp_path / "staging").glob("*.tar"))  # a given --staging folder is kept, emptied of shards
-    verified = CliRunner().invoke(convert_cli, ["verify", f"{s3_bucket}/coco"])
+def test_coco_conversion_into_s3_goes_through_the_same_core(s3_coco):
+    _, local, url, staging = s3_coco
+    assert s3.get_bytes(f"{url}/manifest.json") == (local / "manifest.json").read_bytes()
+    assert not list(staging.glob("*.tar"))  # a given --staging folder is kept, emptied of shards
+    verified = CliRunner().invoke(convert_cli, ["verify", url])
     assert verified.exit_code == 0 and verified.output.endswith(": OK\n"), verified.output
+
+
+def test_info_of_a_folder_in_the_store_is_that_of_the_local_folder(s3_shards, s3_coco):
+    """`shard-convert info` reads a store's manifest (and HEADs its indexes) and says what it says of the
+    same folder on disk, named by its URL."""
+    for local, url in ((s3_shards[1], s3_shards[2]), (s3_coco[1], s3_coco[2])):
+        for as_json in ([], ["--json"]):
+            on_disk = CliRunner().invoke(convert_cli, ["info", str(local), *as_json])
+            in_store = CliRunner().invoke(convert_cli, ["info", url, *as_json])
+            assert on_disk.exit_code == 0 and in_store.exit_code == 0, in_store.output
+            assert str(local) in on_disk.output
+            assert in_store.output == on_disk.output.replace(str(local), url)
+
+
+def test_export_coco_from_the_store_is_the_local_export(s3_coco, tmp_path):
+    from pycocotools.coco import COCO
+
+    annotations, local, url, _ = s3_coco
+    for name, shards in (("local", str(local)), ("s3", url)):
+        result = CliRunner().invoke(convert_cli, ["export-coco", shards, str(tmp_path / f"{name}.json"), "--split",
+                                                  "mini"])
+        assert result.exit_code == 0, result.output
+    assert (tmp_path / "s3.json").read_bytes() == (tmp_path / "local.json").read_bytes()
+    original, back = COCO(str(annotations)), COCO(str(tmp_path / "s3.json"))
+    assert set(back.imgs) == set(original.imgs) - {4}  # the record whose file is missing
+    assert back.cats == original.cats
+
+
+def test_the_detection_loader_reads_the_same_batches_from_s3_as_from_disk(s3_coco):
+    from dalifeed.pipelines import make_detection_loader
+
+    _, local, url, _ = s3_coco
+    options = dict(device="cpu", size=48, seed=3, initial_fill=8, num_threads=1)
+    for train, epochs in ((True, 2), (False, 1)):
+        from_s3 = make_detection_loader(url, "mini", 2, train=train, check="sha256", **options)
+        from_disk = make_detection_loader(local, "mini", 2, train=train, **options)
+        for epoch in range(epochs):
+            s3_batches, disk_batches = list(from_s3), list(from_disk)
+            assert len(s3_batches) == len(disk_batches) == len(from_disk) > 0
+            for (s3_images, s3_targets), (images, targets) in zip(s3_batches, disk_batches):
+                assert [t["image_id"] for t in s3_targets] == [t["image_id"] for t in targets], (train, epoch)
+                for s3_image, image in zip(s3_images, images, strict=True):
+                    assert torch.equal(s3_image, image), (train, epoch)
+                for s3_target, target in zip(s3_targets, targets, strict=True):
+                    assert torch.equal(s3_target["boxes"], target["boxes"]), (train, epoch)
+                    assert torch.equal(s3_target["labels"], target["labels"]), (train, epoch)
 
 
 def test_the_loader_reads_the_same_batches_from_s3_as_from_disk(s3_shards):
@@ -129,9 +189,9 @@ def test_the_loader_reads_the_same_batches_from_s3_as_from_disk(s3_shards):
                 assert torch.equal(s3_images, images), (split, epoch)
 
     # the indexes were fetched once, into the cache, under their sha256
-    manifest = storage.load_manifest(url)
+    manifest = open_shard_folder(url)
     shards = [s for info in manifest.splits.values() for s in info.shards]
-    cached = {p.stem for p in (storage.cache_dir() / "index").iterdir()}
+    cached = {p.stem for p in (cache_dir() / "index").iterdir()}
     assert {s.index_sha256 for s in shards} <= cached
     assert all((manifest.root / s.index).read_bytes() == (local / s.index).read_bytes() for s in shards)
 
@@ -167,8 +227,8 @@ def test_an_older_manifest_without_index_hashes_is_read_from_s3(s3_shards, s3_bu
             shard["added_later"] = True
     for p in local.iterdir():
         if p.suffix in (".tar", ".idx"):
-            storage.put_bytes(f"{url}/{p.name}", p.read_bytes())
-    storage.put_bytes(f"{url}/manifest.json", json.dumps(doc).encode())
+            s3.put_bytes(f"{url}/{p.name}", p.read_bytes())
+    s3.put_bytes(f"{url}/manifest.json", json.dumps(doc).encode())
     loader = make_loader(url, "val", 4, device="cpu", image_size=32, train=False, num_threads=2)
     assert sum(len(labels) for _, labels in loader) == 9
 
@@ -204,7 +264,7 @@ def test_a_conversion_killed_mid_upload_resumes_into_the_same_dataset(s3_bucket,
     deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
         uploading = client.list_multipart_uploads(Bucket=bucket, Prefix="killed/").get("Uploads", [])
-        recorded = storage.list_objects(f"{killed}/.dalifeed-progress")
+        recorded = s3.list_objects(f"{killed}/.dalifeed-progress")
         staged = max(staged, len(list((tmp_path / "staging-1").glob("*.tar"))))
         if uploading and "train-000000.json" in recorded:  # one shard in the store, the next one on its way
             os.killpg(proc.pid, signal.SIGKILL)
@@ -221,9 +281,9 @@ def test_a_conversion_killed_mid_upload_resumes_into_the_same_dataset(s3_bucket,
                       "--staging", str(tmp_path / "staging-2"), *options])
     assert resumed.returncode == 0, resumed.stderr
     assert "(resumed)" in resumed.stdout
-    assert storage.get_bytes(f"{killed}/manifest.json") == storage.get_bytes(f"{straight}/manifest.json")
-    manifest = storage.load_manifest(killed)
-    assert [storage.object_sha256(manifest.shard_location(s)) for s in manifest.splits["train"].shards] == \
+    assert s3.get_bytes(f"{killed}/manifest.json") == s3.get_bytes(f"{straight}/manifest.json")
+    manifest = open_shard_folder(killed)
+    assert [s3.object_sha256(manifest.shard_location(s)) for s in manifest.splits["train"].shards] == \
         [s.sha256 for s in manifest.splits["train"].shards]
     after = {o["Key"]: o["LastModified"] for o in client.list_objects_v2(Bucket=bucket, Prefix="killed/")["Contents"]}
     for name in ("killed/train-000000.tar", "killed/train-000000.idx"):
@@ -246,7 +306,7 @@ def test_conversion_refusals(s3_shards, s3_bucket, tmp_path):
     assert other.exit_code == 2
     assert f"{url}: output folder made with other input: --samples-per-shard was 5, now 4" in other.output
 
-    storage.put_bytes(f"{s3_bucket}/y/notes.txt", b"someone else's")
+    s3.put_bytes(f"{s3_bucket}/y/notes.txt", b"someone else's")
     foreign = convert_to(src, f"{s3_bucket}/y")
     assert foreign.exit_code == 2 and f"{s3_bucket}/y: not empty (holds notes.txt)" in foreign.output
 
@@ -261,13 +321,14 @@ def test_conversion_refusals(s3_shards, s3_bucket, tmp_path):
 
     replaced = convert_to(src, url, "--samples-per-shard", "20", "--overwrite")
     assert replaced.exit_code == 0, replaced.output
-    assert sorted(n for n in storage.list_objects(url) if n.endswith(".tar")) == ["train-000000.tar",
+    assert sorted(n for n in s3.list_objects(url) if n.endswith(".tar")) == ["train-000000.tar",
                                                                                  "train-000001.tar",
                                                                                  "val-000000.tar"]
 
 
 CONVERT = ["dalifeed.tools.cli", "imagefolder", "{src}", "{url}/new", "--staging", "{tmp}/staging"]
 VERIFY = ["dalifeed.tools.cli", "verify", "{url}"]
+INFO = ["dalifeed.tools.cli", "info", "{url}"]
 TRAIN = ["dalifeed.train.cli", "--data", "{url}", "--out", "{tmp}/run", "--epochs", "1", *FAST]
 
 
@@ -275,7 +336,7 @@ def command(template: list[str], src: Path, url: str, tmp: Path) -> list[str]:
     return [part.format(src=src, url=url, tmp=tmp) for part in template]
 
 
-@pytest.mark.parametrize("template", [CONVERT, VERIFY, TRAIN], ids=["convert", "verify", "train"])
+@pytest.mark.parametrize("template", [CONVERT, VERIFY, INFO, TRAIN], ids=["convert", "verify", "info", "train"])
 def test_no_credentials(s3_shards, template, tmp_path):
     src, _, url = s3_shards
     proc, _ = run(command(template, src / "train", url, tmp_path), AWS_ACCESS_KEY_ID=None, AWS_SECRET_ACCESS_KEY=None)
@@ -283,7 +344,7 @@ def test_no_credentials(s3_shards, template, tmp_path):
     assert "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in one_line_error(proc)
 
 
-@pytest.mark.parametrize("template", [CONVERT, VERIFY, TRAIN], ids=["convert", "verify", "train"])
+@pytest.mark.parametrize("template", [CONVERT, VERIFY, INFO, TRAIN], ids=["convert", "verify", "info", "train"])
 def test_missing_bucket(s3_shards, template, tmp_path):
     src, _, _ = s3_shards
     proc, _ = run(command(template, src / "train", "s3://no-such-bucket/x", tmp_path))
@@ -313,7 +374,7 @@ def test_an_endpoint_that_never_answers_times_out(s3_shards, tmp_path):
                             AWS_MAX_ATTEMPTS="1")
     assert proc.returncode == 1
     assert f"object store {endpoint} unreachable (ReadTimeoutError)" in one_line_error(proc)
-    assert storage.READ_TIMEOUT_S <= seconds < storage.READ_TIMEOUT_S + 15
+    assert s3.READ_TIMEOUT_S <= seconds < s3.READ_TIMEOUT_S + 15
 
 
 @pytest.fixture
@@ -385,7 +446,7 @@ def test_a_shard_missing_in_the_store(s3_shards, s3_bucket, tmp_path):
     src, local, _ = s3_shards
     url = f"{s3_bucket}/damaged"
     assert convert_to(src, url, "--samples-per-shard", "5").exit_code == 0
-    storage.delete(url, ["train-000003.tar"])
+    s3.delete(url, ["train-000003.tar", "train-000003.idx"])
     hint = f"check the shards with: shard-convert verify --decode {url}"
 
     with pytest.raises(ShardDataError, match=f"^{url}/train-000003.tar: missing in the store; {hint}$"):
@@ -398,3 +459,8 @@ def test_a_shard_missing_in_the_store(s3_shards, s3_bucket, tmp_path):
     verified = CliRunner().invoke(convert_cli, ["verify", url])
     assert verified.exit_code == 1
     assert f"{url}/train-000003.tar: missing in the store\n" in verified.output
+
+    info = CliRunner().invoke(convert_cli, ["info", url])
+    assert info.exit_code == 0, info.output
+    assert "; DALI indexes 1 MISSING (e.g. train-000003.idx)" in info.output  # a HEAD per index
+    assert "; DALI indexes all present" in info.output  # val's

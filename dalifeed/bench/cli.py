@@ -14,7 +14,8 @@ import torch
 from tqdm import tqdm
 
 from dalifeed.format import ManifestError
-from dalifeed.storage import StorageError, is_s3_url, load_manifest
+from dalifeed.s3 import StorageError, is_s3_url
+from dalifeed.shardfolder import open_shard_folder
 
 from dalifeed.atomic import write_json_atomic
 from dalifeed.cliutil import LOCATION, default, folder_not_created, output_folder_problem, run_command
@@ -65,7 +66,7 @@ class BenchConfig:
             raise BenchUsageError(f"--imagefolder {self.imagefolder}: no such folder" if self.imagefolder else
                                   "--imagefolder is required (the ImageFolder tree the shards were made from)")
         try:
-            manifest = load_manifest(self.shards)
+            manifest = open_shard_folder(self.shards)
         except ManifestError as e:
             raise BenchUsageError(f"--shards: {e}") from None
         if self.split not in manifest.splits:
@@ -154,7 +155,7 @@ def environment() -> dict:
 def run_bench(cfg: BenchConfig, log=print) -> dict:
     """Time every loader (and, with a model, training fed by it); returns the JSON-ready report."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    images = load_manifest(cfg.shards).num_samples(cfg.split)
+    images = open_shard_folder(cfg.shards).num_samples(cfg.split)
     batches = max(1, cfg.epochs * images // cfg.batch_size) if cfg.epochs else None
     records, model_records = [], {}
     for name in cfg.loaders:
@@ -193,7 +194,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
 
 
 def dataset_of(cfg: BenchConfig, images: int) -> dict:
-    manifest = load_manifest(cfg.shards)
+    manifest = open_shard_folder(cfg.shards)
     name = f"COCO {cfg.split}" if manifest.kind == "coco" else Path(manifest.source).name or str(manifest.source)
     return {"name": name, "task": cfg.task, "split": cfg.split, "images": images,
             "classes": manifest.num_classes}

@@ -12,6 +12,7 @@ import torch
 
 from dalifeed.format import ShardManifest, listing_digest
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
+from dalifeed.shardfolder import open_shard_folder
 from dalifeed.tools.coco import SplitPlan, load_instances, plan_split, training_boxes
 
 from .loaders import DALI_DEVICES, dataloader_options
@@ -97,7 +98,7 @@ class NormalizedLists:
 def build_detection_loader(name: str, *, images: Path, annotations: Path, shards: Path, split: str, batch_size: int,
                            image_size: int, workers: int, device: torch.device) -> Iterable:
     if name == "baseline":
-        dataset = CocoDetection(images, annotations, ShardManifest.load(shards), split, image_size)
+        dataset = CocoDetection(images, annotations, open_shard_folder(shards), split, image_size)
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
                                              collate_fn=collate_lists, **dataloader_options(workers, device))
         return NormalizedLists(loader, device)

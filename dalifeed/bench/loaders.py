@@ -16,7 +16,7 @@ import torch
 
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD, make_loader
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
-from dalifeed.format import ShardManifest
+from dalifeed.shardfolder import open_shard_folder
 
 LOADERS = ("baseline", "webdataset", "dali-cpu", "dali-hybrid", "dali-gpu")
 GPU_LOADERS = ("dali-hybrid", "dali-gpu")  # skipped where there is no GPU
@@ -87,7 +87,8 @@ def webdataset_loader(shards: Path, split: str, batch_size: int, image_size: int
     """Plain webdataset over the same shards: sequential tar reads, PIL decode, same transform."""
     import webdataset as wds
 
-    urls = [str(p) for p in ShardManifest.load(shards).shard_paths(split)]
+    manifest = open_shard_folder(shards)
+    urls = [manifest.shard_location(s) for s in manifest.split_info(split).shards]  # run_bench skips s3:// ones
     transform = train_transform(image_size)
     dataset = (
         wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False, nodesplitter=wds.split_by_node)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from nvidia.dali import fn, pipeline_def
 
-from dalifeed import storage
 from dalifeed.pipelines.graphs import AugmentConfig, decode_random_crop, normalize, read_shards, resize_square
+from dalifeed.shardfolder import check_split, open_shard_folder
 
 STAGES = ("read", "decode (ROI)", "+ resize", "+ flip, normalise")
 
@@ -33,8 +33,8 @@ def stage_rates(shards: Path | str, split: str = "train", *, batch_size: int = 6
                 image_size: int = 224, batches: int = 30, device: str = "cpu") -> dict[str, float]:
     """images/s of the pipeline ending after each stage (DALI alone: no PyTorch iterator, no copy out).
     `shards` may be s3://bucket/prefix."""
-    manifest = storage.load_manifest(shards)
-    storage.check_split(manifest, split)  # in a store: fetches the indexes into the cache
+    manifest = open_shard_folder(shards)
+    check_split(manifest, split)  # in a store: fetches the indexes into the cache
     paths = [manifest.shard_location(s) for s in manifest.split_info(split).shards]
     indexes = [str(p) for p in manifest.index_paths(split)]
     cfg = AugmentConfig(image_size=image_size)

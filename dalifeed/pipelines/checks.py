@@ -73,7 +73,7 @@ class SampleRef:
 
     def read(self) -> bytes:
         if self.tar.startswith("s3://"):
-            from dalifeed.storage import read_range
+            from dalifeed.s3 import read_range
 
             return read_range(self.tar, self.offset, self.size)
         with open(self.tar, "rb") as f:

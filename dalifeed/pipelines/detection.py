@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from nvidia.dali import fn, pipeline_def, types
 
 from dalifeed.format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
-                             COCO_LABELS_MEMBER, IMAGE_MEMBER, ShardManifest)
+                             COCO_LABELS_MEMBER, IMAGE_MEMBER)
+from dalifeed.shardfolder import open_shard_folder
 
 from .budget import thread_budget
 from .graphs import (ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER, AugmentConfig, after_decode,
@@ -185,13 +185,14 @@ def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size:
                           num_threads: int | None = None, prefetch_queue_depth: int = 2, initial_fill: int = 1024,
                           device_id: int | None = None, checkpointing: bool = False,
                           check: str = "size") -> DetectionLoader:
-    """Detection batches of `split` of a COCO shard folder for this rank: the epoch contract of `make_loader`
-    (exact validation across ranks, equal training batch counts, `(seed, epoch)` order, mid-epoch state).
+    """Detection batches of `split` of a COCO shard folder (a path, or s3://bucket/prefix: DALI then reads the
+    tars from the store) for this rank: the epoch contract of `make_loader` (exact validation across ranks,
+    equal training batch counts, `(seed, epoch)` order, mid-epoch state).
 
     Output size: `size` (square) or `min_size`/`max_size` (torchvision's resize); default `size=512`.
     Training crops (SSD sampler; `crop=False` skips it) and flips (`flip`); validation only resizes.
     `include_crowd` adds `iscrowd` boxes to the targets (left out by default)."""
-    manifest = ShardManifest.load(Path(shards_dir))
+    manifest = open_shard_folder(shards_dir)  # a folder, or s3://bucket/prefix
     if manifest.kind != "coco":
         raise ValueError(f"{shards_dir}: made from {manifest.kind}, not COCO: detection needs boxes "
                          f"(shard-convert coco)")

@@ -35,8 +35,9 @@ from pathlib import Path
 import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-from dalifeed import storage
 from dalifeed.format import ShardInfo, ShardManifest
+from dalifeed.s3 import StorageError
+from dalifeed.shardfolder import check_split, open_shard_folder
 
 from .budget import thread_budget
 from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, dali_sees_gpu, find_undecodable,
@@ -205,7 +206,7 @@ class DaliLoader:
         self.epoch += 1
 
     # -- when DALI fails ---------------------------------------------------------------------------
-    def _explain(self, error: Exception) -> ShardDataError | storage.StorageError:
+    def _explain(self, error: Exception) -> ShardDataError | StorageError:
         """One line for a failed pipeline: the tar, and the sample when DALI names it or a re-decode of what
         this rank had read finds it; or what DALI's S3 client met."""
         tars, indexes = self._epoch_files()
@@ -213,8 +214,8 @@ class DaliLoader:
         named, bad_index = sample_named_in(summary), index_named_in(summary)
         if self.manifest.url and (summary.startswith("S3 ") or "curlCode" in summary):  # the store, not the data
             detail = " ".join(str(error).rsplit("encountered:", 1)[-1].split("Current pipeline object")[0].split())
-            return storage.StorageError(f"{self.manifest.location}: DALI could not read from the store: "
-                                        f"{detail.lstrip(': ')}")
+            return StorageError(f"{self.manifest.location}: DALI could not read from the store: "
+                                f"{detail.lstrip(': ')}")
         if named:
             tar, key, ext = named
             line = f"{tar}: sample {key}: DALI cannot decode its .{ext}"
@@ -287,7 +288,7 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     """
     if dtype not in (torch.float32, torch.float16):
         raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
-    manifest = storage.load_manifest(shards_dir)  # a folder, or s3://bucket/prefix
+    manifest = open_shard_folder(shards_dir)  # a folder, or s3://bucket/prefix
     if multilabel and manifest.kind != "coco":
         raise ValueError(f"{shards_dir}: multi-label targets need COCO shards (.labels.i32 members), "
                          f"this is {manifest.kind}")
@@ -308,7 +309,7 @@ def check_files(manifest: ShardManifest, split: str, check: str) -> None:
     """Refuse, in one line, a split whose files disagree with its manifest (see `make_loader`'s `check`)."""
     if check not in SHARD_CHECKS:
         raise ValueError(f"check must be one of {', '.join(SHARD_CHECKS)}, got {check!r}")
-    problems = storage.check_split(manifest, split, sha256=check == "sha256")  # on disk, or HEADs in a store
+    problems = check_split(manifest, split, sha256=check == "sha256")  # on disk, or HEADs in a store
     if problems:
         more = f" (and {len(problems) - 1} more: see shard-convert verify)" if len(problems) > 1 else ""
         raise ShardDataError(f"{problems[0]}{more}; {VERIFY_HINT.format(root=manifest.location)}")

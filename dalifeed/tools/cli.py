@@ -14,7 +14,8 @@ from ..cliutil import LOCATION, default, run_command, size_option
 from ..atomic import write_json_atomic
 from ..format import ManifestError, ShardManifest
 from ..runtime import DiskFull, FolderInUse
-from ..storage import StorageError, is_s3_url, load_manifest
+from ..s3 import StorageError, is_s3_url
+from ..shardfolder import open_shard_folder
 from .convert import MergeError, merge, skip_reasons
 from .coco import CocoConfig, ExportError, convert_coco, export_coco
 from .imagefolder import TOP_LEVEL, ConvertConfig, UsageError, convert_imagefolder
@@ -193,22 +194,22 @@ def coco_cmd(out, quiet, debug, **options):
 
 
 @main.command("export-coco", context_settings=CONTEXT)
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=LOCATION)
 @click.argument("dest", type=click.Path(path_type=Path))
 @click.option("--split", default=None, help="Which split to export (required when OUT has several).")
-def export_coco_cmd(out: Path, dest: Path, split: str | None):
+def export_coco_cmd(out: Path | str, dest: Path, split: str | None):
     """Rebuild a COCO instances file DEST from the shards in OUT: the same images, annotations (ids, boxes,
     categories, crowd flags, areas, segmentation, extra keys), categories and other top-level keys (info,
     licenses) as the file OUT was made from, less what the conversion listed as skipped.
-    pycocotools.coco.COCO(DEST) loads it."""
+    pycocotools.coco.COCO(DEST) loads it. OUT may be s3://bucket/prefix (each tar is streamed once)."""
     def run():
         check_destination(dest)  # before reading every shard
         doc = export_coco(out, split)
         write_json_atomic(dest, doc)
         return doc
 
-    doc = run_command(run, debug=False, usage_errors=(ExportError, ManifestError), runtime_errors=(OSError,),
-                      stopped=lambda e: "nothing was written")
+    doc = run_command(run, debug=False, usage_errors=(ExportError, ManifestError),
+                      runtime_errors=(StorageError, OSError), stopped=lambda e: "nothing was written")
     click.echo(f"{dest}: {len(doc['images'])} images, {len(doc['annotations'])} annotations, "
                f"{len(doc['categories'])} categories")
 
@@ -257,11 +258,15 @@ def describe_result(manifest: ShardManifest) -> str:
 
 
 @main.command("merge", context_settings=CONTEXT)
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=LOCATION)
 def merge_cmd(out: Path):
     """Write OUT/manifest.json from the records of the --num-jobs jobs that converted into OUT, after checking
     that every job finished and all ran the same command (but --job-index). The last job to finish does
-    this by itself; run it to be sure, or after re-running a failed job. Safe to run again."""
+    this by itself; run it to be sure, or after re-running a failed job. Safe to run again. OUT is a local
+    or shared folder (--num-jobs does not convert into s3://)."""
+    if is_s3_url(out):
+        raise click.UsageError(f"{out}: merge combines the job records of a --num-jobs conversion, which writes "
+                               f"to a local or shared folder only (--num-jobs with an s3:// OUT is not supported)")
     manifest = run_command(lambda: merge(out), debug=False, usage_errors=(MergeError, FolderInUse),
                            runtime_errors=(OSError,), stopped=lambda e: "nothing was written")
     splits = ", ".join(f"{name} {info.samples} in {len(info.shards)} shards" for name, info in manifest.splits.items())
@@ -286,7 +291,7 @@ def verify_cmd(out: Path, decode: bool, as_json: bool):
 
     def count_shards() -> int | None:  # a store that cannot be reached fails here, once
         try:
-            return sum(len(s.shards) for s in load_manifest(out).splits.values())
+            return sum(len(s.shards) for s in open_shard_folder(out).splits.values())
         except ManifestError:
             return None
 
@@ -306,16 +311,15 @@ def verify_cmd(out: Path, decode: bool, as_json: bool):
 
 
 @main.command("info", context_settings=CONTEXT)
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("out", type=LOCATION)
 @click.option("--json", "as_json", is_flag=True, help="Print it as JSON.")
-def info_cmd(out: Path, as_json: bool):
+def info_cmd(out: Path | str, as_json: bool):
     """What a shard folder holds, from its manifest (no tar is read): splits, samples, shards and bytes;
     classes with their sample counts per split; re-encoded and skipped files by reason; warnings; the
-    options and source it was made from; whether every DALI index file is present."""
-    try:
-        info = folder_info(ShardManifest.load(out))
-    except ManifestError as e:
-        raise click.UsageError(str(e)) from None
+    options and source it was made from; whether every DALI index file is present. OUT may be
+    s3://bucket/prefix (the manifest is fetched, each index checked with a HEAD)."""
+    info = run_command(lambda: folder_info(open_shard_folder(out)), debug=False, usage_errors=(ManifestError,),
+                       runtime_errors=(StorageError, OSError))
     click.echo(json.dumps(info, indent=2) if as_json else describe_folder(info))
 
 

@@ -26,6 +26,7 @@ import json
 import os
 import random
 import struct
+import tarfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ import numpy as np
 from ..format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
                       COCO_LABELS_MEMBER, COCO_MEMBERS, COCO_META, IMAGE_MEMBER, META_MEMBER, ShardManifest,
                       listing_digest, meta_problems)
+from ..shardfolder import open_shard_folder, read_samples
 from .convert import Plan, ShardOptions, UsageError, convert, stat_source
 from .images import ImageError, to_jpeg
 from .shards import Sample, Skip, SourceFile
@@ -448,31 +450,32 @@ class ExportError(Exception):
     pass
 
 
-def export_coco(shards: Path, split: str | None = None) -> dict:
+def export_coco(shards: str | os.PathLike, split: str | None = None) -> dict:
     """Rebuild the instances file of one split from the shards' json members (plus the categories and other
     top-level keys the manifest keeps): what pycocotools loads as it loaded the original, minus what the
-    conversion listed as skipped."""
-    import webdataset as wds
-
-    manifest = ShardManifest.load(shards)
+    conversion listed as skipped. `shards`: a folder, or s3://bucket/prefix (each tar streamed once)."""
+    manifest = open_shard_folder(shards)
+    where = manifest.location
     if manifest.kind != "coco":
-        raise ExportError(f"{shards}: made from {manifest.kind}, not COCO: nothing to export")
+        raise ExportError(f"{where}: made from {manifest.kind}, not COCO: nothing to export")
     if split is None:
         if len(manifest.splits) != 1:
-            raise ExportError(f"{shards}: has splits {', '.join(manifest.splits)}: choose one with --split")
+            raise ExportError(f"{where}: has splits {', '.join(manifest.splits)}: choose one with --split")
         split = next(iter(manifest.splits))
-    info = manifest.split_info(split)
+    manifest.split_info(split)  # a split it does not have: ManifestError, before any tar is read
     coco = manifest.extra["coco"]
     images, annotations = [], []
-    urls = [str(manifest.root / s.path) for s in info.shards]
-    for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
-        try:
-            record, anns = parse_sample_json(sample[META_MEMBER])
-        except (KeyError, ValueError) as e:
-            raise ExportError(f"{sample['__url__']}: sample {sample['__key__']}: unreadable .json ({e}); "
-                              f"shard-convert verify {shards} checks every sample") from None
-        images.append(record)
-        annotations += anns
+    try:
+        for sample in read_samples(manifest, split, members={META_MEMBER}):
+            try:
+                record, anns = parse_sample_json(sample[META_MEMBER])
+            except (KeyError, ValueError) as e:
+                raise ExportError(f"{sample['__url__']}: sample {sample['__key__']}: unreadable .json ({e}); "
+                                  f"shard-convert verify {where} checks every sample") from None
+            images.append(record)
+            annotations += anns
+    except tarfile.TarError as e:
+        raise ExportError(f"{e}; shard-convert verify {where} checks every shard") from None
     images.sort(key=lambda r: r["id"])
     annotations.sort(key=lambda a: a["id"])
     return {**coco["splits"][split].get("other_keys", {}), "images": images, "annotations": annotations,

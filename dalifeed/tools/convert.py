@@ -32,7 +32,7 @@ from ..atomic import write_json_atomic
 from ..format import FORMAT_VERSION, MANIFEST_NAME, ShardManifest, SplitInfo
 from ..runtime import LOCK_NAME, DiskFull, FolderInUse, folder_lock, free_bytes, mib, usable_cores
 from .images import DEFAULT_MAX_PIXELS
-from ..storage import StorageError, is_s3_url, parse_s3_url
+from ..s3 import StorageError, is_s3_url, parse_s3_url
 from . import remote
 from .shards import JOBS_DIR, PROGRESS_DIR, ProgressStore, is_output_file, remove_outputs, write_split
 

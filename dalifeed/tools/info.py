@@ -5,15 +5,17 @@ from __future__ import annotations
 from collections import Counter
 
 from ..format import ShardManifest
+from ..shardfolder import missing_indexes
 
 
 def folder_info(manifest: ShardManifest) -> dict:
     """A JSON-ready summary of `manifest`: per split, samples, shards, bytes, per-class counts and whether
-    the index files are there; re-encoded and skipped counts by reason; warnings; source and options."""
+    the index files are there (on disk, or a HEAD each in a store); re-encoded and skipped counts by reason;
+    warnings; source and options. `folder` is where it is: its path or s3:// URL."""
     splits = {}
     for name, split in manifest.splits.items():
         counts = split.class_counts
-        missing = [s.index for s in split.shards if not (manifest.root / s.index).is_file()]
+        missing = missing_indexes(manifest, name)
         splits[name] = {
             "samples": split.samples, "shards": len(split.shards), "bytes": split.bytes,
             "class_counts": dict(zip(manifest.classes, counts)) if counts is not None else None,
@@ -21,7 +23,7 @@ def folder_info(manifest: ShardManifest) -> dict:
         }
     skipped = Counter(entry["reason"].split(":")[0] for entry in manifest.skipped)
     return {
-        "folder": str(manifest.root), "kind": manifest.kind, "source": manifest.source, "options": manifest.options,
+        "folder": manifest.location, "kind": manifest.kind, "source": manifest.source, "options": manifest.options,
         "found": manifest.found, "classes": len(manifest.classes), "splits": splits,
         "reencoded": manifest.reencoded.get("by_reason", {}), "skipped": dict(sorted(skipped.items())),
         "warnings": manifest.warnings, "counts": manifest.extra.get("counts", {}),

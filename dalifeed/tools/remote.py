@@ -24,7 +24,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from .. import storage
+from .. import s3
 from ..format import MANIFEST_NAME
 from .shards import PROGRESS_DIR, ProgressStore, ShardRecord, is_output_file, remove_outputs
 
@@ -51,20 +51,20 @@ def pull_state(url: str, staging: Path, overwrite: bool) -> None:
     """Make the staging folder's conversion state the store's (see the module docstring). With
     `overwrite`, delete what a conversion wrote under `url` instead. Raises NotEmpty when `url` holds
     other objects and no conversion state."""
-    objects = storage.list_objects(url)  # the first request: a missing bucket or bad credentials stop here
-    storage.abort_uploads(url)
+    objects = s3.list_objects(url)  # the first request: a missing bucket or bad credentials stop here
+    s3.abort_uploads(url)
     remove_outputs(staging)  # shards, records and manifest of an earlier run from here
     ours = sorted(name for name in objects if is_ours(name))
     if overwrite:
-        storage.delete(url, ours)
+        s3.delete(url, ours)
         return
     state = [name for name in ours if name == MANIFEST_NAME or name.startswith(f"{PROGRESS_DIR}/")]
     foreign = sorted(set(objects) - set(ours))
     if foreign and not state:
         raise NotEmpty(f"{url}: not empty (holds {foreign[0]}" + (f" and {len(foreign) - 1} more" if len(foreign) > 1
                                                                   else "") + ")")
-    with ThreadPoolExecutor(storage.PARALLEL) as pool:
-        contents = list(pool.map(lambda name: storage.get_bytes(storage.join(url, name)), state))
+    with ThreadPoolExecutor(s3.PARALLEL) as pool:
+        contents = list(pool.map(lambda name: s3.get_bytes(s3.join(url, name)), state))
     for name, data in zip(state, contents):
         path = staging / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -74,7 +74,7 @@ def pull_state(url: str, staging: Path, overwrite: bool) -> None:
 def publish(staging: Path, url: str) -> None:
     """Upload the run log, then the manifest: after every shard, so that its presence means complete."""
     for name in ("convert.json", MANIFEST_NAME):
-        storage.put_bytes(storage.join(url, name), (staging / name).read_bytes())
+        s3.put_bytes(s3.join(url, name), (staging / name).read_bytes())
 
 
 class StoreProgress(ProgressStore):
@@ -87,11 +87,11 @@ class StoreProgress(ProgressStore):
         self._pending: deque[Future] = deque()
 
     def _progress_url(self, name: str) -> str:
-        return storage.join(self.url, f"{PROGRESS_DIR}/{name}")
+        return s3.join(self.url, f"{PROGRESS_DIR}/{name}")
 
     def start(self, fingerprint: dict) -> None:
         super().start(fingerprint)
-        storage.put_bytes(self._progress_url("fingerprint.json"), json.dumps(fingerprint, indent=2).encode())
+        s3.put_bytes(self._progress_url("fingerprint.json"), json.dumps(fingerprint, indent=2).encode())
 
     def save(self, split: str, sequence: int, record: ShardRecord) -> None:
         super().save(split, sequence, record)
@@ -106,23 +106,23 @@ class StoreProgress(ProgressStore):
     def _upload(self, split: str, sequence: int, record: ShardRecord) -> None:
         shard = record.shard
         for name, sha256 in ((shard.index, shard.index_sha256), (shard.path, shard.sha256)):  # the tar last
-            path, url = self.staging / name, storage.join(self.url, name)
-            if storage.head(url) != storage.ObjectHead(path.stat().st_size, sha256):
-                storage.upload_file(path, url, sha256)
+            path, url = self.staging / name, s3.join(self.url, name)
+            if s3.head(url) != s3.ObjectHead(path.stat().st_size, sha256):
+                s3.upload_file(path, url, sha256)
             path.unlink()
         body = json.dumps(record.to_json(), indent=2).encode()
-        storage.put_bytes(self._progress_url(f"{split}-{sequence:06d}.json"), body)
+        s3.put_bytes(self._progress_url(f"{split}-{sequence:06d}.json"), body)
 
     def finished(self, split: str, out_dir: Path) -> list[ShardRecord]:
         """The consecutive recorded shards whose index and tar the store holds with the recorded size and
         sha256 (a HEAD each, in parallel)."""
         records = self.records(split)
-        urls = [storage.join(self.url, name) for r in records for name in (r.shard.index, r.shard.path)]
-        heads = storage.head_many(urls)
+        urls = [s3.join(self.url, name) for r in records for name in (r.shard.index, r.shard.path)]
+        heads = s3.head_many(urls)
         finished = []
         for i, record in enumerate(records):
             index, tar = heads[2 * i], heads[2 * i + 1]
-            if not (index is not None and tar == storage.ObjectHead(record.shard.bytes, record.shard.sha256)
+            if not (index is not None and tar == s3.ObjectHead(record.shard.bytes, record.shard.sha256)
                     and record.shard.index_sha256 in (None, index.sha256)):
                 break
             finished.append(record)
@@ -131,5 +131,5 @@ class StoreProgress(ProgressStore):
     def remove(self) -> None:
         self.flush()
         super().remove()
-        names = [name for name in storage.list_objects(self.url) if name.startswith(f"{PROGRESS_DIR}/")]
-        storage.delete(self.url, names)
+        names = [name for name in s3.list_objects(self.url) if name.startswith(f"{PROGRESS_DIR}/")]
+        s3.delete(self.url, names)

@@ -16,9 +16,10 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import storage
+from .. import s3
 from ..format import (CLASS_I64_MEMBER, CLASS_MEMBER, IMAGE_MEMBER, IMAGEFOLDER_MEMBERS, IMAGEFOLDER_META,
                       INDEX_VERSION, META_MEMBER, TAR_BLOCK, ManifestError, ShardInfo, ShardManifest, meta_problems)
+from ..shardfolder import fetch_index, open_shard_folder
 from .images import DEFAULT_MAX_PIXELS, EXIF_ORIENTATION, ImageError, decode_check, read_jpeg_frame
 
 REQUIRED_MEMBERS = IMAGEFOLDER_MEMBERS
@@ -39,7 +40,7 @@ def verify_shards(root: Path, decode: bool = False, on_shard=lambda: None) -> Ve
     """Every problem found, one line each (`<file>: <what>`); an empty list means the folder is sound.
     `root` may be an s3://bucket/prefix URL (its manifest and indexes go to the cache, each tar into memory)."""
     try:
-        manifest = storage.load_manifest(root)
+        manifest = open_shard_folder(root)
     except ManifestError as e:
         return VerifyReport([str(e)], 0, 0)
     root, remote = manifest.root, manifest if manifest.url else None
@@ -87,8 +88,8 @@ def verify_shard(root: Path, shard: ShardInfo, num_classes: int, decoder=None,
     if remote is not None:
         tar_path, idx_path = remote.shard_location(shard), None
         try:
-            data = storage.get_bytes(tar_path)
-        except storage.ObjectProblem:
+            data = s3.get_bytes(tar_path)
+        except s3.ObjectProblem:
             return [f"{tar_path}: missing in the store"]
     elif not tar_path.is_file():
         return [f"{tar_path}: missing"]
@@ -107,8 +108,8 @@ def verify_shard(root: Path, shard: ShardInfo, num_classes: int, decoder=None,
         problems.append(f"{tar_path}: {len(samples)} samples, the manifest says {shard.samples}")
     if remote is not None:
         try:
-            idx_path = storage.fetch_index(remote, shard)
-        except storage.ObjectProblem as e:
+            idx_path = fetch_index(remote, shard)
+        except s3.ObjectProblem as e:
             problems.append(str(e))
     if idx_path is None:
         pass

@@ -13,7 +13,7 @@ from dalifeed.cliutil import default, run_command
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.pipelines.graphs import DEVICES
 from dalifeed.runtime import DiskFull, FolderInUse
-from dalifeed.storage import StorageError
+from dalifeed.s3 import StorageError
 
 from . import checkpoint
 from .config import NO_SPLIT, ConfigError, TrainConfig

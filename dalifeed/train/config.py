@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dalifeed.cliutil import output_folder_problem
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, uses_gpu
-from dalifeed.storage import is_s3_url
+from dalifeed.s3 import is_s3_url
 
 NO_SPLIT = ("none", "")  # --val-split values that mean: train without evaluation
 

@@ -23,12 +23,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from dalifeed.atomic import write_atomic, write_json_atomic
-from dalifeed import storage
 from dalifeed.cliutil import folder_not_created
 from dalifeed.format import ManifestError, ShardManifest
 from dalifeed.nvml import gpu_stats
 from dalifeed.pipelines import make_loader, thread_budget
 from dalifeed.runtime import DiskFull, Stopped, folder_lock, free_bytes, is_disk_full, mib
+from dalifeed.shardfolder import open_shard_folder
 
 from . import checkpoint, models
 from .config import ConfigError, TrainConfig
@@ -762,7 +762,7 @@ def check_splits(cfg: TrainConfig, manifest: ShardManifest) -> None:
 
 def load_manifest(cfg: TrainConfig) -> ShardManifest:
     try:
-        manifest = storage.load_manifest(cfg.data)  # a folder, or s3://bucket/prefix
+        manifest = open_shard_folder(cfg.data)  # a folder, or s3://bucket/prefix
     except ManifestError as e:
         raise ConfigError(str(e)) from None
     check_splits(cfg, manifest)

@@ -1,20 +1,16 @@
-"""Shard folders in S3-compatible object storage (AWS S3, MinIO, ...): the control plane.
+"""An S3 client for object storage (AWS S3, MinIO, ...): URLs, a boto3 client from the standard AWS
+configuration, GET / PUT / HEAD / list / delete / multipart upload, and every failure as one line that
+says what to do. Nothing here knows about shard folders: `shardfolder` reads them, `tools/remote` writes
+them.
 
 DALI reads the tars straight from the store (`fn.readers.webdataset(paths=["s3://..."])`, with its own
-AWS SDK and one ranged GET per member); everything else goes through boto3 here: parsing URLs, fetching
-the manifest and the DALI indexes into a local cache, checking that the shards are there (HEAD), the
-uploads of a conversion, and one-line errors.
+AWS SDK and one ranged GET per member); everything else goes through boto3 here.
 
 Why boto3 for this part: it resolves endpoint, credentials and region exactly as every AWS tool does
 (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE,
 AWS_REGION, ~/.aws/config and ~/.aws/credentials, instance roles), which is also what DALI's SDK reads;
 its `upload_file` does multipart uploads (`TransferConfig`); and it is the maintained reference client.
-Nothing here is dalifeed-specific configuration but the cache folder: $DALIFEED_CACHE, else
-$XDG_CACHE_HOME/dalifeed, else ~/.cache/dalifeed.
-
-Cache layout: `index/<sha256>.idx` (each index once, named by its content), and
-`manifests/<sha256 of manifest.json>/` holding that manifest with links to its indexes under the names
-it gives them, which is the folder a `ShardManifest` fetched from a store has as `root`.
+Nothing here is dalifeed-specific configuration.
 
 boto3 is imported on first use: the local paths never pay for it.
 """
@@ -22,16 +18,11 @@ boto3 is imported on first use: the local paths never pay for it.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-from .atomic import write_atomic
-from .format import MANIFEST_NAME, ManifestError, ShardInfo, ShardManifest, check_index, check_split_files
 
 SCHEME = "s3://"
 CONNECT_TIMEOUT_S = 5  # an endpoint that does not answer fails in seconds, never hangs
@@ -47,7 +38,7 @@ class StorageError(Exception):
 
 
 class ObjectProblem(StorageError):
-    """One object is missing or is not what the manifest says."""
+    """One object is missing, or is not what the caller expected of it (its size, its sha256)."""
 
 
 @dataclass(frozen=True)
@@ -77,13 +68,6 @@ def normalize(url: str) -> str:
 
 def join(url: str, name: str) -> str:
     return f"{normalize(url)}/{name}"
-
-
-def cache_dir() -> Path:
-    if os.environ.get("DALIFEED_CACHE"):
-        return Path(os.environ["DALIFEED_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dalifeed"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -204,6 +188,31 @@ def read_range(url: str, offset: int, size: int) -> bytes:
     return _request(url, "get_object", Range=f"bytes={offset}-{offset + size - 1}")["Body"].read()
 
 
+class ObjectStream:
+    """An object's bytes streamed from one GET, as a read-only binary file (what `tarfile` reads in stream
+    mode): nothing is held in memory beyond a read's buffer. ObjectProblem if the object is missing; a
+    connection lost midway is a StorageError like any other request's failure."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self._body = _request(url, "get_object")["Body"]
+
+    def read(self, size: int | None = -1) -> bytes:
+        try:
+            return self._body.read(None if size is None or size < 0 else size)
+        except Exception as e:
+            raise explain(e, self.url) from e
+
+    def close(self) -> None:
+        self._body.close()
+
+    def __enter__(self) -> "ObjectStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def object_sha256(url: str) -> str:
     """The sha256 of every byte of the object, streamed."""
     digest = hashlib.sha256()
@@ -269,89 +278,3 @@ def abort_uploads(url: str) -> int:
     except Exception as e:
         raise explain(e, normalize(url)) from e
     return aborted
-
-
-# ----------------------------------------------------------------------------------------------------
-# reading a shard folder from a store
-
-
-def load_manifest(location) -> ShardManifest:
-    """The manifest of a shard folder: a local path, or an s3:// URL (fetched into the cache)."""
-    return fetch_manifest(str(location)) if is_s3_url(location) else ShardManifest.load(location)
-
-
-def fetch_manifest(url: str) -> ShardManifest:
-    """GET `url`/manifest.json (one small request, every time: the store is the truth) and return it with
-    `root` = its cache folder (named by its sha256) and `url` set. Indexes are fetched by `fetch_index`."""
-    url = normalize(url)
-    where = join(url, MANIFEST_NAME)
-    try:
-        data = get_bytes(where)
-    except ObjectProblem:
-        raise ManifestError(f"{where}: missing (not a dalifeed shard folder, or its conversion never finished)") \
-            from None
-    try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{where}: unreadable manifest ({e})") from None
-    view = cache_dir() / "manifests" / hashlib.sha256(data).hexdigest()
-    if not (view / MANIFEST_NAME).is_file():
-        view.mkdir(parents=True, exist_ok=True)
-        write_atomic(view / MANIFEST_NAME, data)
-    manifest = ShardManifest.from_json(view, doc)
-    manifest.url = url
-    return manifest
-
-
-def fetch_index(manifest: ShardManifest, shard: ShardInfo) -> Path:
-    """The local path of a shard's DALI index, downloaded once into the cache and checked against the
-    manifest's sha256 (when it records one). ObjectProblem if it is missing or differs."""
-    target = manifest.root / shard.index
-    if target.is_file():
-        return target
-    url = join(manifest.url, shard.index)
-    stored = cache_dir() / "index" / f"{shard.index_sha256}.idx" if shard.index_sha256 else None
-    if stored is None or not stored.is_file():
-        data = get_bytes(url)
-        if shard.index_sha256 and hashlib.sha256(data).hexdigest() != shard.index_sha256:
-            raise ObjectProblem(f"{url}: sha256 differs from the manifest (modified or corrupt)")
-        if stored is None:  # a manifest without index hashes: the file lives only in this manifest's folder
-            write_atomic(target, data)
-            return target
-        stored.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(stored, data)
-    try:
-        os.link(stored, target)
-    except FileExistsError:
-        pass
-    except OSError:  # another file system, or no hard links: a copy
-        shutil.copyfile(stored, target)
-    return target
-
-
-def check_split(manifest: ShardManifest, split: str, sha256: bool = False) -> list[str]:
-    """`format.check_split_files` for a split in a store: a HEAD per tar (present, size), its index fetched
-    into the cache and checked (sample count, reach), and with `sha256` every tar's bytes hashed. Local
-    manifests are checked on disk."""
-    if manifest.url is None:
-        return check_split_files(manifest, split, sha256)
-    shards = manifest.split_info(split).shards
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        return [p for problems in pool.map(lambda s: _check_shard(manifest, s, sha256), shards) for p in problems]
-
-
-def _check_shard(manifest: ShardManifest, shard: ShardInfo, sha256: bool) -> list[str]:
-    tar = manifest.shard_location(shard)
-    found = head(tar)
-    if found is None:
-        return [f"{tar}: missing in the store"]
-    problems = []
-    if found.size != shard.bytes:
-        problems.append(f"{tar}: {found.size} bytes, the manifest says {shard.bytes} (truncated or replaced)")
-    try:
-        problems += check_index(fetch_index(manifest, shard), shard, found.size, tar)
-    except ObjectProblem as e:
-        problems.append(f"{e} (the DALI index of {shard.path})")
-    if sha256 and not problems and object_sha256(tar) != shard.sha256:
-        problems.append(f"{tar}: sha256 differs from the manifest (modified or corrupt)")
-    return problems
