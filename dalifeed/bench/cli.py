@@ -69,6 +69,9 @@ class BenchConfig:
             manifest = open_shard_folder(self.shards)
         except ManifestError as e:
             raise BenchUsageError(f"--shards: {e}") from None
+        if self.task == "classify" and manifest.kind == "coco":  # their samples hold label lists, not one class
+            raise BenchUsageError(f"--shards {self.shards} holds COCO shards: use --task detection (--task classify "
+                                  f"needs ImageFolder shards)")
         if self.split not in manifest.splits:
             raise BenchUsageError(f"--split {self.split}: --shards {self.shards} has no such split (has: "
                                   f"{', '.join(manifest.splits)})")

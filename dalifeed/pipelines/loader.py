@@ -195,8 +195,9 @@ class DaliLoader:
                     yield self._to_torch(batch[0])
         except Exception as e:
             # DALI 2.4 raises an operator's failure as the operator's own type (RuntimeError from a decoder,
-            # IndexError from an axis out of range, ...), always with this text; anything else is a bug
-            if "Critical error in pipeline" not in str(e):
+            # IndexError from an axis out of range, ...), always with "Critical error in pipeline" (while
+            # running) or "Critical error when building pipeline" (a reader's first read); anything else is a bug
+            if "Critical error" not in str(e):
                 raise
             self._iterator, self._epoch_complete = None, True  # a pipeline that failed is not reused
             raise self._explain(e) from e
@@ -292,6 +293,9 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     if multilabel and manifest.kind != "coco":
         raise ValueError(f"{shards_dir}: multi-label targets need COCO shards (.labels.i32 members), "
                          f"this is {manifest.kind}")
+    if not multilabel and manifest.kind == "coco":  # DALI would fail on the missing one-class label member
+        raise ValueError(f"{shards_dir}: COCO shards: use multilabel=True (dali-train --task multilabel) or "
+                         f"make_detection_loader")
     resolved = resolve_device(device)
     if uses_gpu(resolved) and device_id is None:
         device_id = torch.cuda.current_device()
