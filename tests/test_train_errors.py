@@ -111,6 +111,10 @@ TRAIN_ERRORS = [
     (["--model", "inception_v3", "--image-size", "64"], ["--model inception_v3", "--image-size >= 75"]),
     (["--model", "maxvit_t", "--image-size", "64"], ["--model maxvit_t", "--image-size 64", "224 works"]),
     (["--model", "vgg11", "--width", "16"], ["--width applies to torchvision's plain ResNets"]),
+    # BatchNorm in training needs more than one value per channel: ResNet-18's last stage is 1x1 at 32 px
+    (["--batch-size", "1", "--image-size", "32"],
+     ["--batch-size 1 with --image-size 32", "BatchNorm", "--batch-size >= 2 or --image-size >= 33"]),
+    (["--batch-size", "1", "--image-size", "32", "--width", "16"], ["--batch-size 1 with --image-size 32"]),
     (["--out", "{file}"], ["--out {file}", "is a file"]),
     (["--out", "{file}/run"], ["--out {file}/run", "{file} is a file"]),
     (["--out", "/proc/dalifeed-run"], ["--out /proc/dalifeed-run", "cannot create"]),
@@ -205,6 +209,26 @@ def test_models_are_built_for_the_image_size_and_return_logits_in_training(model
             check_input_size(model, refused)
 
 
+@pytest.mark.parametrize("batch_size, size, refused", [(1, 32, True), (1, 33, False), (2, 32, False), (2, 8, False)])
+def test_a_batch_of_one_is_refused_only_where_batchnorm_would_see_one_value_per_channel(batch_size, size, refused):
+    """The rule behind the refusal: a training BatchNorm needs batch x height x width > 1; ResNet-18's last
+    stage is 1x1 from 32 px down and 2x2 at 33 px. Checked against a real forward pass on the CPU."""
+    torch.manual_seed(0)
+    model = build_model("resnet18", 3, image_size=size).train()
+    try:
+        model(torch.rand(batch_size, 3, size, size))
+        fails = False
+    except ValueError as e:
+        assert "Expected more than 1 value per channel when training" in str(e)
+        fails = True
+    assert fails == refused
+    if refused:
+        with pytest.raises(ModelError, match=f"--batch-size 1 with --image-size {size}: .*BatchNorm"):
+            check_input_size("resnet18", size, batch_size=batch_size)
+    else:
+        check_input_size("resnet18", size, batch_size=batch_size)
+
+
 def test_vit_b_16_runs_a_64_px_batch_of_the_loader_forward_and_backward(shards, tmp_path):
     """The command of the issue, `--model vit_b_16 --image-size 64`: its config passes, and a real 64 px batch
     of the DALI loader goes through the model dali-train builds, forward and backward (a whole run would
@@ -229,6 +253,8 @@ BENCH_ERRORS = [
     (["--model", "resnet9000"], ["--model 'resnet9000'", "not a torchvision classification model"]),
     (["--model", "vit_b_16", "--image-size", "60"], ["--model vit_b_16", "divisible by", "16"]),
     (["--model", "alexnet", "--image-size", "32"], ["--model alexnet", "--image-size >= 63"]),
+    (["--model", "resnet18", "--batch-size", "1"],
+     ["--batch-size 1 with --image-size 32", "BatchNorm", "--batch-size >= 2 or --image-size >= 33"]),
     (["--epochs", "0"], ["--epochs must be >= 1, got 0"]),
     (["--seconds", "0"], ["--seconds must be > 0, got 0.0"]),
     (["--loaders", ","], ["--loaders: none given"]),

@@ -118,11 +118,12 @@ class BenchConfig:
                                   f"the same images (or pass --allow-different-data)")
 
     def check_model(self) -> None:
-        """--model exists and takes --image-size: checked on the meta device before any loader is timed."""
+        """--model exists and takes --image-size in batches of --batch-size: checked on the meta device before any
+        loader is timed."""
         from dalifeed.train.models import ModelError, check_input_size
 
         try:
-            check_input_size(self.model, self.image_size)
+            check_input_size(self.model, self.image_size, batch_size=self.batch_size)
         except ModelError as e:
             raise BenchUsageError(str(e)) from None
 
