@@ -8,6 +8,8 @@ import torchvision
 from torch import nn
 from torchvision.models.resnet import ResNet
 
+from .checkpoint import first_line
+
 
 class WidthResNet(ResNet):
     """torchvision's ResNet with stage widths (w, 2w, 4w, 8w) instead of (64, 128, 256, 512): the same blocks,
@@ -144,8 +146,3 @@ def size_refused(name: str, image_size: int, reason: str) -> str:
     works = image_size != 224 and forward_problem(build_on_meta(name, 224), 224) is None
     return (f"--model {name} cannot take --image-size {image_size}: {reason.rstrip('.')}"
             + ("; 224 works" if works else ""))
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
