@@ -82,6 +82,12 @@ def test_thread_budget_is_the_ranks_share_of_the_cores_capped(device, cores, env
     assert ("capped at" in budget.describe()) == (cores // ranks > budget.cap)
 
 
+def test_the_printed_budget_never_says_0_threads_when_ranks_outnumber_the_cpus():
+    budget = thread_budget("cpu", cores=3, visible_gpus=0, environ={"LOCAL_WORLD_SIZE": "8"})
+    assert budget.describe() == ("DALI threads per pipeline: 1 (3 CPUs this process may use / 8 rank(s) on this "
+                                 "node = less than 1, so at least 1)")
+
+
 def test_ranks_on_node_prefers_torchruns_local_world_size():
     assert ranks_on_node(True, 8, {"LOCAL_WORLD_SIZE": "4", "WORLD_SIZE": "32"}) == 4
     assert ranks_on_node(True, 8, {"LOCAL_WORLD_SIZE": "x", "WORLD_SIZE": "1"}) == 1
@@ -136,3 +142,40 @@ def test_two_ranks_on_two_cpus_run_one_dali_thread_each_and_one_pipeline_at_a_ti
     assert all(threads <= 1 for threads in most.values()), most
     assert len(seen_one) == 2, (most, output[-2000:])  # both ranks were seen running their pipeline
     assert "DALI threads per pipeline: 1 (2 CPUs this process may use / 2 rank(s) on this node = 1)" in output
+
+
+# ---------------------------------------------------------------------------------------------------------
+# docs/gpu.md's memory table: its numbers are these functions' (issue 19 review, item 3)
+
+OLD_DEVICE_PADDING, OLD_HOST_PADDING = 211025920, 140544512  # before issue 19: DALI's old ResNet-50 numbers
+
+
+def size(n_bytes: float) -> str:
+    return f"{n_bytes / 2**20:.0f} MiB" if n_bytes < 2**30 else f"{n_bytes / 2**30:.1f} GiB"
+
+
+def memory_table_rows(gpus: int = 8, nodes_cores=(64, 224)) -> list[str]:
+    """docs/gpu.md's rows for `gpus` ranks on nodes of `nodes_cores` CPUs at the shipped default (--device gpu,
+    no --dali-threads): now one mixed decoder per rank at a time at thread_budget's threads; before, one per
+    pipeline (training and validation, both held) at one thread per CPU with the old paddings."""
+    from dalifeed.pipelines.graphs import decoder_memory
+
+    rows = []
+    for cores in nodes_cores:
+        budget = thread_budget("gpu", cores=cores, visible_gpus=gpus, environ={"LOCAL_WORLD_SIZE": str(gpus)})
+        now = decoder_memory(budget.threads)
+        before_gpu, before_pinned = 2 * cores * OLD_DEVICE_PADDING, 2 * cores * 2 * OLD_HOST_PADDING
+        rows.append(f"| {cores} CPUs | {budget.threads} | {size(now.device_bytes)} | {size(now.pinned_bytes)} | "
+                    f"{size(gpus * now.pinned_bytes)} | 2 x {cores} | {size(before_gpu)} | {size(before_pinned)} | "
+                    f"{size(gpus * before_pinned)} |")
+    return rows
+
+
+def test_docs_memory_table_is_what_the_budget_and_decoder_memory_give():
+    doc = (Path(__file__).parents[1] / "docs" / "gpu.md").read_text()
+    for row in memory_table_rows():
+        assert row in doc, f"docs/gpu.md's memory table lacks (or has other numbers than): {row}"
+
+
+if __name__ == "__main__":  # print the rows for docs/gpu.md
+    print("\n".join(memory_table_rows()))

@@ -408,6 +408,8 @@ CASES = [
     (["export-coco", "shards", "x.json"], 2, "shards: made from imagefolder, not COCO"),
     (["export-coco", "empty", "x.json"], 2, "empty/manifest.json: missing"),
     (["export-coco", "cocoshards", "x.json", "--split", "nope"], 2, "no split 'nope'"),
+    # a folder that takes no new file: named as DEST, not as the temporary name beside it
+    (["export-coco", "cocoshards", "/proc/x.json"], 2, "/proc/x.json: cannot write a file in /proc"),
     (["merge", "empty"], 2, "empty: no job records"),
     (["merge", "badjob"], 2, "job-0000-of-0002.json: unreadable job record"),
     (["merge", "s3://bucket/jobs"], 2, "s3://bucket/jobs: merge combines the job records of a --num-jobs conversion"),

@@ -5,15 +5,17 @@ test_gpu.py."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
 
-from dalifeed.bench.gpu_check import (GpuCheckConfig, checkpoint_step, main as gpu_check_cli, nccl_step, render_markdown,
-                                      run_check)
+from dalifeed.bench.gpu_check import (GpuCheckConfig, checkpoint_step, decoder_budget, decoder_memory_line,
+                                      main as gpu_check_cli, nccl_step, render_markdown, run_check)
 from dalifeed.pipelines import make_loader
+from dalifeed.pipelines.budget import thread_budget
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.synthetic import SyntheticLoader
 
@@ -112,15 +114,26 @@ def test_markdown_names_goals_missed_and_met():
     assert "GPU H100" in text and "| dali-gpu >= 8x the DataLoader baseline | 5.00x | no |" in text
 
 
-def test_report_states_what_the_mixed_decoder_reserves(tmp_path):
-    """The first lines of a gpu-check report: the decoder memory of a dali-gpu pipeline at --workers threads
-    (issue 19, finding 1: 64 threads used to reserve 13.5 GB of GPU and 18 GB of pinned memory)."""
+def test_report_states_what_the_mixed_decoder_of_a_dali_train_rank_reserves(tmp_path):
+    """The first lines of a gpu-check report: the decoder memory of a dali-train rank at dali-train's default
+    thread budget (one rank per GPU), whatever gpu-check's own --workers (issue 19, finding 1: 64 threads used
+    to reserve 13.5 GB of GPU and 18 GB of pinned memory)."""
     report = run_check(GpuCheckConfig(workdir=tmp_path, steps=[], workers=64, allow_cpu=True), log=lambda msg: None)
     budget = report["decoder_memory"]
-    assert budget["threads"] == 64 and budget["gpu_mib"] == 64 * budget["device_padding_mib"]
-    assert budget["pinned_mib"] == 64 * 2 * budget["host_padding_mib"] and budget["gpu_mib"] + budget["pinned_mib"] < 4096
-    assert f"Each `mixed` decoder at 64 threads reserves {budget['gpu_mib']:.0f} MiB of GPU" in \
-        (tmp_path / "gpu-check.md").read_text()
+    gpus = torch.cuda.device_count()
+    threads = thread_budget("gpu", visible_gpus=gpus, environ={**os.environ, "LOCAL_WORLD_SIZE": str(max(1, gpus))})
+    assert budget["threads"] == threads.threads != 64 and budget["gpu_mib"] == threads.threads * budget["device_padding_mib"]
+    assert budget["pinned_mib"] == threads.threads * 2 * budget["host_padding_mib"]
+    text = (tmp_path / "gpu-check.md").read_text()
+    assert f"dali-train's default with one rank per GPU here, {threads.describe()}" in text
+    assert f"each rank's `mixed` decoder reserves {budget['gpu_mib']:.0f} MiB of GPU" in text and "holds two" not in text
+
+
+def test_docs_quote_gpu_checks_decoder_line_for_8_gpus_on_64_cpus():
+    line = decoder_memory_line(decoder_budget(cores=64, gpus=8, environ={}))
+    doc = " ".join((Path(__file__).parents[1] / "docs" / "gpu.md").read_text().split())
+    assert "threads per pipeline: 4" in line and "88 MiB of GPU and 120 MiB of pinned" in line
+    assert line in doc
 
 
 def test_synthetic_loader_repeats_one_batch_and_resumes_mid_epoch(shards):

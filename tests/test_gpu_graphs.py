@@ -256,6 +256,15 @@ def bench_loader(shards_dir):
     return lambda device: on_device(loader, device).pipeline()
 
 
+def bench_detection_loader(coco_dir):
+    from dalifeed.bench.detection import build_detection_loader
+
+    loader = build_detection_loader("dali-cpu", images=None, annotations=None, shards=coco_dir, split="mini",
+                                    batch_size=2, image_size=64, workers=2, device=torch.device("cpu"),
+                                    hw_decoder_load=0.2)
+    return lambda device: on_device(loader, device).pipeline()
+
+
 def checkpoint_loader(shards_dir):
     from dalifeed.bench.gpu_check import checkpoint_loader as gpu_check_loader
 
@@ -287,9 +296,14 @@ GRAPHS = {
     "detection-train-no_crop": (lambda s, c: detection(c, True, size=64, crop=False), BOTH),
     "detection-train-crowd-no_flip": (lambda s, c: detection(c, True, size=64, include_crowd=True, flip=False),
         BOTH),
+    "detection-train-hw_decoder_load_0.99": (lambda s, c: detection(c, True, size=64, hw_decoder_load=0.99), BOTH),
+    "detection-val-hw_decoder_load_0.99": (lambda s, c: detection(c, False, size=64, hw_decoder_load=0.99), BOTH),
+    "detection-train-no_crop-hw_decoder_load_0.99": (
+        lambda s, c: detection(c, True, size=64, crop=False, hw_decoder_load=0.99), BOTH),
     # verify's decoder on a GPU; a `hybrid` loader re-decodes with DaliDecoder("hybrid"), which is the cpu graph
     "verify-decoder": (lambda s, c: verify_decoder, ("gpu",)),
     "dali-bench-loader": (lambda s, c: bench_loader(s), BOTH),
+    "dali-bench-detection-loader": (lambda s, c: bench_detection_loader(c), BOTH),
     # make_bench cuts the graph on `gpu` or `cpu` only (stages.stage_rates); the cut after "read" has no device
     **{f"dali-bench-stage{stage}": (lambda s, c, stage=stage: bench_stage(s, stage), ("gpu",)) for stage in (1, 2, 3)},
     "gpu-check-checkpoint-loader": (lambda s, c: checkpoint_loader(s), ("gpu",)),
@@ -358,8 +372,9 @@ MIXED = [(name, device) for name, device in CASES if device == "gpu"]
 def test_every_mixed_decoder_gets_the_hints(graph, name, device):
     """hw_decoder_load, the memory paddings (sized by decoder_memory) and chroma upsampling reach every mixed
     decoder, not only the training one (issue 19, findings 1 and 5)."""
-    expected_load = {"train-hw_decoder_load_0.99": 0.99, "gpu-check-checkpoint-loader": 0.99,
-                     "dali-bench-loader": 0.3}.get(name, AugmentConfig().hw_decoder_load)
+    expected_load = 0.99 if name.endswith("hw_decoder_load_0.99") else {
+        "gpu-check-checkpoint-loader": 0.99, "dali-bench-loader": 0.3, "dali-bench-detection-loader": 0.2,
+    }.get(name, AugmentConfig().hw_decoder_load)
     memory = decoder_memory(threads=2)
     decoders = [op for op in graph(name, device)[0] if op.device == "mixed"]
     assert decoders

@@ -35,6 +35,18 @@ def train_only(make_shards) -> tuple[Path, Path]:
     return make_shards({"red": 17, "green": 15, "blue": 13}, samples_per_shard=10)
 
 
+@pytest.fixture(scope="module")
+def coco_shards(tmp_path_factory) -> Path:
+    """tests/helpers.write_coco's set converted by shard-convert coco: one split, 'mini' (8 images)."""
+    from dalifeed.tools.coco import CocoConfig, convert_coco
+    from helpers import write_coco
+
+    tmp = tmp_path_factory.mktemp("coco")
+    images, annotations = write_coco(tmp / "coco")
+    convert_coco(CocoConfig(images=[images], annotations=[annotations], out=tmp / "out", progress=False, workers=1))
+    return tmp / "out"
+
+
 def one_error_line(result) -> str:
     """The single 'Error:' line a failed command printed on stderr; no traceback, no bug-report plea."""
     assert "Traceback" not in result.output and "please report" not in result.output, result.output
@@ -99,12 +111,19 @@ TRAIN_ERRORS = [
     (["--model", "inception_v3", "--image-size", "64"], ["--model inception_v3", "--image-size >= 75"]),
     (["--model", "maxvit_t", "--image-size", "64"], ["--model maxvit_t", "--image-size 64", "224 works"]),
     (["--model", "vgg11", "--width", "16"], ["--width applies to torchvision's plain ResNets"]),
+    # BatchNorm in training needs more than one value per channel: ResNet-18's last stage is 1x1 at 32 px
+    (["--batch-size", "1", "--image-size", "32"],
+     ["--batch-size 1 with --image-size 32", "BatchNorm", "--batch-size >= 2 or --image-size >= 33"]),
+    (["--batch-size", "1", "--image-size", "32", "--width", "16"], ["--batch-size 1 with --image-size 32"]),
     (["--out", "{file}"], ["--out {file}", "is a file"]),
     (["--out", "{file}/run"], ["--out {file}/run", "{file} is a file"]),
     (["--out", "/proc/dalifeed-run"], ["--out /proc/dalifeed-run", "cannot create"]),
     (["--data", "{file}"], ["--data {file}", "is a file, not a shard folder"]),
     (["--data", "{tmp}/missing"], ["--data {tmp}/missing", "no such shard folder"]),
     (["--data", "{tmp}"], ["manifest.json: missing"]),
+    # classification on COCO shards (the user forgot --task multilabel): DALI's "Underful sample ... please report it"
+    (["--data", "{coco}", "--train-split", "mini", "--val-split", "none"],
+     ["--data {coco} holds COCO shards", "--task multilabel"]),
     (["--epochs", "0"], ["--epochs must be >= 1, got 0"]),
     (["--batch-size", "100"], ["--batch-size 100", "45 training samples"]),
     (["--momentum", "-1", "--optimizer", "sgd"], ["--momentum must be in [0, 1), got -1.0"]),
@@ -118,14 +137,40 @@ TRAIN_ERRORS = [
 
 
 @pytest.mark.parametrize("extra, words", TRAIN_ERRORS, ids=[" ".join(e) for e, _ in TRAIN_ERRORS])
-def test_dali_train_usage_errors_are_one_line_and_exit_2(shards, tmp_path, extra, words):
-    fill = {"tmp": str(tmp_path), "file": str(a_file(tmp_path))}
+def test_dali_train_usage_errors_are_one_line_and_exit_2(shards, coco_shards, tmp_path, extra, words):
+    fill = {"tmp": str(tmp_path), "file": str(a_file(tmp_path)), "coco": str(coco_shards)}
     (tmp_path / "pretrained.json").write_text('{"not": "weights"}\n')
     args = ["--data", str(shards), "--out", str(tmp_path / "run"), *FAST, *(a.format(**fill) for a in extra)]
     result = CliRunner().invoke(train_cli, args)
     assert result.exit_code == 2, result.output
     line = one_error_line(result)
     assert all(word.format(**fill) in line for word in words), line
+
+
+def test_make_loader_refuses_classification_on_coco_shards_in_one_line(coco_shards):
+    """Without multilabel=True, COCO shards would reach DALI's reader, which finds no one-class label member
+    and fails while building the pipeline ("Underful sample detected ... please report it")."""
+    from dalifeed.pipelines import make_loader
+
+    with pytest.raises(ValueError, match="COCO shards: use multilabel=True .* or make_detection_loader"):
+        make_loader(coco_shards, "mini", 2, device="cpu", image_size=16, num_threads=1)
+
+
+def test_a_pipeline_that_fails_while_it_is_built_is_one_shard_data_error(coco_shards):
+    """DALI 2.4 words a failure during the pipeline's build "Critical error when building pipeline" (not
+    "... in pipeline"): the loader turns it into the same one-line ShardDataError. Made here by a loader
+    built past make_loader's check, reading COCO shards for a one-class label member they lack."""
+    from dalifeed.pipelines.checks import ShardDataError
+    from dalifeed.pipelines.graphs import AugmentConfig
+    from dalifeed.pipelines.loader import DaliLoader
+    from dalifeed.shardfolder import open_shard_folder
+
+    loader = DaliLoader(open_shard_folder(coco_shards), "mini", 2, train=False, rank=0, world_size=1, seed=0,
+                        device="cpu", augment=AugmentConfig(image_size=16), num_threads=1, prefetch_queue_depth=1,
+                        initial_fill=4, device_id=None)
+    with pytest.raises(ShardDataError, match="DALI failed reading split 'mini' .*Underful sample") as info:
+        next(iter(loader))
+    assert "\n" not in str(info.value) and "Critical error when building pipeline" in str(info.value.__cause__)
 
 
 def test_a_resume_of_a_folder_that_holds_no_run_is_one_line(tmp_path):
@@ -164,6 +209,26 @@ def test_models_are_built_for_the_image_size_and_return_logits_in_training(model
             check_input_size(model, refused)
 
 
+@pytest.mark.parametrize("batch_size, size, refused", [(1, 32, True), (1, 33, False), (2, 32, False), (2, 8, False)])
+def test_a_batch_of_one_is_refused_only_where_batchnorm_would_see_one_value_per_channel(batch_size, size, refused):
+    """The rule behind the refusal: a training BatchNorm needs batch x height x width > 1; ResNet-18's last
+    stage is 1x1 from 32 px down and 2x2 at 33 px. Checked against a real forward pass on the CPU."""
+    torch.manual_seed(0)
+    model = build_model("resnet18", 3, image_size=size).train()
+    try:
+        model(torch.rand(batch_size, 3, size, size))
+        fails = False
+    except ValueError as e:
+        assert "Expected more than 1 value per channel when training" in str(e)
+        fails = True
+    assert fails == refused
+    if refused:
+        with pytest.raises(ModelError, match=f"--batch-size 1 with --image-size {size}: .*BatchNorm"):
+            check_input_size("resnet18", size, batch_size=batch_size)
+    else:
+        check_input_size("resnet18", size, batch_size=batch_size)
+
+
 def test_vit_b_16_runs_a_64_px_batch_of_the_loader_forward_and_backward(shards, tmp_path):
     """The command of the issue, `--model vit_b_16 --image-size 64`: its config passes, and a real 64 px batch
     of the DALI loader goes through the model dali-train builds, forward and backward (a whole run would
@@ -188,18 +253,21 @@ BENCH_ERRORS = [
     (["--model", "resnet9000"], ["--model 'resnet9000'", "not a torchvision classification model"]),
     (["--model", "vit_b_16", "--image-size", "60"], ["--model vit_b_16", "divisible by", "16"]),
     (["--model", "alexnet", "--image-size", "32"], ["--model alexnet", "--image-size >= 63"]),
+    (["--model", "resnet18", "--batch-size", "1"],
+     ["--batch-size 1 with --image-size 32", "BatchNorm", "--batch-size >= 2 or --image-size >= 33"]),
     (["--epochs", "0"], ["--epochs must be >= 1, got 0"]),
     (["--seconds", "0"], ["--seconds must be > 0, got 0.0"]),
     (["--loaders", ","], ["--loaders: none given"]),
     (["--model", "resnet18", "--model-steps", "0"], ["--model-steps must be >= 1, got 0"]),
     (["--warmup", "-1"], ["--warmup must be >= 0, got -1"]),
+    (["--shards", "{coco}", "--split", "mini"], ["--shards {coco} holds COCO shards", "--task detection"]),
 ]
 
 
 @pytest.mark.parametrize("extra, words", BENCH_ERRORS, ids=[" ".join(e) for e, _ in BENCH_ERRORS])
-def test_dali_bench_usage_errors_are_one_line_and_exit_2(train_only, tmp_path, extra, words):
+def test_dali_bench_usage_errors_are_one_line_and_exit_2(train_only, coco_shards, tmp_path, extra, words):
     tree, shards = train_only
-    fill = {"file": str(a_file(tmp_path))}
+    fill = {"file": str(a_file(tmp_path)), "coco": str(coco_shards)}
     args = ["--imagefolder", str(tree), "--shards", str(shards), "--batch-size", "8", "--image-size", "32",
             "--loaders", "dali-cpu", "--out", str(tmp_path / "bench"), *(a.format(**fill) for a in extra)]
     result = CliRunner().invoke(bench_cli, args)

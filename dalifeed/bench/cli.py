@@ -54,7 +54,7 @@ class BenchConfig:
     model_steps: int = 20
     amp: bool = True  # bf16 autocast for --model, on a GPU (on the CPU it would be emulated)
     fp16: bool = False  # every loader hands out float16 batches (what an AMP model consumes)
-    hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # dali-gpu: share of JPEGs for the hardware decoder
+    hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # dali-gpu (both tasks): share of JPEGs for the hardware decoder
     allow_different_data: bool = False
 
     def validate(self) -> None:
@@ -69,6 +69,9 @@ class BenchConfig:
             manifest = open_shard_folder(self.shards)
         except ManifestError as e:
             raise BenchUsageError(f"--shards: {e}") from None
+        if self.task == "classify" and manifest.kind == "coco":  # their samples hold label lists, not one class
+            raise BenchUsageError(f"--shards {self.shards} holds COCO shards: use --task detection (--task classify "
+                                  f"needs ImageFolder shards)")
         if self.split not in manifest.splits:
             raise BenchUsageError(f"--split {self.split}: --shards {self.shards} has no such split (has: "
                                   f"{', '.join(manifest.splits)})")
@@ -115,11 +118,12 @@ class BenchConfig:
                                   f"the same images (or pass --allow-different-data)")
 
     def check_model(self) -> None:
-        """--model exists and takes --image-size: checked on the meta device before any loader is timed."""
+        """--model exists and takes --image-size in batches of --batch-size: checked on the meta device before any
+        loader is timed."""
         from dalifeed.train.models import ModelError, check_input_size
 
         try:
-            check_input_size(self.model, self.image_size)
+            check_input_size(self.model, self.image_size, batch_size=self.batch_size)
         except ModelError as e:
             raise BenchUsageError(str(e)) from None
 
@@ -171,7 +175,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         if cfg.task == "detection":
             loader = build_detection_loader(name, images=cfg.images, annotations=cfg.annotations, shards=cfg.shards,
                                             split=cfg.split, batch_size=cfg.batch_size, image_size=cfg.image_size,
-                                            workers=cfg.workers, device=device)
+                                            workers=cfg.workers, device=device, hw_decoder_load=cfg.hw_decoder_load)
         else:
             loader = on_device(build_loader(name, imagefolder=cfg.imagefolder, shards=cfg.shards, split=cfg.split,
                                             batch_size=cfg.batch_size, image_size=cfg.image_size,
@@ -367,7 +371,8 @@ def d(name: str):
               help="DataLoader workers and DALI threads alike: the same cores for everyone.")
 @click.option("--fp16", is_flag=True, help="Every loader hands out float16 batches (what an AMP model consumes).")
 @click.option("--hw-decoder-load", type=float, default=d("hw_decoder_load"), show_default=True,
-              help="dali-gpu: share of the JPEGs given to the hardware JPEG decoder of A100/H100-class GPUs (the "
+              help="dali-gpu (classify and detection): share of the JPEGs given to the hardware JPEG decoder of "
+                   "A100/H100-class GPUs (the "
                    "rest decode on CUDA cores); the best value depends on the GPU and the cores (make gpu-check "
                    "measures 0, 0.65 and 0.99).")
 @click.option("--model", default=d("model"), help="Also time training steps of this torchvision model per loader, "

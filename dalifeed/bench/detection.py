@@ -12,6 +12,7 @@ import torch
 
 from dalifeed.format import ShardManifest, listing_digest
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 from dalifeed.shardfolder import open_shard_folder
 from dalifeed.tools.coco import SplitPlan, load_instances, plan_split, training_boxes
 
@@ -96,7 +97,8 @@ class NormalizedLists:
 
 
 def build_detection_loader(name: str, *, images: Path, annotations: Path, shards: Path, split: str, batch_size: int,
-                           image_size: int, workers: int, device: torch.device) -> Iterable:
+                           image_size: int, workers: int, device: torch.device,
+                           hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> Iterable:
     if name == "baseline":
         dataset = CocoDetection(images, annotations, open_shard_folder(shards), split, image_size)
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
@@ -106,5 +108,5 @@ def build_detection_loader(name: str, *, images: Path, annotations: Path, shards
         from dalifeed.pipelines import make_detection_loader
 
         return make_detection_loader(shards, split, batch_size, train=True, size=image_size, num_threads=workers,
-                                     device=DALI_DEVICES[name])
+                                     device=DALI_DEVICES[name], hw_decoder_load=hw_decoder_load)
     raise ValueError(f"unknown detection loader {name!r} (choose from {', '.join(DETECTION_LOADERS)})")

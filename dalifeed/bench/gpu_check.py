@@ -112,15 +112,21 @@ def environment(has_gpu: bool) -> dict:
     return env
 
 
-def decoder_budget(threads: int) -> dict:
-    """What each `mixed` decoder reserves when built, at `threads` threads (graphs.decoder_memory,
-    docs/gpu.md): its paddings per thread and the GPU and pinned host memory they add up to."""
+def decoder_budget(cores: int | None = None, gpus: int | None = None, environ=os.environ) -> dict:
+    """What each `mixed` decoder of a dali-train rank on this node reserves when built, at dali-train's default
+    DALI threads per pipeline for one rank per visible GPU (`torchrun --nproc-per-node gpu`; budget.py), not
+    at --workers: graphs.decoder_memory (docs/gpu.md), its paddings per thread and the GPU and pinned host
+    memory they add up to. `cores` and `gpus` default to this process's (usable_cores, torch)."""
+    from dalifeed.pipelines.budget import thread_budget
     from dalifeed.pipelines.graphs import decoder_memory
 
-    memory, mib = decoder_memory(threads), 2**20
-    return {"threads": threads, "device_padding_mib": memory.device_padding / mib,
-            "host_padding_mib": memory.host_padding / mib, "gpu_mib": memory.device_bytes / mib,
-            "pinned_mib": memory.pinned_bytes / mib}
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    budget = thread_budget("gpu", cores=cores, visible_gpus=gpus, environ={**environ, "LOCAL_WORLD_SIZE": str(max(1, gpus))})
+    memory, mib = decoder_memory(budget.threads), 2**20
+    return {"threads": budget.threads, "ranks_on_node": budget.ranks_on_node, "cores": budget.cores,
+            "budget": budget.describe(),
+            "device_padding_mib": memory.device_padding / mib, "host_padding_mib": memory.host_padding / mib,
+            "gpu_mib": memory.device_bytes / mib, "pinned_mib": memory.pinned_bytes / mib}
 
 
 def nvml_device(index: int = 0):
@@ -465,11 +471,10 @@ def render_markdown(report: dict) -> str:
 
 
 def decoder_memory_line(budget: dict) -> str:
-    threads = f"{budget['threads']} thread{'s' if budget['threads'] != 1 else ''}"
-    return (f"Each `mixed` decoder at {threads} reserves {budget['gpu_mib']:.0f} MiB of GPU and "
-            f"{budget['pinned_mib']:.0f} MiB of pinned host memory when built ({budget['device_padding_mib']:.0f} MiB "
-            f"+ 2 x {budget['host_padding_mib']:.0f} MiB per thread; a training rank that validates holds two: "
-            f"docs/gpu.md).")
+    return (f"dali-train's default with one rank per GPU here, {budget['budget']}. At that budget each rank's "
+            f"`mixed` decoder reserves {budget['gpu_mib']:.0f} MiB of GPU and {budget['pinned_mib']:.0f} MiB of pinned "
+            f"host memory when built ({budget['device_padding_mib']:.0f} MiB + 2 x {budget['host_padding_mib']:.0f} MiB "
+            f"per thread; a rank holds one at a time: docs/gpu.md).")
 
 
 def percent(value: float | None) -> str:
@@ -487,7 +492,7 @@ def run_check(cfg: GpuCheckConfig, log=print) -> dict:
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     path = cfg.workdir / "gpu-check.json"
     report = json.loads(path.read_text()) if path.is_file() else {}
-    report.update(config=cfg.to_json(), environment=environment(has_gpu), decoder_memory=decoder_budget(cfg.workers))
+    report.update(config=cfg.to_json(), environment=environment(has_gpu), decoder_memory=decoder_budget())
     env = report["environment"]
     log(f"gpu-check: {env.get('gpu') or 'no GPU'}, driver {env.get('driver') or '-'}, CUDA {env['cuda']}, torch "
         f"{env['torch']}, DALI {env['dali']}, {env['cores']} cores; hw_decoder_load default "

@@ -17,7 +17,9 @@ where more threads stop helping:
   1,042 images/s on 2 threads), so one GPU training ResNet-50 at ~2,500 images/s (an A100) needs about 5
   and 16 feed three times that; past that, threads only contend with the trainer for the CPUs.
 
-`make_loader(num_threads=)`, `dali-train --dali-threads` and `dali-bench --workers` override it.
+`make_loader(num_threads=)` and `dali-train --dali-threads` override it. (dali-bench does not use it: its
+`--workers`, default every usable CPU, gives every loader it races the same threads, DALI's and the
+DataLoader's alike.)
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class ThreadBudget:
 
     def describe(self) -> str:
         share = self.cores // self.ranks_on_node
-        why = f"{self.cores} CPUs this process may use / {self.ranks_on_node} rank(s) on this node = {share}"
+        why = f"{self.cores} CPUs this process may use / {self.ranks_on_node} rank(s) on this node = " + \
+            (str(share) if share >= 1 else "less than 1, so at least 1")
         if share > self.cap:
             decoder = "GPU (mixed) decoding" if self.device == "gpu" else "CPU decoding"
             why += f", capped at {self.cap} for {decoder}"

@@ -51,7 +51,7 @@ def summarize_dali_error(error: BaseException) -> str:
         text = text.rsplit("encountered:", 1)[1]
     lines = [line.strip() for line in text.splitlines()]
     keep = [line for line in lines if line and not line.startswith(("Current pipeline object", "C++ context",
-                                                                     "Critical error in pipeline", "File \""))]
+                                                                     "Critical error", "File \""))]
     summary = keep[0] if keep else lines[0] if lines else type(error).__name__
     summary = re.sub(r'^Assert on ".*?" failed: ', "", summary).rstrip(" :")
     code = re.search(r"nvImageCodec failure: '#(\d+)'", summary)

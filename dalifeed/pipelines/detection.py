@@ -25,8 +25,8 @@ from dalifeed.format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CR
 from dalifeed.shardfolder import open_shard_folder
 
 from .budget import thread_budget
-from .graphs import (ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER, AugmentConfig, after_decode,
-                     decoder_device, decoder_hints, read_members, uses_gpu)
+from .graphs import (ADJUST_ORIENTATION, DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER,
+                     AugmentConfig, after_decode, decoder_device, decoder_hints, read_members, uses_gpu)
 from .loader import DaliLoader, resolve_device
 
 # SSD's sampler (Liu et al. 2016, as DALI's SSD example and torchvision's RandomIoUCrop): minimum IoU of a
@@ -50,6 +50,7 @@ class DetectionConfig:
     include_crowd: bool = False  # crowd regions are not instances: left out of training targets by default
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
+    hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # `gpu`: share of JPEGs for the hardware JPEG decoder
 
     def __post_init__(self) -> None:
         if (self.size is None) == (self.min_size is None):
@@ -58,6 +59,8 @@ class DetectionConfig:
             raise ValueError(f"size must be >= 8, got {self.size}")
         if self.max_size is not None and self.min_size is not None and self.max_size < self.min_size:
             raise ValueError(f"max_size {self.max_size} < min_size {self.min_size}")
+        if not 0 <= self.hw_decoder_load <= 1:
+            raise ValueError(f"hw_decoder_load must be in [0, 1], got {self.hw_decoder_load}")
 
 
 def read_detection_shards(paths, index_paths, *, shard_id: int, num_shards: int, shuffle: bool, initial_fill: int,
@@ -84,11 +87,11 @@ def random_crop_and_flip(jpegs, boxes, labels, cfg: DetectionConfig, device: str
             boxes, labels, device="cpu", aspect_ratio=list(CROP_ASPECT_RATIO), thresholds=list(IOU_THRESHOLDS),
             scaling=list(CROP_SCALING), bbox_layout="xyXY", allow_no_crop=True, num_attempts=50)
         images = fn.decoders.image_slice(jpegs, anchor, shape, device=decoder_device(device), output_type=types.RGB,
-                                         adjust_orientation=ADJUST_ORIENTATION, **decoder_hints(device, roi=True))
+                                         adjust_orientation=ADJUST_ORIENTATION, **decoder_hints(device, cfg.hw_decoder_load, roi=True))
     else:
         anchor, shape = fn.constant(fdata=[0.0, 0.0]), fn.constant(fdata=[1.0, 1.0])
         images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
-                                   adjust_orientation=ADJUST_ORIENTATION, **decoder_hints(device, roi=False))
+                                   adjust_orientation=ADJUST_ORIENTATION, **decoder_hints(device, cfg.hw_decoder_load, roi=False))
     images = after_decode(images, device)
     flip = fn.random.coin_flip(probability=0.5) if cfg.flip else fn.constant(idata=0)
     if cfg.flip:
@@ -123,7 +126,7 @@ def detection_pipeline(paths: list[str], index_paths: list[str], cfg: DetectionC
     else:
         images = after_decode(fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
                                                 adjust_orientation=ADJUST_ORIENTATION,
-                                                **decoder_hints(device, roi=False)), device)
+                                                **decoder_hints(device, cfg.hw_decoder_load, roi=False)), device)
         window = None
     images = resize_and_normalize(images, cfg)
     sizes = images.shape()
@@ -183,15 +186,17 @@ def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size:
                           size: int | None = None, min_size: int | None = None, max_size: int | None = None,
                           crop: bool = True, flip: bool = True, include_crowd: bool = False,
                           num_threads: int | None = None, prefetch_queue_depth: int = 2, initial_fill: int = 1024,
-                          device_id: int | None = None, checkpointing: bool = False,
-                          check: str = "size") -> DetectionLoader:
+                          device_id: int | None = None, checkpointing: bool = False, check: str = "size",
+                          hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> DetectionLoader:
     """Detection batches of `split` of a COCO shard folder (a path, or s3://bucket/prefix: DALI then reads the
     tars from the store) for this rank: the epoch contract of `make_loader` (exact validation across ranks,
     equal training batch counts, `(seed, epoch)` order, mid-epoch state).
 
     Output size: `size` (square) or `min_size`/`max_size` (torchvision's resize); default `size=512`.
     Training crops (SSD sampler; `crop=False` skips it) and flips (`flip`); validation only resizes.
-    `include_crowd` adds `iscrowd` boxes to the targets (left out by default)."""
+    `include_crowd` adds `iscrowd` boxes to the targets (left out by default). `hw_decoder_load`: with
+    device 'gpu', the share of JPEGs given to the hardware decoder of A100/H100-class GPUs, as in
+    `make_loader`."""
     manifest = open_shard_folder(shards_dir)  # a folder, or s3://bucket/prefix
     if manifest.kind != "coco":
         raise ValueError(f"{shards_dir}: made from {manifest.kind}, not COCO: detection needs boxes "
@@ -199,7 +204,7 @@ def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size:
     if size is None and min_size is None:
         size = 512
     detection = DetectionConfig(size=size, min_size=min_size, max_size=max_size, crop=crop, flip=flip,
-                                include_crowd=include_crowd)
+                                include_crowd=include_crowd, hw_decoder_load=hw_decoder_load)
     resolved = resolve_device(device)
     if uses_gpu(resolved) and device_id is None:
         device_id = torch.cuda.current_device()

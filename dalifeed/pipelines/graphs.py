@@ -42,6 +42,7 @@ DEFAULT_HW_DECODER_LOAD = 0.65
 DEVICE_BYTES_PER_PIXEL = 211025920 / (5980 * 6430)  # 5.5
 HOST_BYTES_PER_PIXEL = 140544512 / (5980 * 6430)  # 3.7
 DECODER_SIZED_FOR_SIDE = 2048  # 4 Mpx: COCO (<= 640 px) and nearly all of ImageNet (typically <= 500 px) fit
+# (fixed on purpose, not from --image-size or the batch: the buffers hold the source image a thread decodes)
 MAX_DECODER_PADDING = 64 * 2**20
 
 

@@ -88,8 +88,7 @@ class DaliLoader:
                              f"on each of {world_size} ranks (training drops partial batches)")
         check_files(manifest, split, check)
         self.epoch = 0
-        self._iterator = None
-        self._epoch_complete = False
+        self._iterator = None  # the current epoch's, from its build to its end; None between epochs
         self._batches_done = 0  # handed out in the current epoch
         self._restore: str | None = None  # a DALI checkpoint the next iteration starts from
 
@@ -120,7 +119,7 @@ class DaliLoader:
     def state_dict(self) -> dict:
         """This rank's place in the data: the epoch and, between two batches of an epoch, how many were handed
         out and DALI's checkpoint after the last of them (only with `checkpointing=True`)."""
-        if self._iterator is None or self._epoch_complete or self._batches_done == 0:
+        if self._iterator is None or self._batches_done == 0:  # between epochs, or none handed out yet
             return {"epoch": self.epoch, "batches_done": 0, "dali": None}
         if not self.checkpointing:
             raise RuntimeError("a mid-epoch loader state needs make_loader(..., checkpointing=True)")
@@ -187,7 +186,6 @@ class DaliLoader:
             # at build time, and between epochs no pipeline is held (see the module docstring).
             self._iterator = None  # free the pipeline of an epoch left unfinished first
             self._iterator = self._build_iterator(restore)  # runs the first batches already
-            self._epoch_complete = False
             limit = len(self)
             for batch in self._iterator:
                 if self._batches_done < limit:
@@ -195,14 +193,15 @@ class DaliLoader:
                     yield self._to_torch(batch[0])
         except Exception as e:
             # DALI 2.4 raises an operator's failure as the operator's own type (RuntimeError from a decoder,
-            # IndexError from an axis out of range, ...), always with this text; anything else is a bug
-            if "Critical error in pipeline" not in str(e):
+            # IndexError from an axis out of range, ...), always with "Critical error in pipeline" (while
+            # running) or "Critical error when building pipeline" (a reader's first read); anything else is a bug
+            if "Critical error" not in str(e):
                 raise
-            self._iterator, self._epoch_complete = None, True  # a pipeline that failed is not reused
+            self._iterator = None  # a pipeline that failed is not reused
             raise self._explain(e) from e
         # the epoch is over: free the pipeline (its threads, decoder state and buffers go back to DALI's
         # pools) so that the next loader to run, validation's or the next epoch's, does not sit beside it
-        self._iterator, self._epoch_complete = None, True
+        self._iterator = None
         self.epoch += 1
 
     # -- when DALI fails ---------------------------------------------------------------------------
@@ -292,6 +291,9 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     if multilabel and manifest.kind != "coco":
         raise ValueError(f"{shards_dir}: multi-label targets need COCO shards (.labels.i32 members), "
                          f"this is {manifest.kind}")
+    if not multilabel and manifest.kind == "coco":  # DALI would fail on the missing one-class label member
+        raise ValueError(f"{shards_dir}: COCO shards: use multilabel=True (dali-train --task multilabel) or "
+                         f"make_detection_loader")
     resolved = resolve_device(device)
     if uses_gpu(resolved) and device_id is None:
         device_id = torch.cuda.current_device()

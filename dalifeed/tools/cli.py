@@ -11,7 +11,7 @@ import click
 from tqdm import tqdm
 
 from ..cliutil import LOCATION, default, run_command, size_option
-from ..atomic import write_json_atomic
+from ..atomic import temp_name, write_json_atomic
 from ..format import ManifestError, ShardManifest
 from ..runtime import DiskFull, FolderInUse
 from ..s3 import StorageError, is_s3_url
@@ -205,11 +205,14 @@ def export_coco_cmd(out: Path | str, dest: Path, split: str | None):
     def run():
         check_destination(dest)  # before reading every shard
         doc = export_coco(out, split)
-        write_json_atomic(dest, doc)
+        try:
+            write_json_atomic(dest, doc)
+        except OSError as e:  # name DEST, not the temporary file beside it that the OS names
+            raise OSError(e.errno, e.strerror, str(dest)) from e
         return doc
 
     doc = run_command(run, debug=False, usage_errors=(ExportError, ManifestError),
-                      runtime_errors=(StorageError, OSError), stopped=lambda e: "nothing was written")
+                      runtime_errors=(StorageError, OSError, DiskFull), stopped=lambda e: "nothing was written")
     click.echo(f"{dest}: {len(doc['images'])} images, {len(doc['annotations'])} annotations, "
                f"{len(doc['categories'])} categories")
 
@@ -226,12 +229,19 @@ def exit_if_nothing_converted(manifest: ShardManifest) -> None:
 
 
 def check_destination(dest: Path) -> None:
-    """DEST must be a file name in an existing folder (it is written atomically, beside itself)."""
+    """DEST must be a file name in an existing folder that takes a new file (it is written atomically, under a
+    temporary name beside itself, then renamed)."""
     if dest.is_dir():
         raise ExportError(f"{dest}: is a folder; give the instances file to write, e.g. {dest / 'instances.json'}")
     if not dest.parent.is_dir():
         raise ExportError(f"{dest.parent}: {'is not a folder' if dest.parent.exists() else 'no such folder'} "
                           f"(DEST {dest} is written there)")
+    probe = temp_name(dest)  # what the atomic write creates first: a folder may refuse it (read-only, /proc)
+    try:
+        probe.open("wb").close()
+    except OSError as e:
+        raise ExportError(f"{dest}: cannot write a file in {dest.parent} ({e.strerror or e})") from None
+    probe.unlink(missing_ok=True)
 
 
 def describe_result(manifest: ShardManifest) -> str:

@@ -78,9 +78,10 @@ def load(path: Path) -> dict:
 
 
 def first_line(error: BaseException) -> str:
-    """torch.load's errors run over several lines (weights_only's advice); the error line says one."""
+    """The first line of an error's message, or its type's name when it has none: torch.load's errors run
+    over several lines (weights_only's advice), as do torch's shape checks (models.py)."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else ""
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def load_pretrained(model: torch.nn.Module, path: str) -> list[str]:

@@ -115,12 +115,12 @@ class TrainConfig:
         self.check_model()
 
     def check_model(self) -> None:
-        """The model exists and takes --image-size (and --width): checked on the meta device, before any data
-        is read, instead of failing at the first batch."""
+        """The model exists and takes --image-size (and --width) in batches of --batch-size: checked on the meta
+        device, before any data is read, instead of failing at the first batch."""
         from . import models  # torchvision: imported when a run is checked, not by `dali-train --help`
 
         try:
-            models.check_input_size(self.model, self.image_size, self.width)
+            models.check_input_size(self.model, self.image_size, self.width, batch_size=self.batch_size)
         except models.ModelError as e:
             raise ConfigError(str(e)) from None
 

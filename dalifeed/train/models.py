@@ -8,6 +8,8 @@ import torchvision
 from torch import nn
 from torchvision.models.resnet import ResNet
 
+from .checkpoint import first_line
+
 
 class WidthResNet(ResNet):
     """torchvision's ResNet with stage widths (w, 2w, 4w, 8w) instead of (64, 128, 256, 512): the same blocks,
@@ -72,10 +74,13 @@ def build_model(name: str, num_classes: int, width: int | None = None, image_siz
     return WidthResNet(type(model.layer1[0]), layers, width, num_classes)
 
 
-def check_input_size(name: str, image_size: int, width: int | None = None) -> None:
-    """Raise ModelError, in one line, if `name` cannot train on `image_size` square images: the model is built
-    on the meta device (shapes only: no memory, no arithmetic) and a training-mode batch of two goes through
-    it, so that a bad combination is refused before any data is read rather than at the first batch."""
+def check_input_size(name: str, image_size: int, width: int | None = None, batch_size: int = 2) -> None:
+    """Raise ModelError, in one line, if `name` cannot train on batches of `batch_size` (per rank) `image_size`
+    square images: the model is built on the meta device (shapes only: no memory, no arithmetic) and a
+    training-mode batch of that size goes through it, so that a bad combination is refused before any data
+    is read rather than at the first batch. The batch matters only to BatchNorm, which in training needs
+    more than one value per channel (batch x height x width > 1): a batch of one fails where a layer's
+    output shrinks to 1x1 (ResNet-18 at 32 px: its last stage), a batch of two never does."""
     try:
         model = build_on_meta(name, image_size, width)
     except ModelError:
@@ -84,11 +89,16 @@ def check_input_size(name: str, image_size: int, width: int | None = None) -> No
         return  # they pool adaptively and take any size from 8 px
     except Exception as e:  # the builder refuses the size (ViT: not a multiple of the patch)
         raise ModelError(size_refused(name, image_size, first_line(e))) from None
-    problem = forward_problem(model, image_size)
+    problem = forward_problem(model, image_size, batch_size)
     if problem is None:
         return
+    if batch_size == 1 and forward_problem(model, image_size, 2) is None:  # only BatchNorm's rule (docstring)
+        smallest = smallest_size(model, image_size, batch_size)
+        larger = f" or --image-size >= {smallest}" if smallest is not None else ""
+        raise ModelError(f"--batch-size 1 with --image-size {image_size}: a BatchNorm layer of {name} sees one value "
+                         f"per channel in training (the image shrinks to 1x1 there); use --batch-size >= 2{larger}")
     if not sized_by_builder(name):  # one model for all sizes: find the smallest it takes
-        smallest = smallest_size(model, image_size)
+        smallest = smallest_size(model, image_size, batch_size)
         if smallest is not None:
             raise ModelError(f"--model {name} needs --image-size >= {smallest}, got {image_size} (smaller images "
                              f"shrink to nothing in its layers)")
@@ -100,27 +110,29 @@ def build_on_meta(name: str, image_size: int, width: int | None = None) -> nn.Mo
         return build_model(name, 2, width, image_size).train()
 
 
-def forward_problem(model: nn.Module, image_size: int) -> str | None:
-    """Why a training-mode forward pass of two `image_size` images fails or returns no logits; None if fine."""
+def forward_problem(model: nn.Module, image_size: int, batch_size: int = 2) -> str | None:
+    """Why a training-mode forward pass of `batch_size` `image_size` images fails or returns no logits (of the
+    model's 2 classes); None if fine."""
     try:
         with torch.no_grad():
-            out = model(torch.empty(2, 3, image_size, image_size, device="meta"))
-    except Exception as e:  # torch's shape checks: "Output size is too small", "Kernel size can't be greater"
-        return first_line(e)
-    if not isinstance(out, torch.Tensor) or out.shape != (2, 2):
+            out = model(torch.empty(batch_size, 3, image_size, image_size, device="meta"))
+    except Exception as e:  # torch's shape checks: "Output size is too small", "Kernel size can't be greater" and
+        return first_line(e)  # BatchNorm's "Expected more than 1 value per channel when training"
+    if not isinstance(out, torch.Tensor) or out.shape != (batch_size, 2):
         return f"it returns {type(out).__name__} in training, not a batch of logits"
     return None
 
 
-def smallest_size(model: nn.Module, failed: int, largest: int = 1024) -> int | None:
-    """The smallest image size above `failed` that `model` takes (bisection: for convolution and pooling stacks
-    a larger image never fails where a smaller one passed), or None if even `largest` fails."""
-    if forward_problem(model, largest) is not None:
+def smallest_size(model: nn.Module, failed: int, batch_size: int = 2, largest: int = 1024) -> int | None:
+    """The smallest image size above `failed` that `model` takes in batches of `batch_size` (bisection: for
+    convolution and pooling stacks a larger image never fails where a smaller one passed), or None if even
+    `largest` fails."""
+    if forward_problem(model, largest, batch_size) is not None:
         return None
     lo, hi = failed, largest  # lo fails, hi works
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if forward_problem(model, mid) is None else (mid, hi)
+        lo, hi = (lo, mid) if forward_problem(model, mid, batch_size) is None else (mid, hi)
     return hi
 
 
@@ -134,8 +146,3 @@ def size_refused(name: str, image_size: int, reason: str) -> str:
     works = image_size != 224 and forward_problem(build_on_meta(name, 224), 224) is None
     return (f"--model {name} cannot take --image-size {image_size}: {reason.rstrip('.')}"
             + ("; 224 works" if works else ""))
-
-
-def first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

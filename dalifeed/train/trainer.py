@@ -765,7 +765,10 @@ def load_manifest(cfg: TrainConfig) -> ShardManifest:
         manifest = open_shard_folder(cfg.data)  # a folder, or s3://bucket/prefix
     except ManifestError as e:
         raise ConfigError(str(e)) from None
-    check_splits(cfg, manifest)
     if cfg.task == "multilabel" and manifest.kind != "coco":
         raise ConfigError(f"--task multilabel needs COCO shards (shard-convert coco); {cfg.data} holds {manifest.kind}")
+    if cfg.task == "classify" and manifest.kind == "coco":  # their samples hold label lists, not one class
+        raise ConfigError(f"--data {cfg.data} holds COCO shards: use --task multilabel (--task classify needs "
+                          f"ImageFolder shards)")
+    check_splits(cfg, manifest)
     return manifest
