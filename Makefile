@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BUILD  ?= build
 
-.PHONY: venv demo test test-fast test-kernels test-gpu gpu-lint gpu-check lint bench docker clean
+.PHONY: venv demo test test-fast test-kernels test-seeds test-gpu gpu-lint gpu-check lint bench docker clean
 
 venv: $(STAMP)
 
@@ -26,11 +26,29 @@ test: venv lint
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# The tests whose numbers depend on the CPU's SIMD kernels, again on AVX2 kernels for torch and oneDNN: on
-# an AVX-512 machine this is the other kernel family users have; on an AVX2 one it repeats the default.
-KERNEL_TESTS := tests/test_train.py tests/test_pipelines.py tests/test_loader.py tests/test_encodings.py tests/test_coco.py
+# The tests whose numbers go through torch's and oneDNN's SIMD kernels (marked `kernels`, and every `learns`
+# test), once under each kernel family this CPU has: AVX-512 where /proc/cpuinfo lists it, AVX2, and the
+# `default` (SSE4.1) code every x86-64 CPU runs. A result that holds only on one family's rounding fails here.
+CPU_FLAGS       := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+KERNEL_FAMILIES := $(if $(filter 4,$(words $(filter avx512f avx512bw avx512vl avx512dq,$(CPU_FLAGS)))),avx512) \
+                   $(if $(filter avx2,$(CPU_FLAGS)),avx2) default
+KERNELS_avx512  := ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=DEFAULT
+KERNELS_avx2    := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+KERNELS_default := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41
+KERNEL_TESTS    := -m "kernels or learns"
 test-kernels: venv
-	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 $(PY) -m pytest -q $(KERNEL_TESTS) $(PYTEST_ARGS)
+	@set -e; $(foreach family,$(KERNEL_FAMILIES),\
+	  echo "== make test-kernels: $(family) kernels ($(KERNELS_$(family)))"; \
+	  env $(KERNELS_$(family)) $(PY) -m pytest -q $(KERNEL_TESTS) $(PYTEST_ARGS);)
+
+# The tests that assert on a training outcome (marked `learns`), once for each seed in SEEDS: they must pass
+# for every seed, not for the one they were written with.
+SEEDS ?= 0 1 2 3 4
+test-seeds: venv
+	@set -e; for seed in $(SEEDS); do \
+	  echo "== make test-seeds: DALIFEED_TEST_SEED=$$seed"; \
+	  DALIFEED_TEST_SEED=$$seed $(PY) -m pytest -q -m learns $(PYTEST_ARGS); \
+	done
 
 # The tests marked gpu (tests/test_gpu.py): they need a CUDA GPU that torch and DALI both see, and are
 # skipped elsewhere (so `make test` on a CPU machine runs them as skips).

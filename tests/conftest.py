@@ -22,7 +22,48 @@ def has_gpu() -> bool:
         return False
 
 
+SEED_VARIABLE = "DALIFEED_TEST_SEED"
+
+
+def training_seed() -> int:
+    """The seed of the tests marked `learns`: $DALIFEED_TEST_SEED, 0 when unset. Such a test must pass for
+    any seed; `make test-seeds` runs them for seeds 0-4 to show that a result is by design, not by luck."""
+    value = os.environ.get(SEED_VARIABLE, "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise pytest.UsageError(f"{SEED_VARIABLE} must be an integer, got {value!r}") from None
+
+
+def pytest_configure(config):
+    training_seed()  # a DALIFEED_TEST_SEED that is not a number stops the run before any test
+
+
+@pytest.fixture
+def seed() -> int:
+    """The training tests' seed (weights, sample order, augmentations): see `training_seed`."""
+    return training_seed()
+
+
+def pytest_report_header(config):
+    """The seed and the SIMD kernels in force, so that a failing run says how to repeat it."""
+    import torch
+
+    return (f"dalifeed: {SEED_VARIABLE}={training_seed()}, torch kernels {torch.backends.cpu.get_cpu_capability()}, "
+            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '(all)')}")
+
+
+def check_training_tests_take_the_seed(items) -> None:
+    """A test marked `learns` that ignored the seed would pass `make test-seeds` five times for one seed."""
+    for item in items:
+        learns, seeded = item.get_closest_marker("learns") is not None, "seed" in getattr(item, "fixturenames", ())
+        if learns != seeded:
+            raise pytest.UsageError(f"{item.nodeid}: a test marked `learns` takes the `seed` fixture, and only such "
+                                    f"a test does (marked: {learns}, seeded: {seeded})")
+
+
 def pytest_collection_modifyitems(config, items):
+    check_training_tests_take_the_seed(items)
     if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

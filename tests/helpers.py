@@ -121,6 +121,39 @@ def write_coco(root: Path, seed: int = 0) -> tuple[Path, Path]:
     return images_dir, path
 
 
+SHAPE_COLOURS = [(220, 40, 40), (40, 200, 60), (50, 80, 230), (230, 210, 40)]  # one per category
+
+
+def write_shapes_coco(root: Path, n_images: int, seed: int = 0, label_counts=(0, 2, 3, 4)) -> tuple[Path, Path]:
+    """A COCO dataset a multi-label model can learn: 40x40 noisy grey JPEGs, each holding a label set drawn from
+    the subsets of 4 categories (ids 5, 11, 23, 42) of the sizes in `label_counts`; category k is a 12-px
+    square of colour SHAPE_COLOURS[k] in quadrant k (squares never overlap), its box the annotation.
+    Returns (images folder, instances file)."""
+    from itertools import combinations
+
+    rng = np.random.default_rng(seed)
+    category_ids = [5, 11, 23, 42]
+    label_sets = [s for n in label_counts for s in combinations(range(4), n)]
+    images_dir = root / "images"
+    images_dir.mkdir(parents=True, exist_ok=True)
+    images, annotations = [], []
+    for image_id in range(1, n_images + 1):
+        pixels = rng.normal(128, 20, (40, 40, 3))
+        for k in label_sets[rng.integers(len(label_sets))]:
+            x = 20 * (k % 2) + int(rng.integers(0, 9))
+            y = 20 * (k // 2) + int(rng.integers(0, 9))
+            pixels[y:y + 12, x:x + 12] = SHAPE_COLOURS[k] + rng.normal(0, 8, (12, 12, 3))
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": category_ids[k],
+                                "bbox": [x, y, 12, 12], "area": 144.0, "iscrowd": 0})
+        name = f"{image_id:06d}.jpg"
+        (images_dir / name).write_bytes(jpeg_bytes(pixels.clip(0, 255).astype(np.uint8)))
+        images.append({"id": image_id, "file_name": name, "width": 40, "height": 40})
+    categories = [{"id": c, "name": f"shape{k}"} for k, c in enumerate(category_ids)]
+    path = root / "instances.json"
+    path.write_text(json.dumps({"images": images, "annotations": annotations, "categories": categories}))
+    return images_dir, path
+
+
 def start_s3_server(log: Path, **env) -> tuple[subprocess.Popen, str]:
     """moto's standalone S3 server as a subprocess on a free loopback port; returns it and its endpoint
     once it answers. `env`: extra variables for the server (e.g. INITIAL_NO_AUTH_ACTION_COUNT)."""

@@ -21,7 +21,7 @@ import webdataset as wds
 from PIL import Image
 
 from dalifeed.tools.coco import CocoConfig, convert_coco
-from helpers import jpeg_bytes, random_image, write_coco
+from helpers import jpeg_bytes, random_image, write_coco, write_shapes_coco
 
 CATEGORY_IDS = [0, 3, 7, 90]  # sorted: the training index of category id c is CATEGORY_IDS.index(c)
 
@@ -374,7 +374,8 @@ def test_detection_targets_need_one_host_read_per_batch_and_equal_the_per_image_
             assert torch.equal(got["labels"], want["labels"]) and got["labels"].dtype == torch.int64
 
 
-def test_torchvision_detector_trains_on_the_loader(coco, tmp_path):
+@pytest.mark.learns
+def test_torchvision_detector_trains_on_the_loader(coco, tmp_path, seed):
     from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn
 
     from dalifeed.pipelines import make_detection_loader
@@ -382,13 +383,13 @@ def test_torchvision_detector_trains_on_the_loader(coco, tmp_path):
     images, annotations = coco
     out = tmp_path / "out"
     convert(images, annotations, out)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = fasterrcnn_mobilenet_v3_large_fpn(weights=None, weights_backbone=None, num_classes=len(CATEGORY_IDS) + 1,
                                               min_size=96, max_size=128, image_mean=[0.0] * 3, image_std=[1.0] * 3)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loader = make_detection_loader(out, "mini", 4, train=True, min_size=96, max_size=128, num_threads=1,
-                                   device="cpu", seed=0)
+                                   device="cpu", seed=seed)
     batch_images, targets = next(iter(loader))
     for t in targets:
         t["labels"] = t["labels"] + 1  # torchvision's class 0 is background
@@ -400,26 +401,34 @@ def test_torchvision_detector_trains_on_the_loader(coco, tmp_path):
         optimizer.step()
         losses.append(loss.item())
     assert all(np.isfinite(losses))
+    # 8 steps fitting one batch: measured 0.42-0.58 x the first loss for seeds 0-4 under AVX-512, AVX2 and
+    # SSE4.1 kernels, falling steadily (targets the detector could not use would not fall so)
     assert losses[-1] < 0.8 * losses[0], losses
 
 
-def test_multilabel_training_lowers_the_loss_and_reports_map(coco, tmp_path):
+@pytest.mark.learns
+def test_multilabel_training_learns_held_out_images_and_reports_map(tmp_path, seed):
+    """Which of 4 coloured squares an image holds, learnt from 96 images and scored on 48 others (COCO shards
+    with a train and a val split). Measured for seeds 0-4 under AVX-512, AVX2 and SSE4.1 kernels: mAP >= 0.957,
+    validation loss <= 0.142; a model that learnt nothing scores mAP ~0.6 and a loss of 0.68."""
     from dalifeed.train.config import TrainConfig
     from dalifeed.train.trainer import main
 
-    images, annotations = coco
+    # images with one label are tested in test_multilabel_targets.py; the margins above were measured with these counts
+    train_images, train_json = write_shapes_coco(tmp_path / "train", 96, seed=seed, label_counts=(0, 2, 3, 4))
+    val_images, val_json = write_shapes_coco(tmp_path / "val", 48, seed=seed + 1000, label_counts=(0, 2, 3, 4))
     out = tmp_path / "shards"
-    cfg = CocoConfig(images=[images, images], annotations=[annotations, annotations], split=["train", "val"],
-                     out=out, progress=False, workers=1)
-    convert_coco(cfg)
+    convert_coco(CocoConfig(images=[train_images, val_images], annotations=[train_json, val_json],
+                            split=["train", "val"], out=out, progress=False, workers=1))
     run = tmp_path / "run"
     result = main(TrainConfig(data=str(out), out=str(run), task="multilabel", model="resnet18", width=8,
-                              image_size=32, epochs=6, batch_size=4, optimizer="adamw", lr=2.0, workers=1,
-                              amp="off", device="cpu"))
+                              image_size=32, crop_scale=(0.85, 1.0), epochs=10, batch_size=8, optimizer="adamw",
+                              lr=0.3, warmup_epochs=1.0, workers=1, amp="off", device="cpu", seed=seed))
+    assert result.metrics["val_samples"] == 48 and result.metrics["map_classes"] == 4
+    assert result.metrics["map"] >= 0.85
+    assert result.metrics["val_loss"] < 0.35
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["train_loss"] < records[0]["train_loss"]
-    assert 0.0 <= result.metrics["map"] <= 1.0 and result.metrics["map_classes"] == 4
-    assert result.metrics["val_samples"] == 8
+    assert [r["epoch"] for r in records] == list(range(10)) and records[-1]["map"] == result.metrics["map"]
 
 
 def test_average_precision_matches_its_definition():

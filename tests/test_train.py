@@ -21,6 +21,7 @@ from dalifeed.train import TrainConfig, checkpoint, main as train
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.trainer import RunLog, TrainState, amp_dtype, train_one_epoch, warmup_cosine
 from dalifeed.train.distributed import Dist
+from dalifeed.train.models import build_model
 
 from helpers import write_imagefolder
 
@@ -65,14 +66,16 @@ def deterministic(records: list[dict]) -> list[dict]:
     return [{k: r[k] for k in keys} for r in records]
 
 
-def test_short_training_learns_and_writes_its_outputs(shards, tmp_path):
+@pytest.mark.learns
+def test_short_training_learns_and_writes_its_outputs(shards, tmp_path, seed):
     run = tmp_path / "run"
-    # 40 steps at 32 px: measured top-1 1.0 for seeds 0-4 with the default kernels and with AVX2 or SSE4.1
-    # ones (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA), validation loss <= 0.25; chance is 0.33
-    result = train(TrainConfig(data=str(shards), out=str(run), epochs=8, **{**FAST, "image_size": 32}))
+    # 40 steps at 32 px, measured for seeds 0-4 under AVX-512, AVX2 and SSE4.1 kernels: top-1 1.0 (chance is
+    # 0.33), validation loss <= 0.24 (ln 3 = 1.1 for a model that learnt nothing), the last epoch's mean train
+    # loss 0.39-0.59 x the first epoch's
+    result = train(TrainConfig(data=str(shards), out=str(run), epochs=8, seed=seed, **{**FAST, "image_size": 32}))
     records = metrics(run)
     assert [r["epoch"] for r in records] == list(range(8))
-    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    assert records[-1]["train_loss"] < 0.8 * records[0]["train_loss"]  # each the mean over 5 steps
     assert records[-1]["top1"] >= 0.9  # colour-coded classes: a working pipeline gets them all
     assert records[-1]["val_loss"] < 0.6  # and is confident about it (a broken one sits at ln 3 = 1.1)
     assert all(r["val_samples"] == 21 for r in records)
@@ -207,9 +210,14 @@ def test_two_rank_gloo_ddp_keeps_ranks_identical_and_counts_val_once(shards, tmp
     assert r0["metrics"]["top1"] == r1["metrics"]["top1"]
     records = metrics(tmp_path / "ddp")  # only rank 0 writes
     assert [r["epoch"] for r in records] == [0, 1, 2]
-    assert records[-1]["train_loss"] < records[0]["train_loss"]
     saved = torch.load(tmp_path / "ddp" / "last.pt", weights_only=False)["model"]
     assert all(torch.equal(saved[k], w0[k]) for k in saved)  # the unwrapped model, no "module." prefix
+    # the ranks agree on weights that training changed (6 steps are too few to assert on the loss: that is
+    # test_short_training_learns_and_writes_its_outputs' job)
+    torch.manual_seed(cfg.seed)
+    initial = build_model("resnet18", 3).state_dict()
+    assert not torch.equal(saved["fc.weight"], initial["fc.weight"])
+    assert not torch.equal(saved["layer1.0.conv1.weight"], initial["layer1.0.conv1.weight"])
 
 
 def real_batches(shards: Path, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -240,6 +248,7 @@ def one_epoch(batches, accum_steps: int, clip: float | None = None, lr: float = 
     return model
 
 
+@pytest.mark.kernels
 def test_accumulating_2_batches_of_b_equals_one_batch_of_2b(shards):
     big = real_batches(shards, 8)  # real DALI batches replayed: the same data for both sides
     halves = [(x[i:i + 4], y[i:i + 4]) for x, y in big for i in (0, 4)]
@@ -249,6 +258,7 @@ def test_accumulating_2_batches_of_b_equals_one_batch_of_2b(shards):
     assert not torch.allclose(a.fc.weight, no_accum.fc.weight, atol=1e-4)
 
 
+@pytest.mark.kernels
 def test_clip_grad_bounds_the_update(shards):
     batches = real_batches(shards, 8)[:1]
     start = Linear().fc.weight.detach().clone()
@@ -281,14 +291,22 @@ def test_amp_modes():
     assert amp_dtype(TrainConfig(data=".", out=".", amp="off"), cuda) is None
 
 
+def onednn_isa_at_most_avx2() -> str:
+    """The ONEDNN_MAX_CPU_ISA for a bf16 run: AVX2, or the lower limit already set (make test-kernels' SSE4.1)."""
+    current = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return current if current in ("SSE41", "AVX", "AVX2") else "AVX2"
+
+
+@pytest.mark.kernels
 def test_bf16_autocast_trains_on_the_cpu(shards, tmp_path):
     # oneDNN's AVX-512 bf16 kernels on this (virtual) CPU intermittently return NaN for the same model and
     # input: 0 to 234 of 300 bf16 forward/backward passes, run to run, and none with ONEDNN_MAX_CPU_ISA=AVX2
-    # or in fp32 (see docs/training.md). The run gets its own process so that it can be pinned to AVX2.
+    # or in fp32 (see docs/training.md). The run gets its own process so that it can be pinned to AVX2 (or
+    # below, when make test-kernels holds every test to SSE4.1).
     args = fast_cli_args(shards, epochs=2)
     run = subprocess.run([sys.executable, "-m", "dalifeed.train.cli", *args, "--amp", "bf16",
                           "--out", str(tmp_path / "bf16")], capture_output=True, text=True,
-                         env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"})
+                         env={**os.environ, "ONEDNN_MAX_CPU_ISA": onednn_isa_at_most_avx2()})
     assert run.returncode == 0, run.stderr[-2000:]
     bf16 = metrics(tmp_path / "bf16")[-1]
     assert torch.isfinite(torch.tensor(bf16["train_loss"])) and bf16["bad_steps"] == 0
@@ -367,7 +385,7 @@ def test_checkpoint_problems_are_one_line_usage_errors(shards, tmp_path):
 
 
 def test_width_narrows_a_resnet_and_is_refused_for_other_models(shards, tmp_path):
-    from dalifeed.train.models import ModelError, build_model
+    from dalifeed.train.models import ModelError
 
     narrow, full = build_model("resnet18", 3, width=16), build_model("resnet18", 3)
     assert [narrow.conv1.out_channels, narrow.layer2[0].conv1.out_channels, narrow.layer4[1].conv2.out_channels,
