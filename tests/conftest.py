@@ -123,6 +123,18 @@ def s3_bucket(s3_endpoint, request) -> str:
 
 
 @pytest.fixture(scope="session")
+def mini_coco_shards(tmp_path_factory) -> Path:
+    """tests/helpers.write_coco's set converted by shard-convert coco: one split, 'mini' (8 images). Read only."""
+    from dalifeed.tools.coco import CocoConfig, convert_coco
+    from helpers import write_coco
+
+    tmp = tmp_path_factory.mktemp("coco")
+    images, annotations = write_coco(tmp / "coco")
+    convert_coco(CocoConfig(images=[images], annotations=[annotations], out=tmp / "out", progress=False, workers=1))
+    return tmp / "out"
+
+
+@pytest.fixture(scope="session")
 def make_shards(tmp_path_factory):
     """Shards from a spec, built once per session: `make_shards({"a": 13, "b": 11}, samples_per_shard=5)`
     writes an ImageFolder tree of generated JPEGs (`write_imagefolder`; `{"train": {...}, "val": {...}}`

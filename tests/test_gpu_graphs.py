@@ -212,17 +212,6 @@ def shards(make_shards) -> Path:
     return make_shards({"a": 9, "b": 8}, samples_per_shard=6)[1]
 
 
-@pytest.fixture(scope="module")
-def coco_shards(tmp_path_factory) -> Path:
-    from dalifeed.tools.coco import CocoConfig, convert_coco
-    from helpers import write_coco
-
-    tmp = tmp_path_factory.mktemp("coco")
-    images, annotations = write_coco(tmp / "coco")
-    convert_coco(CocoConfig(images=[images], annotations=[annotations], out=tmp / "out", progress=False, workers=1))
-    return tmp / "out"
-
-
 def classification(shards_dir, train: bool, split: str = "train", **options):
     from dalifeed.pipelines import make_loader
 
@@ -312,13 +301,13 @@ CASES = [(name, device) for name, (_, devices) in GRAPHS.items() for device in d
 
 
 @pytest.fixture(scope="module")
-def graph(shards, coco_shards):
+def graph(shards, mini_coco_shards):
     """graph(name, device) -> the serialized graph, parsed (made once per module)."""
     made, factories = {}, {}
 
     def get(name: str, device: str):
         if name not in factories:
-            factories[name] = GRAPHS[name][0](shards, coco_shards)
+            factories[name] = GRAPHS[name][0](shards, mini_coco_shards)
         if (name, device) not in made:
             made[name, device] = parse_graph(factories[name](device).serialize())
         return made[name, device]

@@ -35,18 +35,6 @@ def train_only(make_shards) -> tuple[Path, Path]:
     return make_shards({"red": 17, "green": 15, "blue": 13}, samples_per_shard=10)
 
 
-@pytest.fixture(scope="module")
-def coco_shards(tmp_path_factory) -> Path:
-    """tests/helpers.write_coco's set converted by shard-convert coco: one split, 'mini' (8 images)."""
-    from dalifeed.tools.coco import CocoConfig, convert_coco
-    from helpers import write_coco
-
-    tmp = tmp_path_factory.mktemp("coco")
-    images, annotations = write_coco(tmp / "coco")
-    convert_coco(CocoConfig(images=[images], annotations=[annotations], out=tmp / "out", progress=False, workers=1))
-    return tmp / "out"
-
-
 def one_error_line(result) -> str:
     """The single 'Error:' line a failed command printed on stderr; no traceback, no bug-report plea."""
     assert "Traceback" not in result.output and "please report" not in result.output, result.output
@@ -137,8 +125,8 @@ TRAIN_ERRORS = [
 
 
 @pytest.mark.parametrize("extra, words", TRAIN_ERRORS, ids=[" ".join(e) for e, _ in TRAIN_ERRORS])
-def test_dali_train_usage_errors_are_one_line_and_exit_2(shards, coco_shards, tmp_path, extra, words):
-    fill = {"tmp": str(tmp_path), "file": str(a_file(tmp_path)), "coco": str(coco_shards)}
+def test_dali_train_usage_errors_are_one_line_and_exit_2(shards, mini_coco_shards, tmp_path, extra, words):
+    fill = {"tmp": str(tmp_path), "file": str(a_file(tmp_path)), "coco": str(mini_coco_shards)}
     (tmp_path / "pretrained.json").write_text('{"not": "weights"}\n')
     args = ["--data", str(shards), "--out", str(tmp_path / "run"), *FAST, *(a.format(**fill) for a in extra)]
     result = CliRunner().invoke(train_cli, args)
@@ -147,16 +135,16 @@ def test_dali_train_usage_errors_are_one_line_and_exit_2(shards, coco_shards, tm
     assert all(word.format(**fill) in line for word in words), line
 
 
-def test_make_loader_refuses_classification_on_coco_shards_in_one_line(coco_shards):
+def test_make_loader_refuses_classification_on_coco_shards_in_one_line(mini_coco_shards):
     """Without multilabel=True, COCO shards would reach DALI's reader, which finds no one-class label member
     and fails while building the pipeline ("Underful sample detected ... please report it")."""
     from dalifeed.pipelines import make_loader
 
     with pytest.raises(ValueError, match="COCO shards: use multilabel=True .* or make_detection_loader"):
-        make_loader(coco_shards, "mini", 2, device="cpu", image_size=16, num_threads=1)
+        make_loader(mini_coco_shards, "mini", 2, device="cpu", image_size=16, num_threads=1)
 
 
-def test_a_pipeline_that_fails_while_it_is_built_is_one_shard_data_error(coco_shards):
+def test_a_pipeline_that_fails_while_it_is_built_is_one_shard_data_error(mini_coco_shards):
     """DALI 2.4 words a failure during the pipeline's build "Critical error when building pipeline" (not
     "... in pipeline"): the loader turns it into the same one-line ShardDataError. Made here by a loader
     built past make_loader's check, reading COCO shards for a one-class label member they lack."""
@@ -165,7 +153,7 @@ def test_a_pipeline_that_fails_while_it_is_built_is_one_shard_data_error(coco_sh
     from dalifeed.pipelines.loader import DaliLoader
     from dalifeed.shardfolder import open_shard_folder
 
-    loader = DaliLoader(open_shard_folder(coco_shards), "mini", 2, train=False, rank=0, world_size=1, seed=0,
+    loader = DaliLoader(open_shard_folder(mini_coco_shards), "mini", 2, train=False, rank=0, world_size=1, seed=0,
                         device="cpu", augment=AugmentConfig(image_size=16), num_threads=1, prefetch_queue_depth=1,
                         initial_fill=4, device_id=None)
     with pytest.raises(ShardDataError, match="DALI failed reading split 'mini' .*Underful sample") as info:
@@ -265,9 +253,9 @@ BENCH_ERRORS = [
 
 
 @pytest.mark.parametrize("extra, words", BENCH_ERRORS, ids=[" ".join(e) for e, _ in BENCH_ERRORS])
-def test_dali_bench_usage_errors_are_one_line_and_exit_2(train_only, coco_shards, tmp_path, extra, words):
+def test_dali_bench_usage_errors_are_one_line_and_exit_2(train_only, mini_coco_shards, tmp_path, extra, words):
     tree, shards = train_only
-    fill = {"file": str(a_file(tmp_path)), "coco": str(coco_shards)}
+    fill = {"file": str(a_file(tmp_path)), "coco": str(mini_coco_shards)}
     args = ["--imagefolder", str(tree), "--shards", str(shards), "--batch-size", "8", "--image-size", "32",
             "--loaders", "dali-cpu", "--out", str(tmp_path / "bench"), *(a.format(**fill) for a in extra)]
     result = CliRunner().invoke(bench_cli, args)
