@@ -18,6 +18,7 @@ the verify decoder, dali-bench's stage cuts, gpu-check's checkpoint loader), on 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,7 +204,7 @@ def on_device(loader, device: str):
     where torch sees no CUDA (resolve_device), and the device string is all their graph takes from that choice
     (device_id stays None: DALI's current device, only looked up by build())."""
     twin = copy.copy(loader)
-    twin.device = device
+    twin.options = dataclasses.replace(loader.options, device=device)
     return twin
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from dalifeed.pipelines import make_loader
+from dalifeed.pipelines import make_detection_loader, make_loader
+from dalifeed.pipelines.loader import trains
 from dalifeed.tools import ConvertConfig, convert_imagefolder
 
 N = 37  # prime: divisible by no batch size or world size used here
@@ -129,3 +132,62 @@ def test_a_mid_epoch_state_needs_checkpointing(unique_shards):
     next(batches)
     with pytest.raises(RuntimeError, match="checkpointing=True"):
         loader.state_dict()
+
+
+@pytest.mark.parametrize("split, train, expected", [
+    ("train", None, True), ("train2017", None, True), ("training", None, True), ("trainval", None, True),
+    ("val", None, False), ("val2017", None, False), ("validation", None, False), ("test", None, False),
+    ("mini", None, False), ("val", True, True), ("train", False, False)])
+def test_one_rule_says_which_splits_train(split, train, expected):
+    assert trains(split, train) is expected
+
+
+@pytest.fixture(scope="module")
+def coco_train2017(tmp_path_factory) -> Path:
+    """tests/helpers.write_coco's 8 images as split 'train2017'."""
+    from dalifeed.tools.coco import CocoConfig, convert_coco
+    from helpers import write_coco
+
+    tmp = tmp_path_factory.mktemp("coco")
+    images, annotations = write_coco(tmp / "coco")
+    convert_coco(CocoConfig(images=[images], annotations=[annotations], split=["train2017"], out=tmp / "out",
+                            progress=False, workers=1))
+    return tmp / "out"
+
+
+def test_both_factories_train_a_split_named_like_coco_train2017(coco_train2017):
+    """8 images in batches of 3: training yields 2 full batches, validation 3 (the last one partial). Both
+    factories decide by the same rule (make_loader used to evaluate 'train2017' unless told to train)."""
+    common = {"device": "cpu", "num_threads": 1, "initial_fill": 8}
+    detection = make_detection_loader(coco_train2017, "train2017", 3, size=32, **common)
+    multilabel = make_loader(coco_train2017, "train2017", 3, image_size=16, multilabel=True, **common)
+    assert len(detection) == len(multilabel) == 2
+    assert [len(labels) for _, labels in multilabel] == [3, 3]
+    assert len(make_loader(coco_train2017, "train2017", 3, image_size=16, multilabel=True, train=False, **common)) == 3
+
+
+def test_an_epoch_reads_the_files_its_files_function_names(unique_shards, tmp_path):
+    """The one place that says where an epoch's tars are (what a local cache of s3:// tars hooks into): with
+    the tars moved after the manifest check, a loader whose `files` points at their new place reads them all."""
+    from dalifeed.format import ShardManifest
+    from dalifeed.pipelines.graphs import AugmentConfig, shard_pipeline
+    from dalifeed.pipelines.loader import DaliLoader, LoaderOptions, epoch_files, images_and_labels
+
+    shards, moved = tmp_path / "shards", tmp_path / "moved"
+    shutil.copytree(unique_shards, shards)
+    moved.mkdir()
+    asked = []
+
+    def files_in_moved(manifest, shards):
+        asked.append([s.path for s in shards])
+        tars, indexes = epoch_files(manifest, shards)
+        return [str(moved / Path(tar).name) for tar in tars], indexes
+
+    options = LoaderOptions(4, train=False, num_threads=1)
+    loader = DaliLoader(ShardManifest.load(shards), "train", options, files=files_in_moved,
+                        graph=partial(shard_pipeline, cfg=AugmentConfig(image_size=16)),
+                        to_torch=partial(images_and_labels, channels_last=False, multilabel=False))
+    for tar in shards.rglob("*.tar"):
+        tar.rename(moved / tar.name)
+    assert sorted(label for batch in labels_of(loader) for label in batch) == list(range(N))
+    assert asked and sorted(asked[0]) == sorted(s.path for s in loader.manifest.split_info("train").shards)

@@ -150,12 +150,11 @@ def test_a_pipeline_that_fails_while_it_is_built_is_one_shard_data_error(mini_co
     built past make_loader's check, reading COCO shards for a one-class label member they lack."""
     from dalifeed.pipelines.checks import ShardDataError
     from dalifeed.pipelines.graphs import AugmentConfig
-    from dalifeed.pipelines.loader import DaliLoader
+    from dalifeed.pipelines.loader import LoaderOptions, classification_loader
     from dalifeed.shardfolder import open_shard_folder
 
-    loader = DaliLoader(open_shard_folder(mini_coco_shards), "mini", 2, train=False, rank=0, world_size=1, seed=0,
-                        device="cpu", augment=AugmentConfig(image_size=16), num_threads=1, prefetch_queue_depth=1,
-                        initial_fill=4, device_id=None)
+    options = LoaderOptions(2, train=False, num_threads=1, prefetch_queue_depth=1, initial_fill=4)
+    loader = classification_loader(open_shard_folder(mini_coco_shards), "mini", options, AugmentConfig(image_size=16))
     with pytest.raises(ShardDataError, match="DALI failed reading split 'mini' .*Underful sample") as info:
         next(iter(loader))
     assert "\n" not in str(info.value) and "Critical error when building pipeline" in str(info.value.__cause__)

@@ -15,9 +15,9 @@ import importlib
 _WHERE = {
     "AugmentConfig": "graphs", "IMAGENET_MEAN": "graphs", "IMAGENET_STD": "graphs", "normalize": "graphs",
     "read_shards": "graphs", "shard_pipeline": "graphs", "train_augment": "graphs", "val_transform": "graphs",
-    "DaliLoader": "loader", "make_loader": "loader", "resolve_device": "loader",
+    "DaliLoader": "loader", "LoaderOptions": "loader", "make_loader": "loader", "resolve_device": "loader",
     "ShardDataError": "checks",
-    "DetectionConfig": "detection", "DetectionLoader": "detection", "detection_pipeline": "detection",
+    "DetectionConfig": "detection", "detection_pipeline": "detection",
     "make_detection_loader": "detection",
     "ThreadBudget": "budget", "thread_budget": "budget",
 }

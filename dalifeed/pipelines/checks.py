@@ -4,8 +4,9 @@ DALI reports a failed decode as a multi-line "Critical error in pipeline" that o
 ("nvImageCodec failure: '#4'"), and a truncated tar as a malformed *index*. This module holds what the
 loader and `shard-convert verify --decode` need to say instead "<tar>: sample <key>: <what>":
 `summarize_dali_error` (the one informative line of DALI's message), `DaliDecoder` (DALI's own decoder
-run over given encoded images, bisecting a failing batch down to the samples it rejects) and
-`find_undecodable` (the first such sample among a range of shard samples, read through their indexes).
+run over given encoded images, bisecting a failing batch down to the samples it rejects),
+`find_undecodable` (the first such sample among a range of shard samples, read through their indexes) and
+`explain_dali_error`, which puts them together into the one line every loader raises.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+
+from dalifeed.s3 import StorageError
 
 from .budget import thread_budget
 
@@ -187,3 +190,52 @@ def index_named_in(summary: str) -> tuple[str, str] | None:
 
 def tar_of_index(idx: str, tars: list[str], indexes: list[str]) -> str:
     return tars[indexes.index(idx)] if idx in indexes else str(Path(idx).with_suffix(".tar"))
+
+
+def is_pipeline_failure(error: BaseException) -> bool:
+    """Whether `error` is DALI reporting a failed pipeline. DALI 2.4 raises an operator's failure as the
+    operator's own type (RuntimeError from a decoder, IndexError from an axis out of range, ...), always with
+    "Critical error in pipeline" (while running) or "Critical error when building pipeline" (a reader's first
+    read); anything else is not the data's fault."""
+    return "Critical error" in str(error)
+
+
+def explain_dali_error(error: BaseException, *, location: str, split: str, remote: bool, tars: list[str],
+                       indexes: list[str], suspects: Iterable[SampleRef], decoder: DaliDecoder) \
+        -> ShardDataError | StorageError:
+    """One line for a pipeline that failed reading split `split` of the shard folder at `location` (`remote`:
+    an s3:// one) from `tars` with `indexes`: the tar, and the sample when DALI names it or a re-decode of
+    `suspects` (the samples the reader may have reached, most likely first) with `decoder` finds it; or what
+    DALI's S3 client met."""
+    summary = summarize_dali_error(error)
+    if remote and (summary.startswith("S3 ") or "curlCode" in summary):  # the store, not the data
+        return StorageError(f"{location}: DALI could not read from the store: {_store_detail(error)}")
+    line = _named_sample_line(summary) or _bad_index_line(summary, tars, indexes)
+    if not line:
+        found = find_undecodable(suspects, decoder)
+        line = f"{found[0].tar}: sample {found[0].key}: DALI cannot decode its .{found[0].ext} ({found[1]})" \
+            if found else f"{location}: DALI failed reading split {split!r} ({summary})"
+    return ShardDataError(f"{line}; {VERIFY_HINT.format(root=location)}")
+
+
+def _store_detail(error: BaseException) -> str:
+    # DALI's S3 client's words, without the pipeline traceback that follows them, on one line
+    detail = " ".join(str(error).rsplit("encountered:", 1)[-1].split("Current pipeline object")[0].split())
+    return detail.lstrip(": ")
+
+
+def _named_sample_line(summary: str) -> str | None:
+    named = sample_named_in(summary)
+    if not named:
+        return None
+    tar, key, ext = named
+    return f"{tar}: sample {key}: DALI cannot decode its .{ext}"
+
+
+def _bad_index_line(summary: str, tars: list[str], indexes: list[str]) -> str | None:
+    bad_index = index_named_in(summary)
+    if not bad_index:
+        return None
+    idx, detail = bad_index
+    return f"{tar_of_index(idx, tars, indexes)}: does not match its index {Path(idx).name} ({detail}): " \
+           f"the tar is truncated or was replaced"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from nvidia.dali import fn, pipeline_def, types
@@ -24,10 +25,9 @@ from dalifeed.format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CR
                              COCO_LABELS_MEMBER, IMAGE_MEMBER)
 from dalifeed.shardfolder import open_shard_folder
 
-from .budget import thread_budget
 from .graphs import (ADJUST_ORIENTATION, DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER,
-                     AugmentConfig, after_decode, decoder_device, decoder_hints, read_members, uses_gpu)
-from .loader import DaliLoader, resolve_device
+                     after_decode, decoder_device, decoder_hints, read_members, uses_gpu)
+from .loader import DaliLoader, loader_options
 
 # SSD's sampler (Liu et al. 2016, as DALI's SSD example and torchvision's RandomIoUCrop): minimum IoU of a
 # kept box with the window, window scale and aspect ratio; 0 = any window; "no crop" is one of the choices.
@@ -162,35 +162,22 @@ def targets_from_batch(batch: dict) -> tuple[list[torch.Tensor], list[dict]]:
     return images, targets
 
 
-class DetectionLoader(DaliLoader):
-    """An iterable of `(images, targets)` for torchvision detection models: `images` a list of normalised
-    (3, H, W) float tensors, `targets` a list of {"boxes": (N, 4) float xyxy in pixels of that image,
-    "labels": (N,) int64 contiguous category index (the manifest's `coco.category_ids` order), "image_id"}.
-    For a model whose class 0 is background (torchvision's), add 1 to the labels."""
-
-    outputs = DETECTION_OUTPUTS
-
-    def __init__(self, *args, detection: DetectionConfig, **kwargs):
-        self.detection = detection
-        super().__init__(*args, **kwargs)
-
-    def _pipeline(self, tars, indexes, **pipeline_args):
-        return detection_pipeline(tars, indexes, self.detection, self.train, self.device, **pipeline_args)
-
-    def _to_torch(self, batch: dict):
-        return targets_from_batch(batch)
-
-
 def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, rank: int = 0,
                           world_size: int = 1, seed: int = 0, device: str = "auto", train: bool | None = None,
                           size: int | None = None, min_size: int | None = None, max_size: int | None = None,
                           crop: bool = True, flip: bool = True, include_crowd: bool = False,
                           num_threads: int | None = None, prefetch_queue_depth: int = 2, initial_fill: int = 1024,
                           device_id: int | None = None, checkpointing: bool = False, check: str = "size",
-                          hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> DetectionLoader:
+                          hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> DaliLoader:
     """Detection batches of `split` of a COCO shard folder (a path, or s3://bucket/prefix: DALI then reads the
     tars from the store) for this rank: the epoch contract of `make_loader` (exact validation across ranks,
-    equal training batch counts, `(seed, epoch)` order, mid-epoch state).
+    equal training batch counts, `(seed, epoch)` order, mid-epoch state) and its rule for `train=None` (the
+    split trains if its name starts with "train").
+
+    An iterable of `(images, targets)` for torchvision detection models: `images` a list of normalised
+    (3, H, W) float tensors, `targets` a list of {"boxes": (N, 4) float xyxy in pixels of that image,
+    "labels": (N,) int64 contiguous category index (the manifest's `coco.category_ids` order), "image_id"}.
+    For a model whose class 0 is background (torchvision's), add 1 to the labels.
 
     Output size: `size` (square) or `min_size`/`max_size` (torchvision's resize); default `size=512`.
     Training crops (SSD sampler; `crop=False` skips it) and flips (`flip`); validation only resizes.
@@ -205,12 +192,9 @@ def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size:
         size = 512
     detection = DetectionConfig(size=size, min_size=min_size, max_size=max_size, crop=crop, flip=flip,
                                 include_crowd=include_crowd, hw_decoder_load=hw_decoder_load)
-    resolved = resolve_device(device)
-    if uses_gpu(resolved) and device_id is None:
-        device_id = torch.cuda.current_device()
-    return DetectionLoader(
-        manifest, split, batch_size, train=split.startswith("train") if train is None else train, rank=rank,
-        world_size=world_size, seed=seed, device=resolved, augment=AugmentConfig(), detection=detection,
-        num_threads=num_threads or thread_budget(resolved).threads, prefetch_queue_depth=prefetch_queue_depth,
-        initial_fill=initial_fill, device_id=device_id if uses_gpu(resolved) else None, checkpointing=checkpointing,
-        check=check)
+    options = loader_options(split, batch_size, train=train, device=device, device_id=device_id,
+                             num_threads=num_threads, rank=rank, world_size=world_size, seed=seed,
+                             prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
+                             checkpointing=checkpointing, check=check)
+    return DaliLoader(manifest, split, options, graph=partial(detection_pipeline, cfg=detection),
+                      outputs=DETECTION_OUTPUTS, to_torch=targets_from_batch)

@@ -24,27 +24,48 @@ Epoch semantics (what a trainer may rely on):
 - One pipeline per epoch: each iteration builds its DALI pipeline and frees it when the epoch ends, so a
   trainer's rank holds one pipeline at a time (training's while it trains, validation's while it
   evaluates) with its thread pool and decoder buffers. Why not one pipeline for all epochs: docs/gpu.md.
+
+Which splits train: `train=None` (the default of `make_loader` and `make_detection_loader`) means a split
+whose name starts with "train" trains (`train`, COCO's `train2017`, `training`, `trainval`) and any other
+is read as validation (`val`, `val2017`, `test`, `mini`); `train=True` or `False` says it outright
+(`trains`).
+
+How it is put together (the shape of DALI's examples: a graph function plus an iterator): one `DaliLoader`
+holds the epoch contract above and is given the DALI graph to run (`graphs.shard_pipeline` for
+classification, `detection.detection_pipeline` for detection), the names of its outputs, and the function
+that turns DALI's batch into what torch code takes (`images_and_labels`, `detection.targets_from_batch`);
+how it reads (batch, rank, seed, device, threads, ...) is a `LoaderOptions`; where it is in the data
+(epoch, batches handed out, the live iterator, a checkpoint to restore) is its `EpochState`. Which files an
+epoch reads is `epoch_files` (the tar a path or s3:// URL, the index a local path), passed in as `files`.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from pathlib import Path
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Iterator
 
 import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
 from dalifeed.format import ShardInfo, ShardManifest
-from dalifeed.s3 import StorageError
 from dalifeed.shardfolder import check_split, open_shard_folder
 
 from .budget import thread_budget
-from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, dali_sees_gpu, find_undecodable,
-                     index_named_in, indexed_samples, sample_named_in, summarize_dali_error, tar_of_index)
+from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, dali_sees_gpu, explain_dali_error,
+                     indexed_samples, is_pipeline_failure)
 from .graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, AugmentConfig, shard_pipeline, uses_gpu
 
 SHARD_CHECKS = ("size", "sha256")
+CLASSIFICATION_OUTPUTS = ("images", "labels")
+
+
+def trains(split: str, train: bool | None) -> bool:
+    """Whether a loader of `split` trains: `train` when given, else whether the split's name starts with
+    "train" (the module docstring)."""
+    return split.startswith("train") if train is None else train
 
 
 def resolve_device(device: str) -> str:
@@ -61,104 +82,151 @@ def resolve_device(device: str) -> str:
     return device
 
 
-class DaliLoader:
-    """An iterable of `(images, labels)`: images float (B, 3, H, W) or (B, H, W, 3) normalised, labels int64
-    (B,), both on the GPU for devices 'gpu' and 'hybrid', on the CPU for 'cpu'. See the module docstring for
-    epochs."""
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How a `DaliLoader` reads, whatever its graph. `device` is resolved ('cpu', 'gpu' or 'hybrid');
+    `device_id` None on the CPU (and, for a graph only defined, DALI's current device); `check` what is
+    compared with the manifest before reading (`make_loader`)."""
 
-    def __init__(self, manifest: ShardManifest, split: str, batch_size: int, *, train: bool, rank: int,
-                 world_size: int, seed: int, device: str, augment: AugmentConfig, num_threads: int,
-                 prefetch_queue_depth: int, initial_fill: int, device_id: int | None, checkpointing: bool = False,
-                 check: str = "size", multilabel: bool = False):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.manifest, self.split, self.batch_size, self.train = manifest, split, batch_size, train
-        self.rank, self.world_size, self.seed, self.device, self.augment = rank, world_size, seed, device, augment
-        self.num_threads, self.prefetch_queue_depth, self.initial_fill = num_threads, prefetch_queue_depth, initial_fill
-        self.device_id, self.checkpointing = device_id, checkpointing
-        self.multilabel_classes = manifest.num_classes if multilabel else 0
+    batch_size: int
+    train: bool
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    device: str = "cpu"
+    device_id: int | None = None
+    num_threads: int = 1
+    prefetch_queue_depth: int = 2
+    initial_fill: int = 1024
+    checkpointing: bool = False
+    check: str = "size"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank={self.rank}, world_size={self.world_size}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.check not in SHARD_CHECKS:
+            raise ValueError(f"check must be one of {', '.join(SHARD_CHECKS)}, got {self.check!r}")
+
+
+def loader_options(split: str, batch_size: int, *, train: bool | None, device: str, device_id: int | None,
+                   num_threads: int | None, **rest) -> LoaderOptions:
+    """`LoaderOptions` from a factory's arguments: `train` by the split rule (`trains`), the device resolved
+    (`resolve_device`), on a GPU the current CUDA device unless `device_id` says, the thread budget of
+    this rank unless `num_threads` says; `rest` (rank, world_size, seed, ...) as given."""
+    resolved = resolve_device(device)
+    if uses_gpu(resolved) and device_id is None:
+        device_id = torch.cuda.current_device()
+    return LoaderOptions(batch_size, trains(split, train), device=resolved,
+                         device_id=device_id if uses_gpu(resolved) else None,
+                         num_threads=num_threads or thread_budget(resolved).threads, **rest)
+
+
+def epoch_files(manifest: ShardManifest, shards: list[ShardInfo]) -> tuple[list[str], list[str]]:
+    """Where DALI reads `shards` from, in order: the tars (paths, or s3:// URLs: DALI reads those from the
+    store) and their indexes (local paths: a store's indexes are in the cache, `check_files` fetched them)."""
+    return [manifest.shard_location(s) for s in shards], [str(manifest.root / s.index) for s in shards]
+
+
+@dataclass
+class EpochState:
+    """Where a loader is in its data."""
+
+    epoch: int = 0  # the epoch being read, or the next one to read between epochs
+    batches_done: int = 0  # handed out in the current epoch
+    iterator: DALIGenericIterator | None = None  # the current epoch's, from its build to its end; else None
+    restore: str | None = None  # a DALI checkpoint the next iteration starts from
+
+
+# graph(tars, indexes, *, train, device, **pipeline arguments) -> a DALI pipeline, defined, not built
+Graph = Callable[..., Any]
+
+
+class DaliLoader:
+    """An iterable of torch batches of split `split` of `manifest`'s folder: `graph` (see `Graph`) run by
+    DALI's PyTorch iterator, whose batch (a dict by `outputs`) `to_torch` converts. See the module docstring
+    for epochs; `files` says where an epoch's shards are read from."""
+
+    def __init__(self, manifest: ShardManifest, split: str, options: LoaderOptions, *, graph: Graph,
+                 to_torch: Callable[[dict], Any], outputs: tuple[str, ...] = CLASSIFICATION_OUTPUTS,
+                 files: Callable[[ShardManifest, list[ShardInfo]], tuple[list[str], list[str]]] = epoch_files):
+        self.manifest, self.split, self.options = manifest, split, options
+        self.graph, self.to_torch, self.outputs, self.files = graph, to_torch, outputs, files
         self._shards = manifest.split_info(split).shards
         self.total_samples = manifest.num_samples(split)
         if self.total_samples == 0:
             raise ValueError(f"{manifest.root}: split {split!r} has no samples")
-        if train and self.total_samples // world_size < batch_size:
-            raise ValueError(f"split {split!r} has {self.total_samples} samples: too few for batch {batch_size} "
-                             f"on each of {world_size} ranks (training drops partial batches)")
-        check_files(manifest, split, check)
-        self.epoch = 0
-        self._iterator = None  # the current epoch's, from its build to its end; None between epochs
-        self._batches_done = 0  # handed out in the current epoch
-        self._restore: str | None = None  # a DALI checkpoint the next iteration starts from
+        if options.train and self.total_samples // options.world_size < options.batch_size:
+            raise ValueError(f"split {split!r} has {self.total_samples} samples: too few for batch "
+                             f"{options.batch_size} on each of {options.world_size} ranks (training drops partial "
+                             f"batches)")
+        check_files(manifest, split, options.check)
+        self.state = EpochState()
 
     # -- sizes -------------------------------------------------------------------------------------
     def _shard_range(self, shard_id: int) -> tuple[int, int]:
         # DALI's split of N samples into `world_size` contiguous shards
-        n, w = self.total_samples, self.world_size
+        n, w = self.total_samples, self.options.world_size
         return n * shard_id // w, n * (shard_id + 1) // w
 
     @property
     def num_samples(self) -> int:
         """Samples this rank yields per epoch (training: only those in full batches)."""
-        if self.train:
-            return len(self) * self.batch_size
-        start, end = self._shard_range(self.rank)
+        if self.options.train:
+            return len(self) * self.options.batch_size
+        start, end = self._shard_range(self.options.rank)
         return end - start
 
     def __len__(self) -> int:
-        if self.train:
-            return (self.total_samples // self.world_size) // self.batch_size
-        return -(-self.num_samples // self.batch_size)
+        o = self.options
+        if o.train:
+            return (self.total_samples // o.world_size) // o.batch_size
+        return -(-self.num_samples // o.batch_size)
 
     # -- epochs ------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """The next iteration yields epoch `epoch` (its order depends only on seed and epoch)."""
-        self.epoch = epoch
+        self.state.epoch = epoch
 
     def state_dict(self) -> dict:
         """This rank's place in the data: the epoch and, between two batches of an epoch, how many were handed
         out and DALI's checkpoint after the last of them (only with `checkpointing=True`)."""
-        if self._iterator is None or self._batches_done == 0:  # between epochs, or none handed out yet
-            return {"epoch": self.epoch, "batches_done": 0, "dali": None}
-        if not self.checkpointing:
+        state = self.state
+        if state.iterator is None or state.batches_done == 0:  # between epochs, or none handed out yet
+            return {"epoch": state.epoch, "batches_done": 0, "dali": None}
+        if not self.options.checkpointing:
             raise RuntimeError("a mid-epoch loader state needs make_loader(..., checkpointing=True)")
-        return {"epoch": self.epoch, "batches_done": self._batches_done, "dali": self._iterator.checkpoints()[0]}
+        return {"epoch": state.epoch, "batches_done": state.batches_done, "dali": state.iterator.checkpoints()[0]}
 
     def load_state_dict(self, state: dict) -> None:
         """The next iteration continues from `state` (from `state_dict()` of a loader with the same
         arguments, possibly in another process)."""
-        if state["dali"] is not None and not self.checkpointing:
+        if state["dali"] is not None and not self.options.checkpointing:
             raise ValueError("restoring a mid-epoch loader state needs make_loader(..., checkpointing=True)")
-        self.epoch, self._batches_done, self._restore = state["epoch"], state["batches_done"], state["dali"]
+        self.state = EpochState(state["epoch"], state["batches_done"], restore=state["dali"])
 
     def _epoch_shards(self) -> list[ShardInfo]:
-        if not self.train:
+        if not self.options.train:
             return list(self._shards)
         order = list(range(len(self._shards)))
-        random.Random(f"{self.seed}:{self.epoch}").shuffle(order)  # same on every rank: a partition
+        random.Random(f"{self.options.seed}:{self.state.epoch}").shuffle(order)  # same on every rank: a partition
         return [self._shards[i] for i in order]
 
-    def _epoch_files(self) -> tuple[list[str], list[str]]:
-        shards = self._epoch_shards()
-        root = self.manifest.root  # a store's indexes are in the cache (check_files fetched them), its tars not
-        return [self.manifest.shard_location(s) for s in shards], [str(root / s.index) for s in shards]
-
-    outputs = ("images", "labels")  # what the pipeline returns, in order
-
-    def _pipeline(self, tars: list[str], indexes: list[str], **pipeline_args):
-        return shard_pipeline(tars, indexes, self.augment, self.train, self.device,
-                              multilabel_classes=self.multilabel_classes, **pipeline_args)
+    def _pipeline_seed(self) -> int:
+        # distinct per rank (different augmentations) and per epoch; below 2**31 as DALI requires
+        return random.Random(f"{self.options.seed}:{self.state.epoch}:{self.options.rank}").randrange(2**31)
 
     def pipeline(self, checkpoint: str | None = None):
         """The DALI pipeline of the current epoch, defined but not built (building is what needs the GPU:
         tests/test_gpu_graphs.py checks the GPU graphs on a machine without one through this)."""
-        tars, indexes = self._epoch_files()
-        return self._pipeline(
-            tars, indexes, shard_id=self.rank, num_shards=self.world_size,
-            initial_fill=self.initial_fill, batch_size=self.batch_size, num_threads=self.num_threads,
-            device_id=self.device_id, seed=self._pipeline_seed(), prefetch_queue_depth=self.prefetch_queue_depth,
-            enable_checkpointing=self.checkpointing, checkpoint=checkpoint,
+        o = self.options
+        tars, indexes = self.files(self.manifest, self._epoch_shards())
+        return self.graph(
+            tars, indexes, train=o.train, device=o.device, shard_id=o.rank, num_shards=o.world_size,
+            initial_fill=o.initial_fill, batch_size=o.batch_size, num_threads=o.num_threads, device_id=o.device_id,
+            seed=self._pipeline_seed(), prefetch_queue_depth=o.prefetch_queue_depth,
+            enable_checkpointing=o.checkpointing, checkpoint=checkpoint,
             # Said, not assumed: DALI 2.4's iterator hands out its buffers without a copy only under the
             # dynamic executor (plugin/pytorch: `copy = not pipe.exec_dynamic`), and the detection graph reads
             # `.shape()` of GPU nodes on the CPU, which only it allows. It is DALI's default only while
@@ -166,100 +234,88 @@ class DaliLoader:
             exec_dynamic=True,
         )
 
-    def _build_iterator(self, checkpoint: str | None = None) -> DALIGenericIterator:
+    def _build_iterator(self, checkpoint: str | None) -> DALIGenericIterator:
         pipe = self.pipeline(checkpoint)
         pipe.build()
-        policy = LastBatchPolicy.DROP if self.train else LastBatchPolicy.PARTIAL
+        policy = LastBatchPolicy.DROP if self.options.train else LastBatchPolicy.PARTIAL
         return DALIGenericIterator([pipe], list(self.outputs), reader_name="Reader", last_batch_policy=policy,
                                    last_batch_padded=False, auto_reset=False)
 
-    def _pipeline_seed(self) -> int:
-        # distinct per rank (different augmentations) and per epoch; below 2**31 as DALI requires
-        return random.Random(f"{self.seed}:{self.epoch}:{self.rank}").randrange(2**31)
-
     def __iter__(self):
-        restore, self._restore = self._restore, None
+        state = self.state
+        restore, state.restore = state.restore, None
         if restore is None:
-            self._batches_done = 0
+            state.batches_done = 0
         try:
             # A pipeline per epoch: training's order is a function of (seed, epoch) that the reader is given
             # at build time, and between epochs no pipeline is held (see the module docstring).
-            self._iterator = None  # free the pipeline of an epoch left unfinished first
-            self._iterator = self._build_iterator(restore)  # runs the first batches already
+            state.iterator = None  # free the pipeline of an epoch left unfinished first
+            state.iterator = self._build_iterator(restore)  # runs the first batches already
             limit = len(self)
-            for batch in self._iterator:
-                if self._batches_done < limit:
-                    self._batches_done += 1
-                    yield self._to_torch(batch[0])
+            for batch in state.iterator:
+                if state.batches_done < limit:
+                    state.batches_done += 1
+                    yield self.to_torch(batch[0])
         except Exception as e:
-            # DALI 2.4 raises an operator's failure as the operator's own type (RuntimeError from a decoder,
-            # IndexError from an axis out of range, ...), always with "Critical error in pipeline" (while
-            # running) or "Critical error when building pipeline" (a reader's first read); anything else is a bug
-            if "Critical error" not in str(e):
+            if not is_pipeline_failure(e):
                 raise
-            self._iterator = None  # a pipeline that failed is not reused
+            state.iterator = None  # a pipeline that failed is not reused
             raise self._explain(e) from e
         # the epoch is over: free the pipeline (its threads, decoder state and buffers go back to DALI's
         # pools) so that the next loader to run, validation's or the next epoch's, does not sit beside it
-        self._iterator = None
-        self.epoch += 1
+        state.iterator = None
+        state.epoch += 1
 
     # -- when DALI fails ---------------------------------------------------------------------------
-    def _explain(self, error: Exception) -> ShardDataError | StorageError:
-        """One line for a failed pipeline: the tar, and the sample when DALI names it or a re-decode of what
-        this rank had read finds it; or what DALI's S3 client met."""
-        tars, indexes = self._epoch_files()
-        summary = summarize_dali_error(error)
-        named, bad_index = sample_named_in(summary), index_named_in(summary)
-        if self.manifest.url and (summary.startswith("S3 ") or "curlCode" in summary):  # the store, not the data
-            detail = " ".join(str(error).rsplit("encountered:", 1)[-1].split("Current pipeline object")[0].split())
-            return StorageError(f"{self.manifest.location}: DALI could not read from the store: "
-                                f"{detail.lstrip(': ')}")
-        if named:
-            tar, key, ext = named
-            line = f"{tar}: sample {key}: DALI cannot decode its .{ext}"
-        elif bad_index:
-            idx, detail = bad_index
-            line = f"{tar_of_index(idx, tars, indexes)}: does not match its index {Path(idx).name} ({detail}): " \
-                   f"the tar is truncated or was replaced"
-        else:
-            decoder = DaliDecoder(self.device, self.device_id, num_threads=self.num_threads)
-            found = find_undecodable(self._suspects(), decoder)
-            if found:
-                ref, why = found
-                line = f"{ref.tar}: sample {ref.key}: DALI cannot decode its .{ref.ext} ({why})"
-            else:
-                line = f"{self.manifest.location}: DALI failed reading split {self.split!r} ({summary})"
-        return ShardDataError(f"{line}; {VERIFY_HINT.format(root=self.manifest.location)}")
+    def _explain(self, error: Exception) -> Exception:
+        o = self.options
+        shards = self._epoch_shards()
+        tars, indexes = self.files(self.manifest, shards)
+        return explain_dali_error(
+            error, location=self.manifest.location, split=self.split, remote=bool(self.manifest.url), tars=tars,
+            indexes=indexes, suspects=self._suspects(shards, tars, indexes),
+            decoder=DaliDecoder(o.device, o.device_id, num_threads=o.num_threads))
 
-    def _suspects(self):
-        """This rank's samples of the epoch that DALI may have read before it failed, most recently read
-        first: the reader reads its slice in file order, a batch draws from a shuffle buffer of
-        `initial_fill` samples, and the pipeline runs `prefetch_queue_depth` batches ahead."""
-        start, end = self._shard_range(self.rank)
-        read = (self._batches_done + self.prefetch_queue_depth + 3) * self.batch_size + self.initial_fill
+    def _suspects(self, shards: list[ShardInfo], tars: list[str], indexes: list[str]) -> Iterator[SampleRef]:
+        """This rank's samples of the epoch (`shards` read from `tars` with `indexes`) that DALI may have read
+        before it failed, most recently read first: the reader reads its slice in file order, a batch draws
+        from a shuffle buffer of `initial_fill` samples, and the pipeline runs `prefetch_queue_depth` batches
+        ahead."""
+        o = self.options
+        start, end = self._shard_range(o.rank)
+        read = (self.state.batches_done + o.prefetch_queue_depth + 3) * o.batch_size + o.initial_fill
         window: list[SampleRef] = []
         position = 0
-        for shard in self._epoch_shards():
+        for shard, tar, idx in zip(shards, tars, indexes):
             if position >= end:
                 break
             if position + shard.samples > start:
-                tar, idx = self.manifest.shard_location(shard), str(self.manifest.root / shard.index)
-                refs = list(indexed_samples(tar, idx))
-                window += refs[max(0, start - position):end - position]
+                window += list(indexed_samples(tar, idx))[max(0, start - position):end - position]
             position += shard.samples
         read = min(read, len(window))
         yield from reversed(window[:read])
         yield from window[read:]
 
-    def _to_torch(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        images = batch["images"]
-        if self.augment.channels_last:
-            # DALI wrote NHWC; as a permuted view it is an NCHW tensor in channels_last memory format,
-            # which is what a channels_last model consumes, with no copy.
-            images = images.permute(0, 3, 1, 2)
-        labels = batch["labels"]
-        return images, labels if self.multilabel_classes else labels.view(-1)
+
+def images_and_labels(batch: dict, *, channels_last: bool, multilabel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The classification graph's batch -> `(images, labels)`: labels (B,) int64, or (B, K) multi-hot."""
+    images = batch["images"]
+    if channels_last:
+        # DALI wrote NHWC; as a permuted view it is an NCHW tensor in channels_last memory format,
+        # which is what a channels_last model consumes, with no copy.
+        images = images.permute(0, 3, 1, 2)
+    labels = batch["labels"]
+    return images, labels if multilabel else labels.view(-1)
+
+
+def classification_loader(manifest: ShardManifest, split: str, options: LoaderOptions, augment: AugmentConfig,
+                          multilabel: bool = False) -> DaliLoader:
+    """A `DaliLoader` of `(images, labels)`: images float (B, 3, H, W) or (B, H, W, 3) normalised, labels
+    int64 (B,) (or float multi-hot (B, num_classes) with `multilabel`), both on the GPU for devices 'gpu' and
+    'hybrid', on the CPU for 'cpu'."""
+    classes = manifest.num_classes if multilabel else 0
+    return DaliLoader(manifest, split, options, graph=partial(shard_pipeline, cfg=augment, multilabel_classes=classes),
+                      to_torch=partial(images_and_labels, channels_last=augment.channels_last, multilabel=multilabel))
 
 
 def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, rank: int = 0, world_size: int = 1,
@@ -270,7 +326,8 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
                 checkpointing: bool = False, check: str = "size", multilabel: bool = False,
                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> DaliLoader:
     """Batches of split `split` of the shard folder `shards_dir` (a path, or s3://bucket/prefix: DALI then reads
-    the tars from the store, docs/storage.md) for this rank; see the module docstring.
+    the tars from the store, docs/storage.md) for this rank; see the module docstring (`train=None`: the
+    split trains if its name starts with "train").
 
     `device`: 'auto' (GPU when torch and DALI see one), 'gpu' (nvJPEG decode, GPU augmentation), 'hybrid' (CPU
     decode, GPU augmentation: for when the GPU's decoder is the bottleneck) or 'cpu'. `hw_decoder_load`:
@@ -294,23 +351,18 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     if not multilabel and manifest.kind == "coco":  # DALI would fail on the missing one-class label member
         raise ValueError(f"{shards_dir}: COCO shards: use multilabel=True (dali-train --task multilabel) or "
                          f"make_detection_loader")
-    resolved = resolve_device(device)
-    if uses_gpu(resolved) and device_id is None:
-        device_id = torch.cuda.current_device()
+    options = loader_options(split, batch_size, train=train, device=device, device_id=device_id,
+                             num_threads=num_threads, rank=rank, world_size=world_size, seed=seed,
+                             prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
+                             checkpointing=checkpointing, check=check)
     augment = AugmentConfig(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
                             fp16=dtype == torch.float16, channels_last=channels_last, hw_decoder_load=hw_decoder_load)
-    threads = num_threads or thread_budget(resolved).threads
-    return DaliLoader(manifest, split, batch_size, train=split == "train" if train is None else train, rank=rank,
-                      world_size=world_size, seed=seed, device=resolved, augment=augment, num_threads=threads,
-                      prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
-                      device_id=device_id if uses_gpu(resolved) else None, checkpointing=checkpointing, check=check,
-                      multilabel=multilabel)
+    return classification_loader(manifest, split, options, augment, multilabel)
 
 
 def check_files(manifest: ShardManifest, split: str, check: str) -> None:
-    """Refuse, in one line, a split whose files disagree with its manifest (see `make_loader`'s `check`)."""
-    if check not in SHARD_CHECKS:
-        raise ValueError(f"check must be one of {', '.join(SHARD_CHECKS)}, got {check!r}")
+    """Refuse, in one line, a split whose files disagree with its manifest (`check`: one of SHARD_CHECKS, see
+    `make_loader`)."""
     problems = check_split(manifest, split, sha256=check == "sha256")  # on disk, or HEADs in a store
     if problems:
         more = f" (and {len(problems) - 1} more: see shard-convert verify)" if len(problems) > 1 else ""
