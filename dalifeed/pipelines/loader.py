@@ -204,7 +204,8 @@ class DaliLoader:
         arguments, possibly in another process)."""
         if state["dali"] is not None and not self.options.checkpointing:
             raise ValueError("restoring a mid-epoch loader state needs make_loader(..., checkpointing=True)")
-        self.state = EpochState(state["epoch"], state["batches_done"], restore=state["dali"])
+        mine = self.state
+        mine.epoch, mine.batches_done, mine.restore = state["epoch"], state["batches_done"], state["dali"]
 
     def _epoch_shards(self) -> list[ShardInfo]:
         if not self.options.train:
