@@ -97,7 +97,8 @@ def test_checkpoint_step_compares_restored_batches(shards):
     result = checkpoint_round_trip(shards, "cpu", batch_size=4, image_size=24, workers=2, before=2, after=3)
     assert result["bit_identical"] and result["max_abs_difference"] == 0
     assert result["batches_compared"] == 3 and result["state_bytes"] > 0
-    assert result["save_seconds"] >= 0 and result["restore_to_first_batch_seconds"] > 0
+    # saving serialises a state (milliseconds); restoring builds a pipeline and runs it to a batch
+    assert 0 < result["save_seconds"] < result["restore_to_first_batch_seconds"]
 
 
 def test_collectives_at_world_size_one():
