@@ -118,11 +118,14 @@ def test_stage_rates_fall_as_stages_are_added(bench_data):
     from dalifeed.bench.stages import STAGES, render_markdown, stage_rates
 
     _, shards = bench_data
-    rates = stage_rates(shards, batch_size=8, threads=2, image_size=32, batches=4)
-    assert list(rates) == list(STAGES)
-    assert rates["read"] > rates["decode (ROI)"] > 0  # reading bytes is always cheaper than decoding them
-    table = render_markdown(rates, baseline=rates["read"])
-    assert "| read |" in table and "| 1.00 |" in table
+    # the best of three: windows of a few milliseconds on a shared machine lose a time slice now and then
+    runs = [stage_rates(shards, batch_size=8, threads=2, image_size=32, batches=8) for _ in range(3)]
+    assert all(list(rates) == list(STAGES) for rates in runs)
+    best = {stage: max(rates[stage] for rates in runs) for stage in STAGES}
+    assert best["read"] > best["decode (ROI)"] > 0  # reading bytes is always cheaper than decoding them
+    table = render_markdown(best, baseline=best["read"])
+    for stage, rate in best.items():
+        assert f"| {stage} | {rate:.0f} | {rate / best['read']:.2f} |" in table
 
 
 def test_update_doc_replaces_only_the_generated_section(tmp_path):
