@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from dalifeed.bench.convert_rate import measure, render_markdown
 from dalifeed.bench.loaders import build_loader
 from dalifeed.bench.make_bench import BEGIN, END, update_doc
 from dalifeed.bench.run import environment
+from dalifeed.bench.sampler import ResourceSampler, gpu_probes
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
 from dalifeed.runtime import usable_cores
 
@@ -95,6 +97,26 @@ def test_environment_counts_the_cores_this_process_may_use(monkeypatch):
     """Not the machine's CPUs (os.cpu_count): one CPU of a Slurm task is one core in every report."""
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
     assert environment()["cores"] == 1
+
+
+def test_resource_sampler_reads_its_probes_until_the_block_ends():
+    readings = iter([None, 1.0, 3.0] + [5.0] * 10_000)  # None: no reading this time
+    with ResourceSampler({"probe": lambda: next(readings)}, period=0.01) as sampler:
+        start = time.process_time()
+        while time.process_time() - start < 0.2:  # CPU time, whatever else the machine runs
+            pass
+    values = sampler.samples["probe"]
+    assert values[:2] == [1.0, 3.0] and sampler.mean("probe") == pytest.approx(sum(values) / len(values))
+    assert sampler.cpu_seconds >= 0.2 and sampler.wall_seconds >= 0.2
+    assert sampler.peak("rss_bytes") > 50 * 2**20  # this process, torch loaded
+    assert sampler.mean("gpu_util_percent") is None  # no such probe given
+    time.sleep(0.05)
+    assert len(sampler.samples["probe"]) == len(values)  # the thread stopped with the block
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_no_gpu_probes_without_a_gpu():
+    assert gpu_probes() == {}
 
 
 def test_convert_rate_measures_both_rates(tmp_path):
