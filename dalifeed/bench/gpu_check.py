@@ -352,6 +352,11 @@ def checkpoint_round_trip(shards: Path, device: str, batch_size: int, image_size
             "batches_compared": after, "bit_identical": identical, "max_abs_difference": difference}
 
 
+def checkpoint_step(run: CheckRun) -> dict:
+    cfg = run.cfg
+    return checkpoint_round_trip(run.shards, run.device, cfg.batch_size, cfg.image_size, cfg.workers)
+
+
 def collectives(has_gpu: bool) -> dict:
     """dalifeed's collectives and a DDP backward in a process group of one (NCCL on a GPU, gloo without)."""
     import torch.distributed as dist
@@ -377,11 +382,6 @@ def collectives(has_gpu: bool) -> dict:
     note = "one GPU: NCCL between two processes cannot run here; this is the same code at world size 1" if has_gpu \
         else "no GPU: gloo, the CPU backend, in place of NCCL"
     return {"backend": backend, "world_size": 1, "ok": ok, "note": note}
-
-
-def checkpoint_step(run: CheckRun) -> dict:
-    cfg = run.cfg
-    return checkpoint_round_trip(run.shards, run.device, cfg.batch_size, cfg.image_size, cfg.workers)
 
 
 def nccl_step(run: CheckRun) -> dict:
