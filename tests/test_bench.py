@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,19 @@ from dalifeed.bench.cli import main as bench_cli
 from dalifeed.bench.convert_rate import measure, render_markdown
 from dalifeed.bench.loaders import build_loader
 from dalifeed.bench.make_bench import BEGIN, END, update_doc
+from dalifeed.bench.run import environment
+from dalifeed.bench.sampler import ResourceSampler, gpu_probes
+from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
+from dalifeed.runtime import usable_cores
 
 from helpers import write_imagefolder
+
+MEAN_255, STD_255 = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))
+
+
+def class_colours(labels: torch.Tensor) -> torch.Tensor:
+    """The mean RGB colour helpers.random_image gives each class, one row per label."""
+    return torch.stack([(labels * 70) % 256, (labels * 130 + 60) % 256, (255 - labels * 50) % 256], 1).float()
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +43,11 @@ def test_every_loader_yields_the_same_kind_of_batch(bench_data, name, fp16):
     images, labels = next(iter(loader))
     assert images.shape == (4, 3, 24, 24) and images.dtype == (torch.float16 if fp16 else torch.float32)
     assert labels.shape == (4,) and labels.dtype == torch.int64 and int(labels.max()) < 3
-    # normalised with ImageNet statistics: the conftest images' channel means are known per class
-    assert -2.2 < float(images.min()) and float(images.max()) < 2.7
-    assert abs(float(images.mean())) < 1.5
+    # normalised with ImageNet's statistics: undone, each image's channel means are its class's colour (to
+    # within the noise and JPEG: 7 of 255 measured); raw [0, 1] or [0, 255] floats, other statistics or
+    # labels of other images are off by tens
+    pixels = images.float() * STD_255 + MEAN_255
+    assert (pixels.mean((2, 3)) - class_colours(labels)).abs().max() < 12
 
 
 def test_dali_bench_cli_writes_table_json_and_plot(bench_data, tmp_path):
@@ -49,12 +63,14 @@ def test_dali_bench_cli_writes_table_json_and_plot(bench_data, tmp_path):
     assert set(by_name) == {"baseline", "dali-cpu"}  # dali-gpu skipped without a GPU
     assert by_name["baseline"]["speedup_vs_baseline"] == 1.0
     for r in by_name.values():
-        assert len(r["images_per_s_runs"]) == 2 and r["images_per_s"] > 0
+        assert len(r["images_per_s_runs"]) == 2 and r["images_per_s"] == pytest.approx(sum(r["images_per_s_runs"]) / 2)
         assert r["output"] == "(8, 3, 32, 32) float32 cpu"
         # CPU clocks tick every 10 ms per process, so a window this short can read a little over 100%
         assert 0 < r["cpu_percent"] < 150 and r["peak_rss_mb"] > 50
         assert r["train_steps_per_s"] > 0 and 0 <= r["data_wait_share"] < 1
-    assert report["environment"]["cores"] >= 1 and report["synthetic"]["model"] == "resnet18"
+    assert by_name["dali-cpu"]["speedup_vs_baseline"] == \
+        pytest.approx(by_name["dali-cpu"]["images_per_s"] / by_name["baseline"]["images_per_s"])
+    assert report["environment"]["cores"] == usable_cores() and report["synthetic"]["model"] == "resnet18"
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "config.json").read_text())["batch_size"] == 8
     assert "| baseline |" in result.output and "| dali-cpu |" in result.output
@@ -77,25 +93,63 @@ def test_missing_shards_is_usage_error(bench_data, tmp_path):
     assert result.exit_code == 2 and "no such shard folder" in result.output
 
 
+def test_environment_counts_the_cores_this_process_may_use(monkeypatch):
+    """Not the machine's CPUs (os.cpu_count): one CPU of a Slurm task is one core in every report."""
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "1")
+    assert environment()["cores"] == 1
+
+
+def test_resource_sampler_reads_its_probes_until_the_block_ends():
+    readings = iter([None, 1.0, 3.0] + [5.0] * 10_000)  # None: no reading this time
+    with ResourceSampler({"probe": lambda: next(readings)}, period=0.01) as sampler:
+        start, started = time.process_time(), time.perf_counter()
+        while time.process_time() - start < 0.2:  # CPU time, whatever else the machine runs
+            pass
+        busy = time.perf_counter() - started
+    values = sampler.samples["probe"]
+    assert values[:2] == [1.0, 3.0] and sampler.mean("probe") == pytest.approx(sum(values) / len(values))
+    # 0.18: the kernel counts user and system time apart, each in 10 ms ticks
+    assert sampler.cpu_seconds >= 0.18 and sampler.wall_seconds >= busy
+    assert sampler.peak("rss_bytes") > 50 * 2**20  # this process, torch loaded
+    assert sampler.mean("gpu_util_percent") is None  # no such probe given
+    time.sleep(0.05)
+    assert len(sampler.samples["probe"]) == len(values)  # the thread stopped with the block
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_no_gpu_probes_without_a_gpu():
+    assert gpu_probes() == {}
+
+
 def test_convert_rate_measures_both_rates(tmp_path):
     src = write_imagefolder(tmp_path / "src", {"a": 30, "b": 25})
     result = measure(src, tmp_path / "work", repeats=2, workers=2)
     assert result["images"] == 55
-    assert result["decode_images_per_s"] > 0 and result["convert_images_per_s"] > 0
-    ratio = result["convert_images_per_s"] / result["decode_images_per_s"]
-    assert 0 < result["convert_over_decode"] < 5 and ratio > 0
-    assert "pure decode" in render_markdown(result)
+    assert result["megabytes"] == sum(p.stat().st_size for p in src.rglob("*.jpg")) / 1e6
+    for rate in ("decode_images_per_s", "convert_images_per_s"):
+        low, high = result[f"{rate}_min_max"]
+        assert 0 < low <= result[rate] <= high
+    # MB/s and images/s of the same runs differ by the mean file size
+    assert result["convert_mb_per_s"] == pytest.approx(result["convert_images_per_s"] * result["megabytes"] / 55)
+    # the median of each run's convert/decode ratio lies within what the runs' extremes allow
+    (decode_low, decode_high), (convert_low, convert_high) = (result["decode_images_per_s_min_max"],
+                                                              result["convert_images_per_s_min_max"])
+    assert convert_low / decode_high <= result["convert_over_decode"] <= convert_high / decode_low
+    assert f"**{result['convert_over_decode']:.2f}x** the pure decode rate" in render_markdown(result)
 
 
 def test_stage_rates_fall_as_stages_are_added(bench_data):
     from dalifeed.bench.stages import STAGES, render_markdown, stage_rates
 
     _, shards = bench_data
-    rates = stage_rates(shards, batch_size=8, threads=2, image_size=32, batches=4)
-    assert list(rates) == list(STAGES)
-    assert rates["read"] > rates["decode (ROI)"] > 0  # reading bytes is always cheaper than decoding them
-    table = render_markdown(rates, baseline=rates["read"])
-    assert "| read |" in table and "| 1.00 |" in table
+    # the best of three: windows of a few milliseconds on a shared machine lose a time slice now and then
+    runs = [stage_rates(shards, batch_size=8, threads=2, image_size=32, batches=8) for _ in range(3)]
+    assert all(list(rates) == list(STAGES) for rates in runs)
+    best = {stage: max(rates[stage] for rates in runs) for stage in STAGES}
+    assert best["read"] > best["decode (ROI)"] > 0  # reading bytes is always cheaper than decoding them
+    table = render_markdown(best, baseline=best["read"])
+    for stage, rate in best.items():
+        assert f"| {stage} | {rate:.0f} | {rate / best['read']:.2f} |" in table
 
 
 def test_update_doc_replaces_only_the_generated_section(tmp_path):

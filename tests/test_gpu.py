@@ -102,17 +102,17 @@ def test_bench_gpu_loaders_hand_out_fp16_on_the_gpu(shards, name):
 def test_mixed_checkpoint_restores_bit_identical_batches(shards, load):
     """DALI's checkpoint of a `mixed` random-crop decoder: a fresh loader restored from it yields exactly the
     batches the first one went on to yield (whichever decoder, hardware or CUDA, took the images)."""
-    from dalifeed.bench.gpu_check import checkpoint_step
+    from dalifeed.bench.gpu_check import checkpoint_round_trip
 
-    result = checkpoint_step(shards, "gpu", batch_size=8, image_size=32, workers=2, before=3, after=4,
-                             hw_decoder_load=load)
+    result = checkpoint_round_trip(shards, "gpu", batch_size=8, image_size=32, workers=2, before=3, after=4,
+                                   hw_decoder_load=load)
     assert result["bit_identical"], result
 
 
 def test_nccl_collectives_at_world_size_one():
-    from dalifeed.bench.gpu_check import nccl_step
+    from dalifeed.bench.gpu_check import collectives
 
-    result = nccl_step(has_gpu=True)
+    result = collectives(has_gpu=True)
     assert result["backend"] == "nccl" and result["ok"], result
 
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dalifeed.bench.cli import LOADER_COLOURS, figure, main as bench_cli
+from dalifeed.bench.cli import main as bench_cli
+from dalifeed.bench.report import LOADER_COLOURS, figure
 from dalifeed.cliutil import parse_size
 from dalifeed.format import ShardManifest
 from dalifeed.tools import ConvertConfig, convert_imagefolder

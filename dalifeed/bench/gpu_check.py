@@ -22,6 +22,7 @@ the CPU: that is how the check itself is tested).
 
 from __future__ import annotations
 
+
 import json
 import os
 import shlex
@@ -29,11 +30,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
+from typing import Callable
 
 import click
 import torch
@@ -43,10 +45,15 @@ from dalifeed.cliutil import default, run_command
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 from dalifeed.runtime import usable_cores
 
-STEPS = ("tests", "loaders", "hw-decoder", "train", "checkpoint", "nccl")
+from .config import BenchConfig
+from .gpu_report import decoder_memory_line, goals, render_markdown
+from .loaders import LOADERS
+from .photos import build_data
+from .report import write_report
+from .run import environment as bench_environment, run_bench
+from .sampler import ResourceSampler, gpu_probes
+
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the source checkout holding dalifeed/ and tests/
-GOAL_SPEEDUP = 8.0  # dali-gpu against the DataLoader with workers = cores
-GOAL_TRAIN_SHARE = 0.95  # training on dali-gpu against the same trainer on synthetic data
 
 
 class CheckUsageError(Exception):
@@ -56,7 +63,7 @@ class CheckUsageError(Exception):
 @dataclass
 class GpuCheckConfig:
     workdir: Path = Path("build/gpu-check")
-    steps: list[str] = field(default_factory=lambda: list(STEPS))
+    steps: list[str] = field(default_factory=lambda: list(STEPS))  # every step (the table below), in order
     per_class: int = 1250  # 8 classes: 10,000 photos, 8,000 of them in train
     batch_size: int = 256
     image_size: int = 224
@@ -95,8 +102,6 @@ class GpuCheckConfig:
 def environment(has_gpu: bool) -> dict:
     from importlib import metadata
 
-    from .cli import environment as bench_environment
-
     env = bench_environment()
     env.update(cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if has_gpu else None,
                hw_decoder_load_default=DEFAULT_HW_DECODER_LOAD)
@@ -108,7 +113,7 @@ def environment(has_gpu: bool) -> dict:
     if has_gpu:
         env["gpu_capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
         env["gpu_memory_gb"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
-        env["driver"] = nvml_call(lambda nvml, handle: nvml.nvmlSystemGetDriverVersion(), nvml_device())
+        env["driver"] = driver_version()
     return env
 
 
@@ -129,63 +134,65 @@ def decoder_budget(cores: int | None = None, gpus: int | None = None, environ=os
             "gpu_mib": memory.device_bytes / mib, "pinned_mib": memory.pinned_bytes / mib}
 
 
-def nvml_device(index: int = 0):
-    """(pynvml, handle) of torch's cuda:`index` (NVML's own numbering differs under CUDA_VISIBLE_DEVICES:
-    dalifeed.nvml), or None where NVML is missing or does not list it."""
+def driver_version() -> str | None:
+    """The NVIDIA driver's version as NVML gives it, or None where NVML does not answer."""
     from dalifeed.nvml import open_gpu
 
-    return open_gpu(index)
-
-
-def nvml_call(read, device):
-    """`read(pynvml, handle)` for `device` from `nvml_device`, or None where NVML does not answer it."""
-    if device is None:
+    gpu = open_gpu(0)
+    if gpu is None:
         return None
     try:
-        return read(*device)
-    except Exception:
+        return gpu[0].nvmlSystemGetDriverVersion()
+    except Exception:  # an NVML without it: no figure, never a failed check
         return None
 
 
-class GpuSampler:
-    """Mean GPU and JPEG-engine (NVJPG: the hardware JPEG decoder) utilisation over a `with` block, read
-    from NVML every 100 ms. Empty on a machine without NVML."""
+# -- the steps: each is `step(run) -> dict`, the section it adds to the report ----------------------------
 
-    def __init__(self, period: float = 0.1):
-        self.period, self.gpu, self.jpeg = period, [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+@dataclass
+class CheckRun:
+    """What every step is given: the options, whether torch and DALI both see a GPU, where to log, and the
+    photo set with its shards (built by the first step that asks, then shared)."""
+    cfg: GpuCheckConfig
+    has_gpu: bool
+    log: Callable[[str], None] = print
 
-    def _run(self) -> None:
-        device = nvml_device()
-        while not self._stop.wait(self.period):
-            util = nvml_call(lambda nvml, handle: nvml.nvmlDeviceGetUtilizationRates(handle).gpu, device)
-            jpeg = nvml_call(lambda nvml, handle: nvml.nvmlDeviceGetJpgUtilization(handle)[0], device)
-            if util is not None:
-                self.gpu.append(util)
-            if jpeg is not None:
-                self.jpeg.append(jpeg)
+    @cached_property
+    def photo_set(self) -> tuple[Path, Path]:
+        return photo_shards(self.cfg, self.log)
 
-    def __enter__(self) -> "GpuSampler":
-        self._thread.start()
-        return self
+    @property
+    def photos(self) -> Path:
+        return self.photo_set[0]
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+    @property
+    def shards(self) -> Path:
+        return self.photo_set[1]
 
-    def summary(self) -> dict:
-        return {"gpu_util_percent": statistics.fmean(self.gpu) if self.gpu else None,
-                "jpeg_engine_util_percent": statistics.fmean(self.jpeg) if self.jpeg else None}
+    @property
+    def device(self) -> str:
+        return "gpu" if self.has_gpu else "cpu"
 
 
-# -- the steps -------------------------------------------------------------------------------------
+def photo_shards(cfg: GpuCheckConfig, log) -> tuple[Path, Path]:
+    """make bench's photo set and shards, built once per --per-class and reused by later calls."""
+    stamp = cfg.workdir / "photos.json"
+    wanted = {"per_class": cfg.per_class, "seed": 0}
+    if stamp.is_file() and json.loads(stamp.read_text()) == wanted:
+        return cfg.workdir / "photos", cfg.workdir / "photos-shards"
+    log(f"building {cfg.per_class} photos per class (8 classes) and their shards in {cfg.workdir} ...")
+    stamp.unlink(missing_ok=True)
+    data = build_data(cfg.workdir, cfg.per_class, workers=cfg.workers)
+    write_json_atomic(stamp, wanted)  # last: an interrupted build is built again
+    return data
 
-def gpu_tests(cfg: GpuCheckConfig) -> dict:
+
+def tests_step(run: CheckRun) -> dict:
+    """The `gpu`-marked tests, from the source checkout this package sits in."""
     tests = PACKAGE_ROOT / "tests"
     if not tests.is_dir():
         return {"skipped": f"no tests/ next to the dalifeed package ({PACKAGE_ROOT}): run from a source checkout"}
-    report = cfg.workdir / "gpu-tests.xml"
+    report = run.cfg.workdir / "gpu-tests.xml"
     command = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={report}",
                str(tests)]
     exit_code = subprocess.run(command, cwd=PACKAGE_ROOT).returncode
@@ -201,59 +208,45 @@ def gpu_tests(cfg: GpuCheckConfig) -> dict:
             "failed": len(failures), "skipped": skipped, "failures": failures}
 
 
-def photo_shards(cfg: GpuCheckConfig, log) -> tuple[Path, Path]:
-    """make bench's photo set and shards, built once per --per-class and reused by later calls."""
-    from .make_bench import build_data
-
-    stamp = cfg.workdir / "photos.json"
-    wanted = {"per_class": cfg.per_class, "seed": 0}
-    if stamp.is_file() and json.loads(stamp.read_text()) == wanted:
-        return cfg.workdir / "photos", cfg.workdir / "photos-shards"
-    log(f"building {cfg.per_class} photos per class (8 classes) and their shards in {cfg.workdir} ...")
-    stamp.unlink(missing_ok=True)
-    data = build_data(cfg.workdir, cfg.per_class, workers=cfg.workers)
-    write_json_atomic(stamp, wanted)  # last: an interrupted build is built again
-    return data
-
-
-def bench_config(cfg: GpuCheckConfig, photos: Path, shards: Path, loaders: list[str], out: str):
-    from .cli import BenchConfig
-
-    bench = BenchConfig(imagefolder=photos / "train", shards=shards, loaders=loaders, out=cfg.workdir / out,
+def bench_config(run: CheckRun, loaders: list[str], out: str) -> BenchConfig:
+    """dali-bench's options for the photo set at gpu-check's batch, size, window and workers (fp16 batches)."""
+    cfg = run.cfg
+    bench = BenchConfig(imagefolder=run.photos / "train", shards=run.shards, loaders=loaders, out=cfg.workdir / out,
                         batch_size=cfg.batch_size, image_size=cfg.image_size, seconds=cfg.seconds,
                         repeats=cfg.repeats, workers=cfg.workers, fp16=True)
     bench.validate()
     return bench
 
 
-def loaders_step(cfg: GpuCheckConfig, photos: Path, shards: Path, log) -> dict:
-    from .cli import plot, run_bench
-    from .loaders import LOADERS
-
-    bench = bench_config(cfg, photos, shards, list(LOADERS), "loaders")
-    report = run_bench(bench, log=log)
+def loaders_step(run: CheckRun) -> dict:
+    """dali-bench with every loader: its report, also written to WORKDIR/loaders/bench.{json,png}."""
+    bench = bench_config(run, list(LOADERS), "loaders")
+    report = run_bench(bench, log=run.log)
     bench.out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(bench.out / "bench.json", report)
-    plot(report, bench.out / "bench.png")
+    write_report(report, bench.out)
     return report
 
 
-def hw_decoder_step(cfg: GpuCheckConfig, photos: Path, shards: Path, has_gpu: bool, log) -> dict:
-    """dali-gpu at each hardware-decoder share, with the JPEG engine's utilisation while it runs."""
-    from .cli import run_bench
+def utilisation(sampler: ResourceSampler) -> dict:
+    """Mean GPU and JPEG-engine utilisation over a sampled window (None where NVML gave none)."""
+    return {"gpu_util_percent": sampler.mean("gpu_util_percent"),
+            "jpeg_engine_util_percent": sampler.mean("jpeg_engine_util_percent")}
 
-    if not has_gpu:
+
+def hw_decoder_step(run: CheckRun) -> dict:
+    """dali-gpu at each hardware-decoder share, with the JPEG engine's utilisation while it runs."""
+    if not run.has_gpu:
         return {"skipped": "no GPU"}
-    checked = bench_config(cfg, photos, shards, ["dali-gpu"], "hw")  # same data for every load: checked once
+    checked = bench_config(run, ["dali-gpu"], "hw")  # same data for every load: checked once
     runs = []
-    for load in cfg.hw_loads:
-        bench = replace(checked, hw_decoder_load=load, out=cfg.workdir / f"hw-{load:g}")
-        log(f"hw_decoder_load {load:g}:")
-        with GpuSampler() as gpu:
-            report = run_bench(bench, log=log)
+    for load in run.cfg.hw_loads:
+        bench = replace(checked, hw_decoder_load=load, out=run.cfg.workdir / f"hw-{load:g}")
+        run.log(f"hw_decoder_load {load:g}:")
+        with ResourceSampler(gpu_probes()) as sampler:
+            report = run_bench(bench, log=run.log)
         result = report["results"][0]
         runs.append({"hw_decoder_load": load, "images_per_s": result["images_per_s"],
-                     "images_per_s_runs": result["images_per_s_runs"], **gpu.summary()})
+                     "images_per_s_runs": result["images_per_s_runs"], **utilisation(sampler)})
     best = max(runs, key=lambda r: r["images_per_s"])
     engine = [r["jpeg_engine_util_percent"] for r in runs if r["hw_decoder_load"] > 0]
     used = None if not engine or None in engine else any(u > 0 for u in engine)
@@ -274,38 +267,41 @@ def train_command(cfg: GpuCheckConfig, shards: Path, out: Path, has_gpu: bool, s
     return command + (["--synthetic"] if synthetic else ["--profile", "5"])
 
 
-def train_step(cfg: GpuCheckConfig, shards: Path, has_gpu: bool, log) -> dict:
+def train_step(run: CheckRun) -> dict:
     """The same dali-train command on the shards and on synthetic data; epochs after the first compared."""
-    runs = {}
-    for name, synthetic in (("dali", False), ("synthetic", True)):
-        out = cfg.workdir / f"train-{name}"
-        if out.exists():
-            shutil.rmtree(out)
-        command = train_command(cfg, shards, out, has_gpu, synthetic)
-        log(f"train ({name}): {shlex.join(command)}")
-        out.mkdir(parents=True)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_ROOT),
-                                                                        os.environ.get("PYTHONPATH")])))
-        with GpuSampler() as gpu, open(out / "train.log", "w") as output:
-            exit_code = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, env=env).returncode
-        if exit_code != 0:
-            tail = (out / "train.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
-            raise RuntimeError(f"dali-train ({name}) exited {exit_code}: {tail[0]} (log: {out / 'train.log'})")
-        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        steady = records[1:] or records
-        trace = out / "profile_trace.json"
-        runs[name] = {"command": shlex.join(command), "epochs_reported": len(steady),
-                      "profile_trace": str(trace) if trace.is_file() else None,
-                      "images_per_s": statistics.median(r["images_per_s"] for r in steady),
-                      "images_per_s_epochs": [r["images_per_s"] for r in steady],
-                      "data_wait_share": statistics.median(r["data_wait_share"] for r in steady),
-                      # the training pipeline is rebuilt every epoch: memory that grows epoch after epoch is a leak
-                      "gpu_process_memory_gb_epochs": [r.get("gpu_process_memory_gb") for r in records],
-                      "gpu_memory_used_gb_epochs": [r.get("gpu_memory_used_gb") for r in records], **gpu.summary()}
+    cfg, has_gpu = run.cfg, run.has_gpu
+    runs = {name: train_slice(run, name, synthetic) for name, synthetic in (("dali", False), ("synthetic", True))}
     share = runs["dali"]["images_per_s"] / runs["synthetic"]["images_per_s"]
     return {"model": cfg.model, "loader": "dali-gpu" if has_gpu else "dali-cpu", "amp": cfg.amp if has_gpu else "off",
             "channels_last": True,
             "batch_size": cfg.batch_size, **runs, "dali_vs_synthetic": share}
+
+
+def train_slice(run: CheckRun, name: str, synthetic: bool) -> dict:
+    """One dali-train run in WORKDIR/train-NAME (a subprocess, GPU sampled meanwhile) and its steady epochs."""
+    out = run.cfg.workdir / f"train-{name}"
+    if out.exists():
+        shutil.rmtree(out)
+    command = train_command(run.cfg, run.shards, out, run.has_gpu, synthetic)
+    run.log(f"train ({name}): {shlex.join(command)}")
+    out.mkdir(parents=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")])))
+    with ResourceSampler(gpu_probes()) as sampler, open(out / "train.log", "w") as output:
+        exit_code = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, env=env).returncode
+    if exit_code != 0:
+        tail = (out / "train.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"dali-train ({name}) exited {exit_code}: {tail[0]} (log: {out / 'train.log'})")
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steady = records[1:] or records
+    trace = out / "profile_trace.json"
+    return {"command": shlex.join(command), "epochs_reported": len(steady),
+            "profile_trace": str(trace) if trace.is_file() else None,
+            "images_per_s": statistics.median(r["images_per_s"] for r in steady),
+            "images_per_s_epochs": [r["images_per_s"] for r in steady],
+            "data_wait_share": statistics.median(r["data_wait_share"] for r in steady),
+            # the training pipeline is rebuilt every epoch: memory that grows epoch after epoch is a leak
+            "gpu_process_memory_gb_epochs": [r.get("gpu_process_memory_gb") for r in records],
+            "gpu_memory_used_gb_epochs": [r.get("gpu_memory_used_gb") for r in records], **utilisation(sampler)}
 
 
 def checkpoint_loader(shards: Path, device: str, batch_size: int, image_size: int, workers: int,
@@ -317,8 +313,8 @@ def checkpoint_loader(shards: Path, device: str, batch_size: int, image_size: in
                        train=True, checkpointing=True, dtype=torch.float16, seed=0, hw_decoder_load=hw_decoder_load)
 
 
-def checkpoint_step(shards: Path, device: str, batch_size: int, image_size: int, workers: int,
-                    before: int = 3, after: int = 3, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> dict:
+def checkpoint_round_trip(shards: Path, device: str, batch_size: int, image_size: int, workers: int,
+                          before: int = 3, after: int = 3, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> dict:
     """Take `before` batches, save the loader's state, take `after` more; a fresh loader restored from the
     state must yield exactly those `after` batches."""
     def loader():
@@ -356,7 +352,12 @@ def checkpoint_step(shards: Path, device: str, batch_size: int, image_size: int,
             "batches_compared": after, "bit_identical": identical, "max_abs_difference": difference}
 
 
-def nccl_step(has_gpu: bool) -> dict:
+def checkpoint_step(run: CheckRun) -> dict:
+    cfg = run.cfg
+    return checkpoint_round_trip(run.shards, run.device, cfg.batch_size, cfg.image_size, cfg.workers)
+
+
+def collectives(has_gpu: bool) -> dict:
     """dalifeed's collectives and a DDP backward in a process group of one (NCCL on a GPU, gloo without)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -383,102 +384,19 @@ def nccl_step(has_gpu: bool) -> dict:
     return {"backend": backend, "world_size": 1, "ok": ok, "note": note}
 
 
-# -- the report ------------------------------------------------------------------------------------
-
-def goals(report: dict) -> list[dict]:
-    found = []
-    loaders = {r["loader"]: r for r in (report.get("loaders") or {}).get("results", [])}
-    if "dali-gpu" in loaders and loaders["dali-gpu"]["speedup_vs_baseline"]:
-        speedup = loaders["dali-gpu"]["speedup_vs_baseline"]
-        found.append({"goal": f"dali-gpu >= {GOAL_SPEEDUP:g}x the DataLoader baseline", "value": f"{speedup:.2f}x",
-                      "met": speedup >= GOAL_SPEEDUP})
-    train = report.get("train") or {}
-    if "dali_vs_synthetic" in train:
-        share = train["dali_vs_synthetic"]
-        found.append({"goal": f"{train['model']} training on {train['loader']} within {1 - GOAL_TRAIN_SHARE:.0%} of "
-                              f"synthetic data",
-                      "value": f"{share:.1%}", "met": share >= GOAL_TRAIN_SHARE})
-    return found
+def nccl_step(run: CheckRun) -> dict:
+    return collectives(run.has_gpu)
 
 
-def render_markdown(report: dict) -> str:
-    from .cli import render_table
-
-    env = report["environment"]
-    lines = [f"## gpu-check {env['date']}", "",
-             f"GPU {env.get('gpu') or 'none'} (compute {env.get('gpu_capability', '-')}, "
-             f"{env.get('gpu_memory_gb', '-')} GiB), driver {env.get('driver') or '-'}, CUDA {env.get('cuda')}, "
-             f"cuDNN {env.get('cudnn')}; {env['cores']} cores ({env['cpu']}); torch {env['torch']}, torchvision "
-             f"{env['torchvision']}, DALI {env['dali']}, webdataset {env['webdataset']}, Python {env['python']}.", ""]
-    if report.get("decoder_memory"):
-        lines += [decoder_memory_line(report["decoder_memory"]), ""]
-    tests = report.get("tests")
-    if tests:
-        lines += ["### gpu tests", "", tests.get("skipped") if isinstance(tests.get("skipped"), str) else
-                  f"{tests['passed']} passed, {tests['failed']} failed, {tests['skipped']} skipped"
-                  + (f": {', '.join(tests['failures'])}" if tests.get("failures") else ""), ""]
-    if report.get("loaders"):
-        cfg = report["loaders"]["config"]
-        lines += ["### Loaders", "", f"{report['loaders']['dataset']['images']} photos, batch {cfg['batch_size']}, "
-                  f"{cfg['image_size']} px, fp16 output, {cfg['workers']} workers/threads, median of "
-                  f"{cfg['repeats']} x {cfg['seconds']} s:", "", render_table(report["loaders"]), ""]
-    hw = report.get("hw_decoder")
-    if hw and "runs" in hw:
-        used = {True: "yes", False: "no (NVML saw the JPEG engine idle)", None: "unknown (NVML reports no "
-                "JPEG-engine utilisation here)"}[hw["hardware_decoder_used"]]
-        lines += ["### hw_decoder_load (dali-gpu)", "", "| hw_decoder_load | images/s (median) | runs | JPEG engine % "
-                  "| GPU % |", "|---|---|---|---|---|"]
-        for r in hw["runs"]:
-            lines.append(f"| {r['hw_decoder_load']:g} | {r['images_per_s']:.0f} | "
-                         f"{', '.join(f'{x:.0f}' for x in r['images_per_s_runs'])} | "
-                         f"{percent(r['jpeg_engine_util_percent'])} | {percent(r['gpu_util_percent'])} |")
-        lines += ["", f"Hardware JPEG decoder used: {used}. Best hw_decoder_load here: {hw['best_hw_decoder_load']:g}.",
-                  ""]
-    elif hw:
-        lines += ["### hw_decoder_load", "", f"skipped: {hw['skipped']}", ""]
-    train = report.get("train")
-    if train:
-        lines += [f"### {train['model']} training slice (amp {train['amp']}, channels-last, batch "
-                  f"{train['batch_size']})", "", "| data | images/s (median of epochs) | data wait | GPU % |",
-                  "|---|---|---|---|"]
-        for name, label in (("dali", train["loader"]), ("synthetic", "synthetic (one batch, repeated)")):
-            r = train[name]
-            lines.append(f"| {label} | {r['images_per_s']:.0f} | {r['data_wait_share']:.1%} | "
-                         f"{percent(r['gpu_util_percent'])} |")
-        lines += ["", f"{train['loader']} / synthetic: {train['dali_vs_synthetic']:.1%}; the commands are in "
-                  f"gpu-check.json" + (f", a torch profiler trace of 5 steps of the {train['loader']} run in "
-                                       f"`{train['dali']['profile_trace']}`" if train["dali"].get("profile_trace")
-                                       else "") + ".", ""]
-    ckpt = report.get("checkpoint")
-    if ckpt:
-        lines += ["### Mid-epoch DALI checkpoint", "",
-                  f"`{ckpt['device']}` loader: save {ckpt['save_seconds'] * 1000:.1f} ms ({ckpt['state_bytes']} bytes), "
-                  f"restore to first batch {ckpt['restore_to_first_batch_seconds']:.2f} s (a fresh loader's first "
-                  f"batch: {ckpt['first_batch_seconds']:.2f} s); {ckpt['batches_compared']} restored batches "
-                  f"bit-identical: {'yes' if ckpt['bit_identical'] else 'NO'} (max difference "
-                  f"{ckpt['max_abs_difference']:g}).", ""]
-    nccl = report.get("nccl")
-    if nccl:
-        lines += ["### Collectives", "", f"{nccl['backend']} at world size 1: {'ok' if nccl['ok'] else 'FAILED'} "
-                  f"({nccl['note']}).", ""]
-    if report.get("goals"):
-        lines += ["### Goals", "", "| goal | measured | met |", "|---|---|---|"]
-        lines += [f"| {g['goal']} | {g['value']} | {'yes' if g['met'] else 'no'} |" for g in report["goals"]]
-        lines.append("")
-    if report.get("errors"):
-        lines += ["### Steps that failed", ""] + [f"- {step}: {error}" for step, error in report["errors"].items()]
-    return "\n".join(lines).rstrip() + "\n"
+# --steps NAME -> the step; its section in gpu-check.json is NAME with "_" for "-" (hw-decoder: hw_decoder)
+STEPS: dict[str, Callable[[CheckRun], dict]] = {
+    "tests": tests_step, "loaders": loaders_step, "hw-decoder": hw_decoder_step, "train": train_step,
+    "checkpoint": checkpoint_step, "nccl": nccl_step,
+}
 
 
-def decoder_memory_line(budget: dict) -> str:
-    return (f"dali-train's default with one rank per GPU here, {budget['budget']}. At that budget each rank's "
-            f"`mixed` decoder reserves {budget['gpu_mib']:.0f} MiB of GPU and {budget['pinned_mib']:.0f} MiB of pinned "
-            f"host memory when built ({budget['device_padding_mib']:.0f} MiB + 2 x {budget['host_padding_mib']:.0f} MiB "
-            f"per thread; a rank holds one at a time: docs/gpu.md).")
-
-
-def percent(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0f}"
+def section_of(step: str) -> str:
+    return step.replace("-", "_")
 
 
 # -- the command -----------------------------------------------------------------------------------
@@ -499,25 +417,11 @@ def run_check(cfg: GpuCheckConfig, log=print) -> dict:
         f"{env['hw_decoder_load_default']}")
     log(decoder_memory_line(report["decoder_memory"]))
     errors = report.setdefault("errors", {})
-    data = None
+    run = CheckRun(cfg, has_gpu, log)
     for step in cfg.steps:
         log(f"== {step}")
         try:
-            if step in ("loaders", "hw-decoder", "train", "checkpoint") and data is None:
-                data = photo_shards(cfg, log)
-            if step == "tests":
-                report["tests"] = gpu_tests(cfg)
-            elif step == "loaders":
-                report["loaders"] = loaders_step(cfg, *data, log)
-            elif step == "hw-decoder":
-                report["hw_decoder"] = hw_decoder_step(cfg, *data, has_gpu, log)
-            elif step == "train":
-                report["train"] = train_step(cfg, data[1], has_gpu, log)
-            elif step == "checkpoint":
-                report["checkpoint"] = checkpoint_step(data[1], "gpu" if has_gpu else "cpu", cfg.batch_size,
-                                                       cfg.image_size, cfg.workers)
-            elif step == "nccl":
-                report["nccl"] = nccl_step(has_gpu)
+            report[section_of(step)] = STEPS[step](run)
             errors.pop(step, None)
         except Exception as e:  # one step failing must not hide what the others measure
             errors[step] = f"{type(e).__name__}: {' '.join(str(e).split())[:500]}"

@@ -5,6 +5,10 @@ would use.
 The torch baselines get the care the field gives them (timm's PrefetchLoader): workers = cores, uint8
 collate (4x less to pickle and pin than float), pinned memory and normalisation on the GPU when there is
 one, persistent workers, prefetching.
+
+The augmentation is one `AugmentConfig` (dalifeed.pipelines.graphs) that `build_loader` makes: the DALI
+loaders get it through `make_loader`, the torch ones through `train_transform`, its torchvision twin. A new
+augmentation goes into both, next to each other below.
 """
 
 from __future__ import annotations
@@ -14,8 +18,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD, make_loader
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+from dalifeed.pipelines import make_loader
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig
 from dalifeed.shardfolder import open_shard_folder
 
 LOADERS = ("baseline", "webdataset", "dali-cpu", "dali-hybrid", "dali-gpu")
@@ -23,20 +27,38 @@ GPU_LOADERS = ("dali-hybrid", "dali-gpu")  # skipped where there is no GPU
 DALI_DEVICES = {"dali-cpu": "cpu", "dali-hybrid": "hybrid", "dali-gpu": "gpu"}
 
 
-def train_transform(image_size: int):
+# -- the augmentation: torchvision's and DALI's from the same AugmentConfig -----------------------------
+
+def train_transform(augment: AugmentConfig):
+    """What graphs.train_augment does, in torchvision, up to uint8 (TorchLoader normalises on the device)."""
     import torchvision.transforms as T
 
-    return T.Compose([T.RandomResizedCrop(image_size, antialias=True), T.RandomHorizontalFlip(), T.PILToTensor()])
+    steps = [T.RandomResizedCrop(augment.image_size, scale=augment.crop_scale, ratio=augment.crop_ratio,
+                                 antialias=True)]
+    if augment.flip:
+        steps.append(T.RandomHorizontalFlip())
+    return T.Compose(steps + [T.PILToTensor()])
 
+
+def dali_loader(shards: Path, split: str, batch_size: int, threads: int, device: str,
+                augment: AugmentConfig) -> Iterable:
+    # make_loader takes no crop_ratio, mean or std: its graph uses AugmentConfig's defaults, as `augment` does
+    return make_loader(shards, split, batch_size, device=device, image_size=augment.image_size,
+                       crop_scale=augment.crop_scale, flip=augment.flip, num_threads=threads, train=True,
+                       prefetch_queue_depth=2, dtype=torch.float16 if augment.fp16 else torch.float32,
+                       hw_decoder_load=augment.hw_decoder_load)
+
+
+# -- the torch side ------------------------------------------------------------------------------------
 
 class Normalize:
     """uint8 (B, 3, H, W) on the host -> normalised float on `device`: the copy is 4x smaller than a float
     batch and the arithmetic runs on the GPU when there is one."""
 
-    def __init__(self, device: torch.device, fp16: bool = False):
-        self.device, self.dtype = device, torch.float16 if fp16 else torch.float32
-        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-        self.std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
+    def __init__(self, device: torch.device, augment: AugmentConfig):
+        self.device, self.dtype = device, torch.float16 if augment.fp16 else torch.float32
+        self.mean = torch.tensor(augment.mean, device=device).view(1, 3, 1, 1) * 255
+        self.std = torch.tensor(augment.std, device=device).view(1, 3, 1, 1) * 255
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         images = images.to(self.device, non_blocking=True).float().sub_(self.mean).div_(self.std)
@@ -46,8 +68,8 @@ class Normalize:
 class TorchLoader:
     """A DataLoader of uint8 batches plus the device-side normalisation."""
 
-    def __init__(self, dataloader: torch.utils.data.DataLoader, device: torch.device, fp16: bool = False):
-        self.dataloader, self.normalize = dataloader, Normalize(device, fp16)
+    def __init__(self, dataloader: torch.utils.data.DataLoader, device: torch.device, augment: AugmentConfig):
+        self.dataloader, self.normalize = dataloader, Normalize(device, augment)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for images, labels in self.dataloader:
@@ -71,25 +93,25 @@ def upright_rgb(path: str):
         return ImageOps.exif_transpose(img).convert("RGB")
 
 
-def baseline_loader(imagefolder: Path, batch_size: int, image_size: int, workers: int, device: torch.device,
-                    fp16: bool = False) -> TorchLoader:
+def baseline_loader(imagefolder: Path, batch_size: int, workers: int, device: torch.device,
+                    augment: AugmentConfig) -> TorchLoader:
     """torchvision ImageFolder + DataLoader: PIL decodes every JPEG in full on the CPU."""
     from torchvision.datasets import ImageFolder
 
-    dataset = ImageFolder(str(imagefolder), transform=train_transform(image_size), loader=upright_rgb)
+    dataset = ImageFolder(str(imagefolder), transform=train_transform(augment), loader=upright_rgb)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
                                          **dataloader_options(workers, device))
-    return TorchLoader(loader, device, fp16)
+    return TorchLoader(loader, device, augment)
 
 
-def webdataset_loader(shards: Path, split: str, batch_size: int, image_size: int, workers: int,
-                      device: torch.device, fp16: bool = False) -> TorchLoader:
+def webdataset_loader(shards: Path, split: str, batch_size: int, workers: int, device: torch.device,
+                      augment: AugmentConfig) -> TorchLoader:
     """Plain webdataset over the same shards: sequential tar reads, PIL decode, same transform."""
     import webdataset as wds
 
     manifest = open_shard_folder(shards)
     urls = [manifest.shard_location(s) for s in manifest.split_info(split).shards]  # run_bench skips s3:// ones
-    transform = train_transform(image_size)
+    transform = train_transform(augment)
     dataset = (
         wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False, nodesplitter=wds.split_by_node)
         .shuffle(1000)
@@ -99,23 +121,18 @@ def webdataset_loader(shards: Path, split: str, batch_size: int, image_size: int
         .batched(batch_size, partial=False)
     )
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, **dataloader_options(workers, device))
-    return TorchLoader(loader, device, fp16)
-
-
-def dali_loader(shards: Path, split: str, batch_size: int, image_size: int, threads: int, device: str,
-                fp16: bool = False, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> Iterable:
-    return make_loader(shards, split, batch_size, device=device, image_size=image_size, num_threads=threads,
-                       train=True, prefetch_queue_depth=2, dtype=torch.float16 if fp16 else torch.float32,
-                       hw_decoder_load=hw_decoder_load)
+    return TorchLoader(loader, device, augment)
 
 
 def build_loader(name: str, *, imagefolder: Path, shards: Path, split: str, batch_size: int, image_size: int,
                  workers: int, device: torch.device, fp16: bool = False,
                  hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> Iterable:
+    """Loader `name`: RandomResizedCrop(image_size) + flip + normalise (AugmentConfig's ImageNet recipe)."""
+    augment = AugmentConfig(image_size=image_size, fp16=fp16, hw_decoder_load=hw_decoder_load)
     if name == "baseline":
-        return baseline_loader(imagefolder, batch_size, image_size, workers, device, fp16)
+        return baseline_loader(imagefolder, batch_size, workers, device, augment)
     if name == "webdataset":
-        return webdataset_loader(shards, split, batch_size, image_size, workers, device, fp16)
+        return webdataset_loader(shards, split, batch_size, workers, device, augment)
     if name in DALI_DEVICES:
-        return dali_loader(shards, split, batch_size, image_size, workers, DALI_DEVICES[name], fp16, hw_decoder_load)
+        return dali_loader(shards, split, batch_size, workers, DALI_DEVICES[name], augment)
     raise ValueError(f"unknown loader {name!r} (choose from {', '.join(LOADERS)})")

@@ -9,32 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
 import click
 
-from dalifeed.tools import ConvertConfig, convert_imagefolder
-from dalifeed.tools.sample_data import make_photos_imagefolder
-
 from . import convert_rate, stages
-from .cli import BenchConfig, render_table, run_bench, plot
+from .config import BenchConfig
+from .photos import build_data
+from .report import render_table, write_report
+from .run import run_bench
 
 BEGIN, END = "<!-- make-bench:begin -->", "<!-- make-bench:end -->"
-
-
-def build_data(workdir: Path, per_class: int, workers: int | None = None) -> tuple[Path, Path]:
-    """The ImageNet-like photo set in WORKDIR/photos and its shards in WORKDIR/photos-shards; `workers`
-    processes write the photos (default one) and convert them (default: the converter's, every core)."""
-    photos = make_photos_imagefolder(workdir / "photos", per_class=per_class, seed=0, workers=workers or 1)
-    shards = workdir / "photos-shards"
-    if shards.exists():
-        shutil.rmtree(shards)
-    # small shards so the webdataset baseline can spread them over its workers
-    convert_imagefolder(ConvertConfig(src=photos, out=shards, samples_per_shard=64, progress=False,
-                                      **({"workers": workers} if workers else {})))
-    return photos, shards
 
 
 def render(convert: dict, bench: dict, stage: dict[str, float], command: str) -> str:
@@ -102,9 +88,8 @@ def main(workdir: Path, doc: Path, per_class: int, seconds: float, repeats: int,
     cfg.validate()
     bench = run_bench(cfg, log=lambda msg: click.echo(msg, err=True))
     cfg.out.mkdir(parents=True, exist_ok=True)
-    (cfg.out / "bench.json").write_text(json.dumps(bench, indent=2) + "\n")
+    write_report(bench, cfg.out)
     (workdir / "convert_rate.json").write_text(json.dumps(convert, indent=2) + "\n")
-    plot(bench, cfg.out / "bench.png")
     click.echo(render_table(bench))
     click.echo("measuring the DALI pipeline stage by stage ...", err=True)
     stage = stages.stage_rates(shards, batch_size=cfg.batch_size, threads=cfg.workers, image_size=cfg.image_size,

@@ -1,15 +1,16 @@
-"""Timing a loader fairly: warm up, synchronise, time, repeat; CPU and memory of the whole process tree."""
+"""Timing a loader fairly: warm up, synchronise, time, repeat; CPU and memory of the whole process tree
+(sampler.ResourceSampler)."""
 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
-import psutil
 import torch
+
+from .sampler import ResourceSampler
 
 
 def synchronize(device: torch.device) -> None:
@@ -27,56 +28,6 @@ def forever(loader: Iterable) -> Iterator:
             yield batch
         if count == 0:
             raise RuntimeError("the loader yielded no batch in a whole epoch (fewer images than one batch?)")
-
-
-def process_tree() -> list[psutil.Process]:
-    me = psutil.Process()
-    return [me] + me.children(recursive=True)
-
-
-class ResourceMonitor:
-    """CPU seconds used by this process and its children (DataLoader workers) over a window, and the peak
-    resident memory of the tree, sampled every 100 ms."""
-
-    def __init__(self) -> None:
-        self.peak_rss = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _cpu_seconds(self) -> float:
-        # Workers that exited and were reaped inside the window (an epoch's non-persistent workers) are no
-        # longer in the tree; their time lives on in this process's children_* counters.
-        mine = psutil.Process().cpu_times()
-        total = mine.children_user + mine.children_system
-        for p in process_tree():
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            rss = 0
-            for p in process_tree():
-                try:
-                    rss += p.memory_info().rss
-                except psutil.Error:
-                    pass
-            self.peak_rss = max(self.peak_rss, rss)
-            self._stop.wait(0.1)
-
-    def __enter__(self) -> "ResourceMonitor":
-        self._cpu0, self._t0 = self._cpu_seconds(), time.perf_counter()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.cpu_seconds = self._cpu_seconds() - self._cpu0
-        self.wall_seconds = time.perf_counter() - self._t0
-        self._stop.set()
-        self._thread.join()
 
 
 @dataclass
@@ -100,7 +51,7 @@ def time_loader(loader: Iterable, device: torch.device, *, warmup_batches: int, 
         images, labels = next(stream)
     synchronize(device)
     rates = []
-    with ResourceMonitor() as monitor:
+    with ResourceSampler() as sampler:
         for _ in range(repeats):
             count, n_batches = 0, 0
             start = time.perf_counter()
@@ -115,8 +66,8 @@ def time_loader(loader: Iterable, device: torch.device, *, warmup_batches: int, 
             synchronize(device)
             rates.append(count / (time.perf_counter() - start))
     output = describe_batch(images)
-    cpu_percent = 100 * monitor.cpu_seconds / (monitor.wall_seconds * cores)
-    return Timing(rates, cpu_percent, monitor.peak_rss / 2**20, output)
+    cpu_percent = 100 * sampler.cpu_seconds / (sampler.wall_seconds * cores)
+    return Timing(rates, cpu_percent, sampler.peak("rss_bytes") / 2**20, output)
 
 
 def describe_batch(images) -> str:

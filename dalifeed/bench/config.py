@@ -1,0 +1,125 @@
+"""dali-bench's options: one dataclass, checked before anything is timed (`validate`: one line, exit 2)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dalifeed.cliutil import output_folder_problem
+from dalifeed.format import ManifestError
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+from dalifeed.runtime import usable_cores
+from dalifeed.shardfolder import open_shard_folder
+
+from .detection import DETECTION_LOADERS, same_coco_data_problem
+from .loaders import LOADERS
+from .same_data import same_data_problem
+
+
+class BenchUsageError(Exception):
+    """A bench that would measure nothing or something false: one line, exit 2."""
+
+
+@dataclass
+class BenchConfig:
+    imagefolder: Path | None
+    shards: Path | str  # a folder, or s3://bucket/prefix
+    task: str = "classify"  # classify | detection
+    images: Path | None = None  # detection: the COCO source the shards were made from
+    annotations: Path | None = None
+    out: Path = Path("build/bench")
+    loaders: list[str] = field(default_factory=lambda: list(LOADERS))
+    split: str = "train"
+    batch_size: int = 64
+    image_size: int = 224
+    seconds: float | None = 10.0
+    epochs: int | None = None  # instead of seconds: time whole passes over the split
+    repeats: int = 3
+    warmup_batches: int = 5
+    workers: int = field(default_factory=usable_cores)
+    model: str | None = None
+    model_steps: int = 20
+    amp: bool = True  # bf16 autocast for --model, on a GPU (on the CPU it would be emulated)
+    fp16: bool = False  # every loader hands out float16 batches (what an AMP model consumes)
+    hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # dali-gpu (both tasks): share of JPEGs for the hardware decoder
+    allow_different_data: bool = False
+
+    def validate(self) -> None:
+        if self.task not in ("classify", "detection"):
+            raise BenchUsageError(f"--task must be classify or detection, got {self.task!r}")
+        if self.task == "detection":
+            self.validate_detection_source()
+        elif self.imagefolder is None or not self.imagefolder.is_dir():
+            raise BenchUsageError(f"--imagefolder {self.imagefolder}: no such folder" if self.imagefolder else
+                                  "--imagefolder is required (the ImageFolder tree the shards were made from)")
+        try:
+            manifest = open_shard_folder(self.shards)
+        except ManifestError as e:
+            raise BenchUsageError(f"--shards: {e}") from None
+        if self.task == "classify" and manifest.kind == "coco":  # their samples hold label lists, not one class
+            raise BenchUsageError(f"--shards {self.shards} holds COCO shards: use --task detection (--task classify "
+                                  f"needs ImageFolder shards)")
+        if self.split not in manifest.splits:
+            raise BenchUsageError(f"--split {self.split}: --shards {self.shards} has no such split (has: "
+                                  f"{', '.join(manifest.splits)})")
+        known = DETECTION_LOADERS if self.task == "detection" else LOADERS
+        if self.task == "detection" and self.loaders == list(LOADERS):  # the default list: the detection ones
+            self.loaders = list(DETECTION_LOADERS)
+        if not self.loaders:
+            raise BenchUsageError(f"--loaders: none given (choose from {', '.join(known)})")
+        unknown = [name for name in self.loaders if name not in known]
+        if unknown:
+            raise BenchUsageError(f"--loaders: unknown {', '.join(unknown)} for --task {self.task} (choose from "
+                                  f"{', '.join(known)})")
+        if self.task == "detection" and self.model:
+            raise BenchUsageError("--model times classification models; it does not apply to --task detection")
+        for name, value in (("--batch-size", self.batch_size), ("--repeats", self.repeats),
+                            ("--workers", self.workers), ("--image-size", self.image_size),
+                            ("--epochs", 1 if self.epochs is None else self.epochs),
+                            ("--model-steps", self.model_steps)):
+            if value < 1:
+                raise BenchUsageError(f"{name} must be >= 1, got {value}")
+        if self.seconds is not None and not self.seconds > 0:
+            raise BenchUsageError(f"--seconds must be > 0, got {self.seconds}")
+        if self.warmup_batches < 0:
+            raise BenchUsageError(f"--warmup must be >= 0, got {self.warmup_batches}")
+        problem = output_folder_problem("--out", self.out)
+        if problem:
+            raise BenchUsageError(problem)
+        if self.model:
+            self.check_model()
+        if not 0 <= self.hw_decoder_load <= 1:
+            raise BenchUsageError(f"--hw-decoder-load must be in [0, 1], got {self.hw_decoder_load}")
+        if self.task == "detection" and self.fp16:
+            raise BenchUsageError("--fp16 applies to --task classify (the detection loaders hand out float32 lists)")
+        images = manifest.num_samples(self.split)
+        if images < self.batch_size:  # the torch loaders drop partial batches: they would never yield one
+            raise BenchUsageError(f"--shards split {self.split!r} holds {images} images, fewer than one batch of "
+                                  f"--batch-size {self.batch_size}: use --batch-size {images} or less, or more images")
+        if self.task == "detection":
+            problem = same_coco_data_problem(self.images, self.annotations, manifest, self.split)
+        else:
+            problem = same_data_problem(self.imagefolder, manifest, self.split)
+        if problem and not self.allow_different_data:
+            raise BenchUsageError(f"not the same data, so the race would compare nothing: {problem}; point both at "
+                                  f"the same images (or pass --allow-different-data)")
+
+    def check_model(self) -> None:
+        """--model exists and takes --image-size in batches of --batch-size: checked on the meta device before any
+        loader is timed."""
+        from dalifeed.train.models import ModelError, check_input_size
+
+        try:
+            check_input_size(self.model, self.image_size, batch_size=self.batch_size)
+        except ModelError as e:
+            raise BenchUsageError(str(e)) from None
+
+    def validate_detection_source(self) -> None:
+        for name, path in (("--images", self.images), ("--annotations", self.annotations)):
+            if path is None:
+                raise BenchUsageError(f"--task detection needs {name} (the COCO data the shards were made from)")
+            if not path.exists():
+                raise BenchUsageError(f"{name} {path}: does not exist")
+
+    def to_json(self) -> dict:
+        return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self).items()}

@@ -1,0 +1,150 @@
+"""dali-bench's race: time every loader on the same data (and, with a model, training fed by each), and
+return the JSON-ready report that `report.py` renders and the CLI writes."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dalifeed.runtime import usable_cores
+from dalifeed.s3 import is_s3_url
+from dalifeed.shardfolder import open_shard_folder
+
+from .config import BenchConfig
+from .detection import build_detection_loader
+from .loaders import GPU_LOADERS, build_loader
+from .measure import forever, synthetic_batches, time_loader, train_steps_per_s
+
+
+def environment() -> dict:
+    """Versions, cores, CPU and GPU of this machine: every report carries them."""
+    import nvidia.dali
+    import torchvision
+    import webdataset
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    cpu = platform.processor() or "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "python": platform.python_version(), "torch": torch.__version__, "torchvision": torchvision.__version__,
+        "dali": nvidia.dali.__version__, "webdataset": getattr(webdataset, "__version__", "?"),
+        "cores": usable_cores(), "cpu": cpu, "gpu": gpu, "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def run_bench(cfg: BenchConfig, log=print) -> dict:
+    """Time every loader (and, with a model, training fed by it); returns the JSON-ready report."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    images = open_shard_folder(cfg.shards).num_samples(cfg.split)
+    batches = max(1, cfg.epochs * images // cfg.batch_size) if cfg.epochs else None
+    records, model_records = [], {}
+    for name in cfg.loaders:
+        skipped = skip_reason(cfg, name, device)
+        if skipped:
+            log(f"{name}: {skipped}")
+            continue
+        window = f"{cfg.epochs} epoch(s)" if batches else f"{cfg.seconds:g} s"
+        eta = f" (about {cfg.repeats * cfg.seconds + 5:.0f} s)" if not batches else ""
+        log(f"{name}: warming up, then {cfg.repeats} x {window}{eta} ...")
+        loader = bench_loader(cfg, name, device)
+        timing = time_loader(loader, device, warmup_batches=cfg.warmup_batches, seconds=None if batches else cfg.seconds,
+                             batches=batches, repeats=cfg.repeats, cores=usable_cores())
+        record = {"loader": name, "images_per_s": timing.median, "images_per_s_runs": timing.images_per_s,
+                  "cpu_percent": timing.cpu_percent, "peak_rss_mb": timing.peak_rss_mb, "output": timing.output}
+        log(f"{name}: {timing.median:.0f} images/s (runs: {', '.join(f'{r:.0f}' for r in timing.images_per_s)})")
+        if cfg.model:
+            record.update(measure_model(cfg, loader, device, model_records, log, name))
+        records.append(record)
+        del loader
+    base = next((r["images_per_s"] for r in records if r["loader"] == "baseline"), None)
+    for r in records:
+        r["speedup_vs_baseline"] = r["images_per_s"] / base if base else None
+    return {"config": cfg.to_json(), "environment": environment(), "dataset": dataset_of(cfg, images),
+            "results": records, "synthetic": model_records.get("synthetic")}
+
+
+def skip_reason(cfg: BenchConfig, name: str, device: torch.device) -> str | None:
+    """Why loader `name` cannot run here (said in the log, left out of the report), or None."""
+    if name in GPU_LOADERS and device.type != "cuda":
+        return "skipped (no GPU)"
+    if name == "webdataset" and is_s3_url(cfg.shards):
+        return "skipped (plain webdataset reads s3:// only through a pipe: command; not measured)"
+    return None
+
+
+def bench_loader(cfg: BenchConfig, name: str, device: torch.device):
+    """Loader `name` of cfg.task, handing out batches on `device`."""
+    if cfg.task == "detection":
+        return build_detection_loader(name, images=cfg.images, annotations=cfg.annotations, shards=cfg.shards,
+                                      split=cfg.split, batch_size=cfg.batch_size, image_size=cfg.image_size,
+                                      workers=cfg.workers, device=device, hw_decoder_load=cfg.hw_decoder_load)
+    return on_device(build_loader(name, imagefolder=cfg.imagefolder, shards=cfg.shards, split=cfg.split,
+                                  batch_size=cfg.batch_size, image_size=cfg.image_size, workers=cfg.workers,
+                                  device=device, fp16=cfg.fp16, hw_decoder_load=cfg.hw_decoder_load), device)
+
+
+def dataset_of(cfg: BenchConfig, images: int) -> dict:
+    manifest = open_shard_folder(cfg.shards)
+    name = f"COCO {cfg.split}" if manifest.kind == "coco" else Path(manifest.source).name or str(manifest.source)
+    return {"name": name, "task": cfg.task, "split": cfg.split, "images": images,
+            "classes": manifest.num_classes}
+
+
+class on_device:
+    """Batches moved to the model's device (a no-op where they already are)."""
+
+    def __init__(self, loader, device: torch.device):
+        self.loader, self.device = loader, device
+
+    def __iter__(self):
+        for images, labels in self.loader:
+            yield images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+
+
+def measure_model(cfg: BenchConfig, loader, device: torch.device, cache: dict, log, name: str) -> dict:
+    """Train steps/s fed by `loader`, against the same model fed one synthetic on-device batch. Long on a
+    CPU: says how long after the first step, and shows a progress bar where someone watches."""
+    from dalifeed.train.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(cfg.model, 1000, image_size=cfg.image_size).to(device).train()  # as dali-train builds it
+    stream = forever(loader)
+    warmup = 3
+    if "synthetic" not in cache:
+        batch = next(stream)
+        rate, _ = train_steps_per_s(model, synthetic_batches(batch), device, cfg.model_steps, warmup, cfg.amp,
+                                    progress=StepProgress(f"{cfg.model} on synthetic data", log))
+        cache["synthetic"] = {"model": cfg.model, "steps_per_s": rate, "images_per_s": rate * cfg.batch_size}
+    rate, waited = train_steps_per_s(model, stream, device, cfg.model_steps, warmup, cfg.amp,
+                                     progress=StepProgress(f"{cfg.model} fed by {name}", log))
+    synthetic = cache["synthetic"]["steps_per_s"]
+    log(f"{name}: {cfg.model} at {rate:.2f} steps/s, {rate / synthetic:.0%} of synthetic, data wait {waited:.0%}")
+    return {"train_steps_per_s": rate, "train_vs_synthetic": rate / synthetic, "data_wait_share": waited}
+
+
+class StepProgress:
+    """Progress of timed training steps: after the first, one line with the estimated time left (for logs),
+    and a tqdm bar with its own ETA when stderr is a terminal."""
+
+    def __init__(self, what: str, log):
+        self.what, self.log, self.bar, self.started = what, log, None, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if done == 0:
+            self.started = time.perf_counter()
+            self.bar = tqdm(total=total, desc=self.what, unit="step", leave=False, disable=not sys.stderr.isatty())
+            return
+        self.bar.update(1)
+        if done == 1:
+            per_step = time.perf_counter() - self.started
+            self.log(f"{self.what}: {total} steps, about {per_step * (total - 1):.0f} s more at {per_step:.1f} s a step")
+        if done == total:
+            self.bar.close()
