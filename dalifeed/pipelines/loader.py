@@ -148,7 +148,8 @@ class DaliLoader:
 
     def _pipeline(self, tars: list[str], indexes: list[str], **pipeline_args):
         return shard_pipeline(tars, indexes, self.augment, self.train, self.device,
-                              multilabel_classes=self.multilabel_classes, **pipeline_args)
+                              multilabel_classes=self.multilabel_classes,
+                              text_label=self.manifest.dali_text_label, **pipeline_args)
 
     def pipeline(self, checkpoint: str | None = None):
         """The DALI pipeline of the current epoch, defined but not built (building is what needs the GPU:

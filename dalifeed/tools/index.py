@@ -1,0 +1,470 @@
+"""`shard-convert index`: adopt WebDataset tars that dalifeed did not write, in place, without changing a byte
+of them (docs/format.md, "Shards from elsewhere").
+
+Every tar is read once. Its samples are grouped as webdataset and DALI's `wds2idx` group them (consecutive
+members sharing the name up to the first dot after the last slash); each sample is kept or left out with a
+reason (no image, no label, an image not every decoder reads alike, a duplicate key, a key split across two
+tars); the DALI index written beside the tar lists the kept samples only, which is how the left-out ones stay
+out of training without touching the tar. The manifest (kind `webdataset`) is written last.
+
+How DALI gets the label without a binary member (DALI returns raw bytes, and a `.cls` is ASCII):
+
+- `.cls` labels (webdataset's convention, ASCII decimal): the index lists the `.cls` member as it is (its
+  line is the one `wds2idx` writes; trailing whitespace is cut off by the size) and the graph turns the
+  ASCII digits into an int64 (`dalifeed.pipelines.textlabels`).
+- any other label (a key of the `.json`, a class name in a `.txt`): the index gives each kept sample one
+  more, empty, component `dalifeed.label` whose name field ends in the class index as ten digits; DALI
+  reports a component's index name as the end of its `source_info`, and the graph parses those digits.
+  Nothing is read from the tar for it. (DALI 2.4 refuses index offsets that are not multiples of 512, so
+  the index cannot point at a value inside a `.json`.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tarfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..atomic import write_atomic
+from ..format import INDEX_VERSION, ShardInfo, ShardManifest, SplitInfo
+from .images import DEFAULT_MAX_PIXELS, read_jpeg_frame, sniff_format
+
+KIND = "webdataset"
+IMAGE_EXTS = ("jpg", "jpeg")  # the first of these a sample has is its image; DALI reads it as `jpg`
+NAME_LABEL_EXT = "dalifeed.label"  # the empty index component whose name carries the label (module docstring)
+LABEL_DIGITS = 10  # width of the decimal label in that name, and the longest `.cls` text the graph parses
+# `train-000000.tar`, `val_00012.tar`: split prefix, separator, shard number. `00000.tar` (img2dataset) has none.
+SHARD_NAME = re.compile(r"^(?P<split>.*?)[-_]?(?P<number>\d+)\.tar$")
+SPLIT_NAMES = {"train": "train", "training": "train",
+               "val": "val", "valid": "val", "validation": "val", "dev": "val", "eval": "val", "evaluation": "val",
+               "test": "test", "testing": "test"}
+DEFAULT_SPLIT = "train"  # of tars whose names carry no split prefix
+
+
+class IndexError_(Exception):
+    """A usage error of `shard-convert index` (exit 2): a bad folder, option or classes file."""
+
+
+class IndexDataError(Exception):
+    """The tars cannot be indexed (exit 1): unreadable, or not one usable sample."""
+
+
+@dataclass
+class IndexConfig:
+    src: Path
+    split: str | None = None  # every tar is of this split; default: from each file name's prefix
+    label_member: str = "cls"  # the member the label is read from: cls (ASCII int), json (with label_key), txt
+    label_key: str | None = None  # with label_member json: the key holding the label (an int, or a class name)
+    classes_file: Path | None = None  # one class name a line; line i is class i
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    def __post_init__(self) -> None:
+        self.src = Path(self.src)
+        if not self.src.is_dir():
+            raise IndexError_(f"{self.src}: no such folder")
+        if self.label_member == "json" and not self.label_key:
+            raise IndexError_("--label-member json needs --label-key (the key of the .json holding the label)")
+        if self.label_member != "json" and self.label_key:
+            raise IndexError_(f"--label-key applies to --label-member json, not {self.label_member}")
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.label_member):
+            raise IndexError_(f"--label-member {self.label_member!r}: not a member extension")
+        if self.classes_file is not None and not Path(self.classes_file).is_file():
+            raise IndexError_(f"--classes-file {self.classes_file}: no such file")
+
+    @property
+    def label_from_member(self) -> bool:
+        """Whether DALI reads the label's ASCII digits from the `.cls` member itself (else from the index)."""
+        return self.label_member == "cls"
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        return {**doc, "src": str(self.src), "classes_file": str(self.classes_file) if self.classes_file else None}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading a tar: members -> samples, as wds2idx groups them
+
+
+@dataclass
+class Member:
+    ext: str
+    offset: int  # of the data, in the tar
+    size: int
+    name: str
+
+
+@dataclass
+class Sample:
+    key: str
+    members: list[Member] = field(default_factory=list)
+    data: dict[str, bytes] = field(default_factory=dict)  # the members we read: image header, label sources
+    reason: str | None = None  # why it is left out, or None
+    label: int | str | None = None  # an int (class index) or a class name, before classes are known
+    label_size: int | None = None  # `.cls` labels: the digits' length (whitespace after them cut off)
+
+    def ext_counts(self) -> Counter:
+        return Counter(m.ext for m in self.members)
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """(key, extension) as wds2idx splits a member name: at the first dot after the last slash."""
+    dot = name.find(".", name.rfind("/") + 1)
+    return (name, "") if dot < 0 else (name[:dot], name[dot + 1:])
+
+
+def read_tar_samples(tar: Path, wanted: set[str]) -> list[Sample]:
+    """The samples of `tar` in order, with the bytes of the members named in `wanted` (the rest are only
+    listed). Raises IndexDataError naming the tar if it cannot be read to its end."""
+    samples: list[Sample] = []
+    try:
+        with tarfile.open(tar, "r:") as archive:
+            for info in archive:
+                if not info.isreg():
+                    continue
+                key, ext = split_name(info.name)
+                if not key or key.endswith("/"):  # hidden files, as wds2idx skips them
+                    continue
+                if not samples or samples[-1].key != key:
+                    samples.append(Sample(key))
+                sample = samples[-1]
+                sample.members.append(Member(ext, info.offset_data, info.size, info.name))
+                if ext in wanted and ext not in sample.data:
+                    data = archive.extractfile(info).read()
+                    if len(data) != info.size:
+                        raise EOFError(f"member {info.name} is cut short")
+                    sample.data[ext] = data
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise IndexDataError(f"{tar}: unreadable tar ({e})") from None
+    return samples
+
+
+def wds2idx_line(sample: Sample) -> str:
+    """The sample's line as DALI's wds2idx writes it."""
+    return " ".join(f"{m.ext} {m.offset} {m.size} {m.name}" for m in sample.members)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Judging a sample: image, label
+
+
+def image_member(sample: Sample) -> Member | None:
+    return next((m for m in sample.members if m.ext in IMAGE_EXTS), None)
+
+
+def image_problem(sample: Sample, max_pixels: int) -> str | None:
+    """Why the sample's image is left out (the conversion's header rule, docs/format.md), or None."""
+    member = image_member(sample)
+    if member is None:
+        others = ", ".join(sorted({"." + m.ext for m in sample.members}))
+        return f"no image: no .jpg or .jpeg member (has {others})"
+    data = sample.data[member.ext]
+    frame = read_jpeg_frame(data)
+    if frame is None:
+        what = sniff_format(data)
+        return f"image not a JPEG: .{member.ext} is {what or 'no image format'} (shard-convert imagefolder " \
+               f"re-encodes these; index keeps the tars as they are)"
+    reason = frame.reencode_reason()
+    if reason is not None:
+        return f"image {reason}: .{member.ext} is a {frame.describe()}, which not every decoder reads alike"
+    if frame.width * frame.height > max_pixels:
+        return f"image larger than --max-pixels {max_pixels} ({frame.width}x{frame.height})"
+    if sum(m.ext == member.ext for m in sample.members) > 1:
+        return f"image twice: two .{member.ext} members"
+    return None
+
+
+def read_label(sample: Sample, cfg: IndexConfig) -> tuple[int | str | None, str | None]:
+    """(the label as stored: an int or a class name, None) or (None, why it cannot be read)."""
+    ext = cfg.label_member
+    if ext not in sample.data:
+        return None, f"no label: no .{ext} member"
+    try:
+        text = sample.data[ext].decode("utf-8")
+    except UnicodeDecodeError:
+        return None, f"label unreadable: .{ext} is not UTF-8 text"
+    if ext == "json":
+        try:
+            doc = json.loads(text)
+        except ValueError as e:
+            return None, f"label unreadable: .json is not JSON ({e})"
+        if not isinstance(doc, dict) or cfg.label_key not in doc:
+            return None, f"no label: .json has no key {cfg.label_key!r}"
+        value = doc[cfg.label_key]
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            return None, f"label unreadable: .json {cfg.label_key!r} is {type(value).__name__} {value!r:.40}"
+        if isinstance(value, int) and value < 0:
+            return None, f"label unreadable: .json {cfg.label_key!r} is {value}, negative"
+        return (value.strip() if isinstance(value, str) else value), None
+    if ext == "cls":
+        digits = text.rstrip()
+        if not re.fullmatch(r"[0-9]{1,%d}" % LABEL_DIGITS, digits):
+            return None, f"label unreadable: .cls is {text[:40]!r}, not a decimal integer (webdataset's convention)"
+        sample.label_size = len(digits.encode())
+        return int(digits), None
+    name = text.strip()
+    return (name, None) if name else (None, f"no label: .{ext} is empty")
+
+
+def judge(sample: Sample, cfg: IndexConfig) -> None:
+    """Set the sample's label, or its reason to be left out."""
+    reason = image_problem(sample, cfg.max_pixels)
+    if reason is None:
+        label, reason = read_label(sample, cfg)
+        sample.label = label
+    sample.reason = reason
+
+
+# ----------------------------------------------------------------------------------------------------
+# Splits, tars, keys across tars
+
+
+def split_of(path: Path, forced: str | None) -> str:
+    if forced:
+        return forced
+    match = SHARD_NAME.match(path.name)
+    prefix = match.group("split") if match else path.stem
+    if not prefix:
+        return DEFAULT_SPLIT
+    return SPLIT_NAMES.get(prefix.lower(), prefix)
+
+
+def find_tars(src: Path, forced_split: str | None) -> dict[str, list[Path]]:
+    """The tars directly in `src`, by split, each in name order (zero-padded numbers sort alike)."""
+    tars = sorted(p for p in src.iterdir() if p.suffix == ".tar" and p.is_file() and not p.name.startswith("."))
+    if not tars:
+        raise IndexError_(f"{src}: no .tar files in it")
+    splits: dict[str, list[Path]] = {}
+    for tar in tars:
+        splits.setdefault(split_of(tar, forced_split), []).append(tar)
+    return splits
+
+
+def mark_keys_across_tars(per_tar: list[tuple[Path, list[Sample]]]) -> None:
+    """Leave out every sample whose key also appears elsewhere in the split: a key at the end of one tar and
+    the start of the next is a sample split across them; any other repeat is a duplicate key. All its
+    occurrences are left out: which one is right cannot be told."""
+    where: dict[str, list[tuple[int, int]]] = {}
+    for t, (_, samples) in enumerate(per_tar):
+        for s, sample in enumerate(samples):
+            where.setdefault(sample.key, []).append((t, s))
+    for key, places in where.items():
+        if len(places) < 2:
+            continue
+        names = [per_tar[t][0].name for t, _ in places]
+        split_across = len(places) == 2 and places[1][0] == places[0][0] + 1 and places[1][1] == 0 and \
+            places[0][1] == len(per_tar[places[0][0]][1]) - 1
+        for t, s in places:
+            if split_across:
+                reason = f"key split across tars: its members are in {names[0]} and {names[1]}"
+            else:
+                reason = f"duplicate key: {len(places)} samples named {key} (in {', '.join(sorted(set(names)))})"
+            per_tar[t][1][s].reason = reason
+
+
+# ----------------------------------------------------------------------------------------------------
+# Classes
+
+
+def read_classes_file(path: Path) -> list[str]:
+    names = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    names = [n for n in names if n]
+    if not names:
+        raise IndexError_(f"--classes-file {path}: no class names in it")
+    dupes = sorted(n for n, c in Counter(names).items() if c > 1)
+    if dupes:
+        raise IndexError_(f"--classes-file {path}: class {dupes[0]!r} appears twice")
+    return names
+
+
+def decide_classes(labels: list[int | str], classes_file: Path | None) -> list[str]:
+    """Class i's name: line i of the classes file; else, for integer labels, the integers 0..max; else the
+    class names seen, sorted as ImageFolder sorts its folders."""
+    if classes_file is not None:
+        return read_classes_file(classes_file)
+    ints = [v for v in labels if isinstance(v, int)]
+    names = sorted({v for v in labels if isinstance(v, str)})
+    if ints and names:
+        raise IndexDataError(f"labels are both integers ({ints[0]}) and class names ({names[0]!r}): give "
+                             f"--classes-file to name the integers' classes")
+    return [str(i) for i in range(max(ints) + 1)] if ints else names
+
+
+def class_index(label: int | str, classes: list[str], lookup: dict[str, int]) -> tuple[int | None, str | None]:
+    if isinstance(label, int):
+        if label >= len(classes):
+            return None, f"label out of range: {label}, the classes are 0..{len(classes) - 1}"
+        return label, None
+    if label not in lookup:
+        return None, f"label not a class: {label[:60]!r} is not in the classes file"
+    return lookup[label], None
+
+
+# ----------------------------------------------------------------------------------------------------
+# The index lines
+
+
+def index_line(sample: Sample, cfg: IndexConfig) -> str:
+    """The kept sample's DALI index line: wds2idx's, with the image member's extension read as `jpg`, a
+    `.cls` cut to its digits, or one more empty component whose name ends in the class index."""
+    image = image_member(sample)
+    parts = []
+    for m in sample.members:
+        ext, size = m.ext, m.size
+        if m is image:
+            ext = "jpg"
+        elif m.ext == "jpg":
+            continue  # not the image (a .jpeg is): DALI would see two `jpg` components
+        if cfg.label_from_member and m.ext == "cls" and sample.label_size is not None:
+            size = sample.label_size
+        parts.append(f"{ext} {m.offset} {size} {m.name}")
+    if not cfg.label_from_member:
+        parts.append(f"{NAME_LABEL_EXT} {image.offset} 0 {sample.key}.label-{sample.label:0{LABEL_DIGITS}d}")
+    return " ".join(parts)
+
+
+def index_text(samples: list[Sample], cfg: IndexConfig) -> str:
+    kept = [s for s in samples if s.reason is None]
+    return f"{INDEX_VERSION} {len(kept)}\n" + "".join(index_line(s, cfg) + "\n" for s in kept)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The whole folder
+
+
+@dataclass
+class IndexSummary:
+    samples: int
+    left_out: int
+    shards: int
+    splits: dict[str, int]
+
+    def describe(self, manifest: ShardManifest) -> str:
+        reasons = Counter(e["reason"].split(":")[0] for e in manifest.skipped)
+        why = "; ".join(f"{n} {r}" for r, n in reasons.most_common()) or "none"
+        splits = ", ".join(f"{name} {n}" for name, n in self.splits.items())
+        return (f"Indexed {self.samples} of {manifest.found} samples in {self.shards} tars ({splits}), "
+                f"{len(manifest.classes)} classes; left out {self.left_out} ({why}). The tars are unchanged; "
+                f"manifest: {manifest.root / 'manifest.json'}.")
+
+
+def scan_split(tars: list[Path], cfg: IndexConfig) -> list[tuple[Path, list[Sample]]]:
+    wanted = set(IMAGE_EXTS) | {cfg.label_member}
+    per_tar = [(tar, read_tar_samples(tar, wanted)) for tar in tars]
+    for _, samples in per_tar:
+        for sample in samples:
+            judge(sample, cfg)
+    mark_keys_across_tars(per_tar)
+    return per_tar
+
+
+def index_folder(cfg: IndexConfig) -> ShardManifest:
+    """Index every tar of `cfg.src` in place and write its manifest (last). The tars are only read."""
+    scanned = {split: scan_split(tars, cfg) for split, tars in find_tars(cfg.src, cfg.split).items()}
+    every = [s for per_tar in scanned.values() for _, samples in per_tar for s in samples]
+    classes = decide_classes([s.label for s in every if s.reason is None], cfg.classes_file)
+    lookup = {name: i for i, name in enumerate(classes)}
+    for sample in every:
+        if sample.reason is None:
+            sample.label, sample.reason = class_index(sample.label, classes, lookup)
+    if not any(s.reason is None for s in every):
+        reasons = Counter(s.reason.split(":")[0] for s in every)
+        raise IndexDataError(f"{cfg.src}: no sample can be trained on: {len(every)} found, all left out ("
+                             + "; ".join(f"{n} {r}" for r, n in reasons.most_common()) + ")")
+    splits, skipped, warnings, extensions = {}, [], [], {}
+    for split, per_tar in scanned.items():
+        info = SplitInfo(class_counts=[0] * len(classes))
+        for tar, samples in per_tar:
+            skipped += [{"path": f"{tar.name}:{s.key}", "reason": s.reason} for s in samples if s.reason]
+            extensions[tar.name] = dict(sorted(sum((s.ext_counts() for s in samples), Counter()).items()))
+            kept = [s for s in samples if s.reason is None]
+            if not kept:  # DALI refuses an index without samples
+                warnings.append(f"{tar.name}: no sample kept, left out of split {split!r}")
+                continue
+            for s in kept:
+                info.class_counts[s.label] += 1
+            info.shards.append(write_index(tar, index_text(samples, cfg)))
+        if info.shards:
+            splits[split] = info
+    manifest = ShardManifest(
+        root=cfg.src, kind=KIND, source=str(cfg.src.resolve()), options=cfg.to_json(), classes=classes,
+        splits=splits, skipped=skipped, found=len(every), warnings=warnings,
+        extra={"webdataset": {"label": {"member": cfg.label_member, "key": cfg.label_key,
+                                        "dali": dali_label(cfg)},
+                              "extensions": extensions}},
+    )
+    manifest.save()
+    manifest.summary = IndexSummary(sum(i.samples for i in splits.values()), len(skipped),
+                                    sum(len(i.shards) for i in splits.values()),
+                                    {name: i.samples for name, i in splits.items()})
+    return manifest
+
+
+def dali_label(cfg: IndexConfig) -> dict:
+    """How the graph reads the label (`dalifeed.pipelines.textlabels`): the `.cls` member's ASCII digits, or
+    the digits at the end of the `dalifeed.label` component's index name."""
+    if cfg.label_from_member:
+        return {"ext": "cls", "from": "member"}
+    return {"ext": NAME_LABEL_EXT, "from": "name", "digits": LABEL_DIGITS}
+
+
+def write_index(tar: Path, text: str) -> ShardInfo:
+    """Write the tar's index beside it (`NAME.idx`) and describe both; the tar is read, never written."""
+    idx = tar.with_suffix(".idx")
+    data = text.encode()
+    write_atomic(idx, data)
+    return ShardInfo(tar.name, idx.name, int(text.split(None, 2)[1]), tar.stat().st_size, sha256_of(tar),
+                     hashlib.sha256(data).hexdigest())
+
+
+def sha256_of(path: Path) -> str:
+    from ..format import file_sha256
+
+    return file_sha256(path)
+
+
+def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None) -> list[str]:
+    """Problems of an indexed folder, one line each: every tar's size and sha256 against the manifest (a tar
+    changed since it was indexed), and every index against the one `index` writes now with the manifest's
+    options (each split's tars are read once)."""
+    opts = manifest.options
+    cfg = IndexConfig(manifest.root, opts.get("split"), opts.get("label_member", "cls"), opts.get("label_key"),
+                      None, opts.get("max_pixels") or DEFAULT_MAX_PIXELS)
+    lookup = {name: i for i, name in enumerate(manifest.classes)}
+    problems: list[str] = []
+    for info in manifest.splits.values():
+        sound = []
+        for shard in info.shards:
+            found = tar_problems(manifest.root, shard)
+            problems += found
+            if not found:
+                sound.append(shard)
+        for tar, samples in scan_split([manifest.root / s.path for s in sound], cfg):
+            for sample in samples:
+                if sample.reason is None:
+                    sample.label, sample.reason = class_index(sample.label, manifest.classes, lookup)
+            idx = tar.with_suffix(".idx")
+            if not idx.is_file():
+                problems.append(f"{idx}: missing (shard-convert index {manifest.root} writes it)")
+            elif idx.read_text() != index_text(samples, cfg):
+                problems.append(f"{idx}: not the index of {tar.name} (index the folder again: shard-convert index "
+                                f"{manifest.root})")
+            on_shard()
+    return problems
+
+
+def tar_problems(root: Path, shard: ShardInfo) -> list[str]:
+    tar = root / shard.path
+    if not tar.is_file():
+        return [f"{tar}: missing"]
+    size = tar.stat().st_size
+    if size != shard.bytes:
+        return [f"{tar}: {size} bytes, the manifest says {shard.bytes} (changed since it was indexed: "
+                f"shard-convert index {root} again)"]
+    if sha256_of(tar) != shard.sha256:
+        return [f"{tar}: sha256 differs from the manifest (changed since it was indexed: shard-convert index "
+                f"{root} again)"]
+    return []

@@ -1,0 +1,199 @@
+"""`shard-convert index`: WebDataset tars written by webdataset's ShardWriter and an img2dataset-like layout,
+adopted in place (tars byte for byte unchanged), read by the real DALI loader, plus every bad case."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from dalifeed.format import ShardManifest, file_sha256
+from dalifeed.tools.index import IndexConfig, IndexDataError, IndexError_, index_folder
+from dalifeed.tools.verify import verify_shards
+from helpers import jpeg_bytes, png_bytes
+
+VENV_BIN = Path(sys.executable).parent
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+def solid(label: int, size=(20, 24)) -> bytes:
+    """A JPEG whose mean red level encodes the label (8 classes at most): the DALI output can be checked."""
+    return jpeg_bytes(np.full((*size, 3), (label * 30 + 10, 128, 40), np.uint8), quality=95)
+
+
+def write_shardwriter(root: Path, split: str, n: int, per_shard: int, seed: int = 0, classes: int = 3) -> list[int]:
+    """Shards as webdataset's ShardWriter writes them: keys `000123`, members jpg + cls (its int encoder)."""
+    root.mkdir(parents=True, exist_ok=True)
+    labels = [int(x) for x in np.random.default_rng(seed).integers(0, classes, n)]
+    with wds.ShardWriter(str(root / f"{split}-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for i, label in enumerate(labels):
+            sink.write({"__key__": f"{i:06d}", "jpg": solid(label), "cls": label})
+    return labels
+
+
+def add_member(tar, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def tree_sha256(root: Path) -> dict[str, str]:
+    return {p.name: file_sha256(p) for p in sorted(root.glob("*.tar"))}
+
+
+def wds2idx(tar: Path, out: Path) -> str:
+    subprocess.run([str(VENV_BIN / "wds2idx"), str(tar), str(out)], check=True, capture_output=True,
+                   env={**ENV, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"})
+    return out.read_text()
+
+
+def loader_labels_and_red(root: Path, split: str, batch: int, train: bool = False) -> tuple[list[int], list[int]]:
+    from dalifeed.pipelines import make_loader
+
+    loader = make_loader(root, split, batch, device="cpu", image_size=16, train=train, num_threads=1,
+                         initial_fill=8)
+    labels, reds = [], []
+    for images, target in loader:
+        labels += target.tolist()
+        # undo the normalisation of the red channel: mean level of the image
+        red = images[:, 0].mean(dim=(1, 2)) * 0.229 * 255 + 0.485 * 255
+        reds += [round((float(r) - 10) / 30) for r in red]
+    return labels, reds
+
+
+def test_shardwriter_tars_index_like_wds2idx_and_train_unchanged(tmp_path):
+    labels = write_shardwriter(tmp_path / "ds", "train", 23, per_shard=10)
+    write_shardwriter(tmp_path / "ds", "val", 7, per_shard=10, seed=1)
+    before = tree_sha256(tmp_path / "ds")
+    manifest = index_folder(IndexConfig(tmp_path / "ds"))
+    assert tree_sha256(tmp_path / "ds") == before  # not a byte of a tar changed
+    assert manifest.kind == "webdataset" and manifest.classes == ["0", "1", "2"]
+    assert {name: info.samples for name, info in manifest.splits.items()} == {"train": 23, "val": 7}
+    assert [s.samples for s in manifest.splits["train"].shards] == [10, 10, 3]
+    for tar in sorted((tmp_path / "ds").glob("*.tar")):  # DALI's own tool writes the same index
+        assert tar.with_suffix(".idx").read_text() == wds2idx(tar, tmp_path / "ref.idx")
+    assert manifest.splits["train"].class_counts == [labels.count(c) for c in range(3)]
+    assert manifest.skipped == [] and manifest.found == 30
+    assert verify_shards(tmp_path / "ds").problems == []
+    got, reds = loader_labels_and_red(tmp_path / "ds", "train", 5)
+    assert sorted(got) == sorted(labels) and got == reds  # each label arrives with its own image
+
+
+def test_img2dataset_layout_json_label_and_bad_samples(tmp_path):
+    """`00000.tar` with .jpg/.txt/.json (img2dataset), label under a .json key; every bad case is left out
+    with its reason, the rest train."""
+    root = tmp_path / "i2d"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    good = {}
+    with tarfile.open(root / "00000.tar", "w") as tar:
+        for i in range(9):
+            key, label = f"{i:09d}", i % 3
+            good[key] = label
+            add_member(tar, f"{key}.jpg", solid(label))
+            add_member(tar, f"{key}.txt", f"a photo number {i}".encode())
+            add_member(tar, f"{key}.json", json.dumps({"url": "http://x", "label": label, "key": key}).encode())
+        add_member(tar, "000000100.txt", b"no image")  # no image
+        add_member(tar, "000000100.json", b'{"label": 1}')
+        add_member(tar, "000000101.jpg", solid(1))  # no label key
+        add_member(tar, "000000101.json", b'{"caption": "x"}')
+        add_member(tar, "000000102.jpg", png_bytes(Image.new("RGB", (8, 8))))  # not a JPEG
+        add_member(tar, "000000102.json", b'{"label": 1}')
+        cmyk = io.BytesIO()
+        Image.new("CMYK", (8, 8)).save(cmyk, "JPEG")
+        add_member(tar, "000000103.jpg", cmyk.getvalue())  # CMYK JPEG: not every decoder reads it alike
+        add_member(tar, "000000103.json", b'{"label": 1}')
+        add_member(tar, "000000000.jpg", solid(0))  # a duplicate key, not consecutive
+        add_member(tar, "000000000.json", b'{"label": 0}')
+        add_member(tar, "000000104.jpg", solid(2))  # split across tars: first half here
+    with tarfile.open(root / "00001.tar", "w") as tar:
+        add_member(tar, "000000104.json", b'{"label": 2}')  # ... second half here
+        for i in range(200, 205):
+            key = f"{i:09d}"
+            good[key] = i % 3
+            add_member(tar, f"{key}.jpg", solid(i % 3))
+            add_member(tar, f"{key}.json", json.dumps({"label": i % 3}).encode())
+    del good["000000000"]
+    before = tree_sha256(root)
+    manifest = index_folder(IndexConfig(root, label_member="json", label_key="label"))
+    assert tree_sha256(root) == before
+    reasons = {e["path"]: e["reason"].split(":")[0] for e in manifest.skipped}
+    assert reasons == {"00000.tar:000000100": "no image", "00000.tar:000000101": "no label",
+                       "00000.tar:000000102": "image not a JPEG", "00000.tar:000000103": "image cmyk-jpeg",
+                       "00000.tar:000000000": "duplicate key", "00000.tar:000000104": "key split across tars",
+                       "00001.tar:000000104": "key split across tars"}
+    assert list(manifest.splits) == ["train"] and manifest.num_samples("train") == len(good)
+    assert len(manifest.skipped) == 8  # both samples named 000000000 are left out
+    assert manifest.found == len(good) + 8
+    assert verify_shards(root).problems == []
+    got, reds = loader_labels_and_red(root, "train", 4)
+    assert sorted(got) == sorted(good.values()) and got == reds
+
+
+def test_txt_class_names_with_classes_file_and_cli(tmp_path):
+    root = tmp_path / "named"
+    root.mkdir()
+    names = ["zebra", "ant", "cat"]
+    with tarfile.open(root / "train-000000.tar", "w") as tar:
+        for i in range(12):
+            add_member(tar, f"s{i:04d}.jpg", solid(i % 3))
+            add_member(tar, f"s{i:04d}.txt", f"{names[i % 3]}\n".encode())
+        add_member(tar, "s9999.jpg", solid(0))
+        add_member(tar, "s9999.txt", b"dog")  # not in the classes file
+    (tmp_path / "classes.txt").write_text("\n".join(names) + "\n")
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(root), "--label-member", "txt",
+                             "--classes-file", str(tmp_path / "classes.txt")], capture_output=True, text=True,
+                            env=ENV)
+    assert result.returncode == 0, result.stderr
+    assert "Indexed 12 of 13 samples" in result.stdout and "1 label not a class" in result.stdout
+    manifest = ShardManifest.load(root)
+    assert manifest.classes == names
+    got, reds = loader_labels_and_red(root, "train", 4)
+    assert sorted(got) == sorted(i % 3 for i in range(12)) and got == reds
+    info = subprocess.run([str(VENV_BIN / "shard-convert"), "info", str(root)], capture_output=True, text=True,
+                          env=ENV)
+    assert "samples found 13: 12 indexed, 1 left out" in info.stdout
+
+
+def test_cls_with_newline_and_verify_finds_a_changed_tar(tmp_path):
+    root = tmp_path / "nl"
+    root.mkdir()
+    with tarfile.open(root / "data-000000.tar", "w") as tar:
+        for i in range(6):
+            add_member(tar, f"{i:03d}.jpg", solid(i % 2))
+            add_member(tar, f"{i:03d}.cls", f"{i % 2}\n".encode())
+        add_member(tar, "009.jpg", solid(1))
+        add_member(tar, "009.cls", b"one")
+    manifest = index_folder(IndexConfig(root, split="train"))
+    assert [e["reason"].split(":")[0] for e in manifest.skipped] == ["label unreadable"]
+    got, reds = loader_labels_and_red(root, "train", 3)
+    assert sorted(got) == [0, 0, 0, 1, 1, 1] and got == reds
+    with open(root / "data-000000.tar", "r+b") as f:  # someone changes the tar after indexing
+        f.seek(600)
+        f.write(b"\0")
+    problems = verify_shards(root).problems
+    assert len(problems) == 1 and "sha256 differs from the manifest (changed since it was indexed" in problems[0]
+
+
+def test_usage_and_data_errors(tmp_path):
+    with pytest.raises(IndexError_, match="no such folder"):
+        IndexConfig(tmp_path / "nope")
+    with pytest.raises(IndexError_, match="--label-member json needs --label-key"):
+        IndexConfig(tmp_path, label_member="json")
+    with pytest.raises(IndexError_, match="no .tar files"):
+        index_folder(IndexConfig(tmp_path))
+    (tmp_path / "bad.tar").write_bytes(b"not a tar at all" * 100)
+    with pytest.raises(IndexDataError, match="bad.tar: unreadable tar"):
+        index_folder(IndexConfig(tmp_path))
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tmp_path / "nope")], capture_output=True,
+                            text=True, env=ENV)
+    assert result.returncode == 2 and "no such folder" in result.stderr
