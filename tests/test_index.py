@@ -93,7 +93,6 @@ def test_img2dataset_layout_json_label_and_bad_samples(tmp_path):
     with its reason, the rest train."""
     root = tmp_path / "i2d"
     root.mkdir()
-    rng = np.random.default_rng(0)
     good = {}
     with tarfile.open(root / "00000.tar", "w") as tar:
         for i in range(9):
