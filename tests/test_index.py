@@ -196,3 +196,21 @@ def test_usage_and_data_errors(tmp_path):
     result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tmp_path / "nope")], capture_output=True,
                             text=True, env=ENV)
     assert result.returncode == 2 and "no such folder" in result.stderr
+
+
+def test_dali_train_on_indexed_shardwriter_tars(tmp_path):
+    """Done means: ShardWriter tars, `shard-convert index`, then dali-train trains and evaluates on them."""
+    write_shardwriter(tmp_path / "ds", "train", 24, per_shard=10)
+    write_shardwriter(tmp_path / "ds", "val", 9, per_shard=10, seed=1)
+    before = tree_sha256(tmp_path / "ds")
+    indexed = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tmp_path / "ds")], capture_output=True,
+                             text=True, env=ENV)
+    assert indexed.returncode == 0, indexed.stderr
+    run = subprocess.run([str(VENV_BIN / "dali-train"), "--data", str(tmp_path / "ds"), "--out", str(tmp_path / "run"),
+                          "--epochs", "1", "--model", "resnet18", "--image-size", "16", "--batch-size", "8",
+                          "--device", "cpu", "--dali-threads", "1", "--progress-every", "0"],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["epoch"] == 0 and records[-1]["val_samples"] == 9
+    assert tree_sha256(tmp_path / "ds") == before
