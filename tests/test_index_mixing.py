@@ -106,3 +106,29 @@ def test_mixing_refusals(two_datasets):
         make_loader([a, b], "train", 8, weights=[100, 1], **ARGS)
     with pytest.raises(ValueError, match="mixes a list of shard folders"):
         make_loader(a, "train", 8, weights=[1], **ARGS)
+
+
+def test_dali_train_mixes_two_datasets_and_reports_each(two_datasets, tmp_path):
+    """Done means: `dali-train --data A --data B --data-weights 3,1` trains, with the union's classes in the
+    run's config and checkpoint, and reports each dataset's validation."""
+    import json
+    import subprocess
+
+    from dalifeed.train import checkpoint
+    from test_index import ENV, VENV_BIN
+
+    a, b = two_datasets
+    run = subprocess.run([str(VENV_BIN / "dali-train"), "--data", str(a), "--data", str(b), "--data-weights", "3,1",
+                          "--out", str(tmp_path / "run"), "--epochs", "1", "--model", "resnet18", "--image-size", "16",
+                          "--batch-size", "8", "--device", "cpu", "--dali-threads", "1", "--progress-every", "0"],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["A/val_samples"] == 9 and record["B/val_samples"] == 6 and record["val_samples"] == 15
+    assert record["top1"] == pytest.approx((record["A/top1"] * 9 + record["B/top1"] * 6) / 15)
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["data"] == [str(a), str(b)] and config["data_weights"] == [3.0, 1.0]
+    assert checkpoint.load(tmp_path / "run" / "last.pt")["classes"] == ["0", "1", "2", "cat", "dog"]
+    bad = subprocess.run([str(VENV_BIN / "dali-train"), "--data", str(a), "--data", str(b), "--data-weights", "3",
+                          "--out", str(tmp_path / "run2")], capture_output=True, text=True, env=ENV, timeout=600)
+    assert bad.returncode == 2 and "one weight per --data (2 given)" in bad.stderr

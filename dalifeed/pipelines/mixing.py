@@ -60,17 +60,27 @@ def union_classes(class_lists: list[list[str]]) -> tuple[list[str], list[list[in
 
 @dataclass
 class MixedDatasets:
-    """What a trainer needs to know of the datasets mixed: names (their locations), the classes of the union
-    and each dataset's map into it."""
+    """What a trainer needs to know of the datasets mixed, answered as a `ShardManifest` answers it for one:
+    the classes of the union (and each dataset's map into it), the splits all of them have, sample counts."""
 
     locations: list[str]
+    manifests: list
     classes: list[str]
     remaps: list[list[int]]
-    kind: str
+    kind: str = "mixed"
 
     @property
     def num_classes(self) -> int:
         return len(self.classes)
+
+    @property
+    def splits(self) -> dict:
+        """The splits every dataset has (name -> the first dataset's; only the names are meant)."""
+        names = set.intersection(*(set(m.splits) for m in self.manifests))
+        return {name: self.manifests[0].splits[name] for name in self.manifests[0].splits if name in names}
+
+    def num_samples(self, split: str) -> int:
+        return sum(m.num_samples(split) for m in self.manifests)
 
 
 def describe_datasets(locations: list[str]) -> MixedDatasets:
@@ -80,7 +90,7 @@ def describe_datasets(locations: list[str]) -> MixedDatasets:
         if manifest.kind == "coco":
             raise MixError(f"{location}: COCO shards cannot be mixed (one class label per sample is needed)")
     classes, remaps = union_classes([m.classes for m in manifests])
-    return MixedDatasets([str(x) for x in locations], classes, remaps, "mixed")
+    return MixedDatasets([str(x) for x in locations], manifests, classes, remaps)
 
 
 class RemappedLoader:
@@ -222,6 +232,11 @@ def make_mixed_loader(locations: list, split: str, batch_size: int, *, weights: 
         if share == 0:
             raise MixError(f"{location}: weight {weight} gives it no sample of a batch of {batch_size}: "
                            f"raise its weight or the batch size")
-    loaders = [make_one(location, split, share, train=True, **loader_args) for location, share in zip(locations, shares)]
+    loaders = []
+    for location, share in zip(locations, shares):
+        try:
+            loaders.append(make_one(location, split, share, train=True, **loader_args))
+        except ValueError as e:  # e.g. fewer samples than its share of a batch on each rank
+            raise MixError(f"{location}: {e}") from None
     total = sum(loader.total_samples for loader in loaders)
     return MixedLoader(loaders, shares, datasets.remaps, total, batch_size, loader_args.get("world_size", 1), datasets)
