@@ -113,6 +113,8 @@ def test_img2dataset_layout_json_label_and_bad_samples(tmp_path):
         add_member(tar, "000000103.json", b'{"label": 1}')
         add_member(tar, "000000000.jpg", solid(0))  # a duplicate key, not consecutive
         add_member(tar, "000000000.json", b'{"label": 0}')
+        add_member(tar, "000000105 copy.jpg", solid(2))  # a space in its name: no DALI index can hold it
+        add_member(tar, "000000105 copy.json", b'{"label": 2}')
         add_member(tar, "000000104.jpg", solid(2))  # split across tars: first half here
     with tarfile.open(root / "00001.tar", "w") as tar:
         add_member(tar, "000000104.json", b'{"label": 2}')  # ... second half here
@@ -129,10 +131,11 @@ def test_img2dataset_layout_json_label_and_bad_samples(tmp_path):
     assert reasons == {"00000.tar:000000100": "no image", "00000.tar:000000101": "no label",
                        "00000.tar:000000102": "image not a JPEG", "00000.tar:000000103": "image cmyk-jpeg",
                        "00000.tar:000000000": "duplicate key", "00000.tar:000000104": "key split across tars",
+                       "00000.tar:000000105 copy": "name with whitespace",
                        "00001.tar:000000104": "key split across tars"}
     assert list(manifest.splits) == ["train"] and manifest.num_samples("train") == len(good)
-    assert len(manifest.skipped) == 8  # both samples named 000000000 are left out
-    assert manifest.found == len(good) + 8
+    assert len(manifest.skipped) == 9  # both samples named 000000000 are left out
+    assert manifest.found == len(good) + 9
     assert verify_shards(root).problems == []
     got, reds = loader_labels_and_red(root, "train", 4)
     assert sorted(got) == sorted(good.values()) and got == reds
@@ -192,6 +195,11 @@ def test_usage_and_data_errors(tmp_path):
         index_folder(IndexConfig(tmp_path))
     (tmp_path / "bad.tar").write_bytes(b"not a tar at all" * 100)
     with pytest.raises(IndexDataError, match="bad.tar: unreadable tar"):
+        index_folder(IndexConfig(tmp_path))
+    (tmp_path / "bad.tar").unlink()
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "dalifeed-shards", "kind": "imagefolder"}))
+    write_shardwriter(tmp_path, "train", 3, per_shard=10)
+    with pytest.raises(IndexError_, match="already a dalifeed shard folder \\(imagefolder shards"):
         index_folder(IndexConfig(tmp_path))
     result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tmp_path / "nope")], capture_output=True,
                             text=True, env=ENV)

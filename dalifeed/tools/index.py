@@ -211,6 +211,10 @@ def read_label(sample: Sample, cfg: IndexConfig) -> tuple[int | str | None, str 
 
 def judge(sample: Sample, cfg: IndexConfig) -> None:
     """Set the sample's label, or its reason to be left out."""
+    spaced = next((m.name for m in sample.members if any(c.isspace() for c in m.name)), None)
+    if spaced is not None:  # DALI's index separates its fields by spaces
+        sample.reason = f"name with whitespace: {spaced[:60]!r} cannot be written in a DALI index"
+        return
     reason = image_problem(sample, cfg.max_pixels)
     if reason is None:
         label, reason = read_label(sample, cfg)
@@ -363,6 +367,7 @@ def scan_split(tars: list[Path], cfg: IndexConfig) -> list[tuple[Path, list[Samp
 
 def index_folder(cfg: IndexConfig) -> ShardManifest:
     """Index every tar of `cfg.src` in place and write its manifest (last). The tars are only read."""
+    refuse_converted_folder(cfg.src)
     scanned = {split: scan_split(tars, cfg) for split, tars in find_tars(cfg.src, cfg.split).items()}
     every = [s for per_tar in scanned.values() for _, samples in per_tar for s in samples]
     classes = decide_classes([s.label for s in every if s.reason is None], cfg.classes_file)
@@ -401,6 +406,18 @@ def index_folder(cfg: IndexConfig) -> ShardManifest:
                                     sum(len(i.shards) for i in splits.values()),
                                     {name: i.samples for name, i in splits.items()})
     return manifest
+
+
+def refuse_converted_folder(src: Path) -> None:
+    """A folder shard-convert wrote has a manifest richer than the one `index` would write over it."""
+    path = src / "manifest.json"
+    try:
+        kind = json.loads(path.read_text()).get("kind") if path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return  # not a manifest of ours: index writes one
+    if kind not in (None, KIND):
+        raise IndexError_(f"{src}: already a dalifeed shard folder ({kind} shards written by shard-convert); "
+                          f"there is nothing to index")
 
 
 def dali_label(cfg: IndexConfig) -> dict:
