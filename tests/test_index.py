@@ -222,3 +222,22 @@ def test_dali_train_on_indexed_shardwriter_tars(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["epoch"] == 0 and records[-1]["val_samples"] == 9
     assert tree_sha256(tmp_path / "ds") == before
+
+
+def test_verify_decode_finds_a_kept_image_dali_cannot_decode(tmp_path):
+    """The header rule keeps a JPEG cut short after its headers; `verify --decode` decodes it with DALI and
+    names it, before a training run would meet it."""
+    root = tmp_path / "cut"
+    root.mkdir()
+    with tarfile.open(root / "train-000000.tar", "w") as tar:
+        for i in range(4):
+            add_member(tar, f"{i:03d}.jpg", solid(i % 2))
+            add_member(tar, f"{i:03d}.cls", str(i % 2).encode())
+        whole = solid(1, size=(64, 64))
+        add_member(tar, "009.jpg", whole[:whole.index(b"\xff\xda") + 20])  # headers, then 20 bytes of the scan
+        add_member(tar, "009.cls", b"1")
+    manifest = index_folder(IndexConfig(root))
+    assert manifest.num_samples("train") == 5 and manifest.skipped == []
+    assert verify_shards(root).problems == []
+    problems = verify_shards(root, decode=True).problems
+    assert len(problems) == 1 and "sample 009: DALI cannot decode its image" in problems[0]

@@ -132,3 +132,12 @@ def test_dali_train_mixes_two_datasets_and_reports_each(two_datasets, tmp_path):
     bad = subprocess.run([str(VENV_BIN / "dali-train"), "--data", str(a), "--data", str(b), "--data-weights", "3",
                           "--out", str(tmp_path / "run2")], capture_output=True, text=True, env=ENV, timeout=600)
     assert bad.returncode == 2 and "one weight per --data (2 given)" in bad.stderr
+
+
+def test_every_rank_gets_the_same_number_of_mixed_batches(two_datasets):
+    a, b = two_datasets
+    counts = []
+    for rank in range(3):
+        loader = make_loader([a, b], "train", 4, weights=[3, 1], rank=rank, world_size=3, **ARGS)
+        counts.append((len(loader), sum(1 for _ in loader)))
+    assert counts == [((40 + 12) // 3 // 4,) * 2] * 3

@@ -443,10 +443,11 @@ def sha256_of(path: Path) -> str:
     return file_sha256(path)
 
 
-def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None) -> list[str]:
+def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decoder=None) -> list[str]:
     """Problems of an indexed folder, one line each: every tar's size and sha256 against the manifest (a tar
     changed since it was indexed), and every index against the one `index` writes now with the manifest's
-    options (each split's tars are read once)."""
+    options (each split's tars are read once). With `decoder` (a DaliDecoder), every kept image is also
+    decoded by DALI, as training would."""
     opts = manifest.options
     cfg = IndexConfig(manifest.root, opts.get("split"), opts.get("label_member", "cls"), opts.get("label_key"),
                       None, opts.get("max_pixels") or DEFAULT_MAX_PIXELS)
@@ -469,6 +470,11 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None) -> lis
             elif idx.read_text() != index_text(samples, cfg):
                 problems.append(f"{idx}: not the index of {tar.name} (index the folder again: shard-convert index "
                                 f"{manifest.root})")
+            if decoder is not None:
+                kept = [x for x in samples if x.reason is None]
+                for i, why in decoder.failures([x.data[image_member(x).ext] for x in kept]):
+                    problems.append(f"{tar}: sample {kept[i].key}: DALI cannot decode its image ({why}): a training "
+                                    f"run would stop here")
             on_shard()
     return problems
 
