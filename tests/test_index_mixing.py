@@ -128,6 +128,7 @@ def test_dali_train_mixes_two_datasets_and_reports_each(two_datasets, tmp_path):
     assert record["top1"] == pytest.approx((record["A/top1"] * 9 + record["B/top1"] * 6) / 15)
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["data"] == [str(a), str(b)] and config["data_weights"] == [3.0, 1.0]
+    assert config["classes"] == ["0", "1", "2", "cat", "dog"]
     assert checkpoint.load(tmp_path / "run" / "last.pt")["classes"] == ["0", "1", "2", "cat", "dog"]
     bad = subprocess.run([str(VENV_BIN / "dali-train"), "--data", str(a), "--data", str(b), "--data-weights", "3",
                           "--out", str(tmp_path / "run2")], capture_output=True, text=True, env=ENV, timeout=600)

@@ -567,7 +567,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
         print(f"world size {dist.world_size}, device {dist.device}, {manifest.num_classes} classes, "
               f"{manifest.num_samples(cfg.train_split)} train samples")
         print(f"--dali-threads {cfg.workers}: DALI threads per pipeline" if cfg.workers else budget.describe())
-        write_json_atomic(out / "config.json", cfg.to_json())
+        mixed = {"classes": manifest.classes} if isinstance(cfg.data, list) else {}  # the union's, in order
+        write_json_atomic(out / "config.json", {**cfg.to_json(), **mixed})
         if cfg.val_split is None:
             print("--val-split none: no evaluation; best.pt keeps the epoch of lowest train loss", flush=True)
         if dtype == torch.float16 and dist.device.type == "cpu":
