@@ -241,3 +241,25 @@ def test_verify_decode_finds_a_kept_image_dali_cannot_decode(tmp_path):
     assert verify_shards(root).problems == []
     problems = verify_shards(root, decode=True).problems
     assert len(problems) == 1 and "sample 009: DALI cannot decode its image" in problems[0]
+
+
+def test_index_tars_in_object_storage_in_place(tmp_path, s3_bucket):
+    """`shard-convert index s3://...`: each tar streamed once, indexes and manifest written beside them in the
+    store, the tar objects unchanged; the loader reads them from the store (DALI's S3 client)."""
+    from dalifeed import s3
+
+    labels = write_shardwriter(tmp_path / "ds", "train", 17, per_shard=8)
+    url = f"{s3_bucket}/adopted"
+    for tar in sorted((tmp_path / "ds").glob("*.tar")):
+        s3.upload_file(tar, f"{url}/{tar.name}", file_sha256(tar))
+    before = {name: s3.object_sha256(f"{url}/{name}") for name in s3.list_objects(url)}
+    manifest = index_folder(IndexConfig(url))
+    assert manifest.url == url and manifest.num_samples("train") == 17
+    assert {name: s3.object_sha256(f"{url}/{name}") for name in before} == before
+    assert sorted(s3.list_objects(url)) == sorted([*before, "manifest.json", *(n[:-4] + ".idx" for n in before)])
+    for name in before:  # the same index as for the local copy, which is DALI's wds2idx's
+        assert s3.get_bytes(f"{url}/{name[:-4]}.idx").decode() == wds2idx(tmp_path / "ds" / name, tmp_path / "r.idx")
+    assert [s.sha256 for s in manifest.splits["train"].shards] == list(before.values())
+    assert verify_shards(url).problems == []
+    got, reds = loader_labels_and_red(url, "train", 4)
+    assert sorted(got) == sorted(labels) and got == reds

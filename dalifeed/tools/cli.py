@@ -288,7 +288,7 @@ def merge_cmd(out: Path):
 
 
 @main.command("index", context_settings=CONTEXT)
-@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("src", type=LOCATION)
 @click.option("--split", default=None,
               help="Every tar is of this split. Default: from each file name's prefix (train-000000.tar -> train, "
                    "validation_00001.tar -> val); tars without one (img2dataset's 00000.tar) are split train.")
@@ -306,6 +306,7 @@ def merge_cmd(out: Path):
 def index_cmd(src: Path, split, label_member, label_key, classes_file, max_pixels, debug):
     """Adopt the WebDataset tars in SRC (written by webdataset's ShardWriter, img2dataset or any other tool)
     in place: write a DALI index beside each tar and SRC/manifest.json, without changing a byte of any tar.
+    SRC may be s3://bucket/prefix (each tar is streamed once; the indexes and manifest are written there).
 
     \b
     Every sample is kept or left out with a reason in the manifest's `skipped` (shard-convert info counts
@@ -314,12 +315,9 @@ def index_cmd(src: Path, split, label_member, label_key, classes_file, max_pixel
     the kept samples only, so training never meets the others. Then verify, info, dali-train, dali-bench
     and make_loader work on SRC. See docs/format.md ("Shards from elsewhere").
     """
-    if is_s3_url(str(src)):
-        raise click.UsageError(f"{src}: index adopts a local or shared folder (s3:// is not supported yet: "
-                               f"index a local copy, then upload the folder)")
     manifest = run_command(
         lambda: index_folder(IndexConfig(src, split, label_member, label_key, classes_file, max_pixels)),
-        debug=debug, usage_errors=(IndexError_,), runtime_errors=(IndexDataError, OSError),
+        debug=debug, usage_errors=(IndexError_,), runtime_errors=(IndexDataError, StorageError, OSError),
         stopped=lambda e: "the tars are unchanged; run the same command again")
     click.echo(manifest.summary.describe(manifest))
 

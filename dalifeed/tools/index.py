@@ -29,8 +29,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import s3
 from ..atomic import write_atomic
-from ..format import INDEX_VERSION, ShardInfo, ShardManifest, SplitInfo
+from ..format import INDEX_VERSION, MANIFEST_NAME, ShardInfo, ShardManifest, SplitInfo
 from .images import DEFAULT_MAX_PIXELS, read_jpeg_frame, sniff_format
 
 KIND = "webdataset"
@@ -55,7 +56,7 @@ class IndexDataError(Exception):
 
 @dataclass
 class IndexConfig:
-    src: Path
+    src: Path | str  # a local folder, or s3://bucket/prefix
     split: str | None = None  # every tar is of this split; default: from each file name's prefix
     label_member: str = "cls"  # the member the label is read from: cls (ASCII int), json (with label_key), txt
     label_key: str | None = None  # with label_member json: the key holding the label (an int, or a class name)
@@ -63,8 +64,8 @@ class IndexConfig:
     max_pixels: int = DEFAULT_MAX_PIXELS
 
     def __post_init__(self) -> None:
-        self.src = Path(self.src)
-        if not self.src.is_dir():
+        self.src = s3.normalize(str(self.src)) if s3.is_s3_url(self.src) else Path(self.src)
+        if isinstance(self.src, Path) and not self.src.is_dir():
             raise IndexError_(f"{self.src}: no such folder")
         if self.label_member == "json" and not self.label_key:
             raise IndexError_("--label-member json needs --label-key (the key of the .json holding the label)")
@@ -116,30 +117,95 @@ def split_name(name: str) -> tuple[str, str]:
     return (name, "") if dot < 0 else (name[:dot], name[dot + 1:])
 
 
-def read_tar_samples(tar: Path, wanted: set[str]) -> list[Sample]:
-    """The samples of `tar` in order, with the bytes of the members named in `wanted` (the rest are only
-    listed). Raises IndexDataError naming the tar if it cannot be read to its end."""
+class TarFolder:
+    """Where the tars are, a local folder or s3://bucket/prefix: what `index` lists, reads and writes there."""
+
+    def __init__(self, location: Path | str):
+        self.location = location
+        self.remote = isinstance(location, str)
+
+    def where(self, name: str) -> str:
+        return s3.join(self.location, name) if self.remote else str(self.location / name)
+
+    def tar_names(self) -> list[str]:
+        """The tars directly in the folder, in name order (zero-padded numbers sort alike)."""
+        if self.remote:
+            names = [n for n in s3.list_objects(self.location) if "/" not in n]
+        else:
+            names = [p.name for p in self.location.iterdir() if p.is_file()]
+        return sorted(n for n in names if n.endswith(".tar") and not n.startswith("."))
+
+    def open(self, name: str):
+        return s3.ObjectStream(self.where(name)) if self.remote else open(self.location / name, "rb")
+
+    def read_text(self, name: str) -> str | None:
+        """A small file of the folder (an index, the manifest), or None if it is not there."""
+        try:
+            return (s3.get_bytes(self.where(name)) if self.remote else (self.location / name).read_bytes()).decode()
+        except (s3.ObjectProblem, FileNotFoundError):
+            return None
+
+    def write(self, name: str, data: bytes) -> None:
+        """Written whole (atomically on disk; an object PUT is whole by itself)."""
+        if self.remote:
+            s3.put_bytes(self.where(name), data)
+        else:
+            write_atomic(self.location / name, data)
+
+
+class HashingReader:
+    """A binary stream that hashes and counts every byte read through it (the tar is read once)."""
+
+    def __init__(self, stream):
+        self.stream, self.sha256, self.size = stream, hashlib.sha256(), 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.sha256.update(data)
+        self.size += len(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(2**22):
+            pass
+
+
+@dataclass
+class ScannedTar:
+    name: str
+    samples: list[Sample]
+    bytes: int
+    sha256: str
+
+
+def read_tar_samples(folder: TarFolder, name: str, wanted: set[str]) -> ScannedTar:
+    """The samples of tar `name` in order, with the bytes of the members named in `wanted` (the rest are only
+    listed), and the tar's size and sha256, from one sequential read. IndexDataError naming the tar if it
+    cannot be read to its end."""
     samples: list[Sample] = []
     try:
-        with tarfile.open(tar, "r:") as archive:
-            for info in archive:
-                if not info.isreg():
-                    continue
-                key, ext = split_name(info.name)
-                if not key or key.endswith("/"):  # hidden files, as wds2idx skips them
-                    continue
-                if not samples or samples[-1].key != key:
-                    samples.append(Sample(key))
-                sample = samples[-1]
-                sample.members.append(Member(ext, info.offset_data, info.size, info.name))
-                if ext in wanted and ext not in sample.data:
-                    data = archive.extractfile(info).read()
-                    if len(data) != info.size:
-                        raise EOFError(f"member {info.name} is cut short")
-                    sample.data[ext] = data
+        with folder.open(name) as stream:
+            reader = HashingReader(stream)
+            with tarfile.open(fileobj=reader, mode="r|") as archive:
+                for info in archive:
+                    if not info.isreg():
+                        continue
+                    key, ext = split_name(info.name)
+                    if not key or key.endswith("/"):  # hidden files, as wds2idx skips them
+                        continue
+                    if not samples or samples[-1].key != key:
+                        samples.append(Sample(key))
+                    sample = samples[-1]
+                    sample.members.append(Member(ext, info.offset_data, info.size, info.name))
+                    if ext in wanted and ext not in sample.data:
+                        data = archive.extractfile(info).read()
+                        if len(data) != info.size:
+                            raise EOFError(f"member {info.name} is cut short")
+                        sample.data[ext] = data
+            reader.drain()  # what follows the archive's end (zero blocks), for the sha256
     except (tarfile.TarError, EOFError, OSError) as e:
-        raise IndexDataError(f"{tar}: unreadable tar ({e})") from None
-    return samples
+        raise IndexDataError(f"{folder.where(name)}: unreadable tar ({e})") from None
+    return ScannedTar(name, samples, reader.size, reader.sha256.hexdigest())
 
 
 def wds2idx_line(sample: Sample) -> str:
@@ -226,47 +292,47 @@ def judge(sample: Sample, cfg: IndexConfig) -> None:
 # Splits, tars, keys across tars
 
 
-def split_of(path: Path, forced: str | None) -> str:
+def split_of(name: str, forced: str | None) -> str:
     if forced:
         return forced
-    match = SHARD_NAME.match(path.name)
-    prefix = match.group("split") if match else path.stem
+    match = SHARD_NAME.match(name)
+    prefix = match.group("split") if match else name.rsplit(".", 1)[0]
     if not prefix:
         return DEFAULT_SPLIT
     return SPLIT_NAMES.get(prefix.lower(), prefix)
 
 
-def find_tars(src: Path, forced_split: str | None) -> dict[str, list[Path]]:
-    """The tars directly in `src`, by split, each in name order (zero-padded numbers sort alike)."""
-    tars = sorted(p for p in src.iterdir() if p.suffix == ".tar" and p.is_file() and not p.name.startswith("."))
-    if not tars:
-        raise IndexError_(f"{src}: no .tar files in it")
-    splits: dict[str, list[Path]] = {}
-    for tar in tars:
-        splits.setdefault(split_of(tar, forced_split), []).append(tar)
+def find_tars(folder: TarFolder, forced_split: str | None) -> dict[str, list[str]]:
+    """The tars of the folder by split, each in name order."""
+    names = folder.tar_names()
+    if not names:
+        raise IndexError_(f"{folder.location}: no .tar files in it")
+    splits: dict[str, list[str]] = {}
+    for name in names:
+        splits.setdefault(split_of(name, forced_split), []).append(name)
     return splits
 
 
-def mark_keys_across_tars(per_tar: list[tuple[Path, list[Sample]]]) -> None:
+def mark_keys_across_tars(tars: list[ScannedTar]) -> None:
     """Leave out every sample whose key also appears elsewhere in the split: a key at the end of one tar and
     the start of the next is a sample split across them; any other repeat is a duplicate key. All its
     occurrences are left out: which one is right cannot be told."""
     where: dict[str, list[tuple[int, int]]] = {}
-    for t, (_, samples) in enumerate(per_tar):
-        for s, sample in enumerate(samples):
-            where.setdefault(sample.key, []).append((t, s))
+    for t, tar in enumerate(tars):
+        for i, sample in enumerate(tar.samples):
+            where.setdefault(sample.key, []).append((t, i))
     for key, places in where.items():
         if len(places) < 2:
             continue
-        names = [per_tar[t][0].name for t, _ in places]
-        split_across = len(places) == 2 and places[1][0] == places[0][0] + 1 and places[1][1] == 0 and \
-            places[0][1] == len(per_tar[places[0][0]][1]) - 1
-        for t, s in places:
+        names = [tars[t].name for t, _ in places]
+        (t0, i0), (t1, i1) = places[0], places[-1]
+        split_across = len(places) == 2 and t1 == t0 + 1 and i1 == 0 and i0 == len(tars[t0].samples) - 1
+        for t, i in places:
             if split_across:
                 reason = f"key split across tars: its members are in {names[0]} and {names[1]}"
             else:
                 reason = f"duplicate key: {len(places)} samples named {key} (in {', '.join(sorted(set(names)))})"
-            per_tar[t][1][s].reason = reason
+            tars[t].samples[i].reason = reason
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -352,24 +418,25 @@ class IndexSummary:
         splits = ", ".join(f"{name} {n}" for name, n in self.splits.items())
         return (f"Indexed {self.samples} of {manifest.found} samples in {self.shards} tars ({splits}), "
                 f"{len(manifest.classes)} classes; left out {self.left_out} ({why}). The tars are unchanged; "
-                f"manifest: {manifest.root / 'manifest.json'}.")
+                f"manifest: {manifest.location}/{MANIFEST_NAME}.")
 
 
-def scan_split(tars: list[Path], cfg: IndexConfig) -> list[tuple[Path, list[Sample]]]:
+def scan_split(folder: TarFolder, names: list[str], cfg: IndexConfig) -> list[ScannedTar]:
     wanted = set(IMAGE_EXTS) | {cfg.label_member}
-    per_tar = [(tar, read_tar_samples(tar, wanted)) for tar in tars]
-    for _, samples in per_tar:
-        for sample in samples:
+    tars = [read_tar_samples(folder, name, wanted) for name in names]
+    for tar in tars:
+        for sample in tar.samples:
             judge(sample, cfg)
-    mark_keys_across_tars(per_tar)
-    return per_tar
+    mark_keys_across_tars(tars)
+    return tars
 
 
 def index_folder(cfg: IndexConfig) -> ShardManifest:
     """Index every tar of `cfg.src` in place and write its manifest (last). The tars are only read."""
-    refuse_converted_folder(cfg.src)
-    scanned = {split: scan_split(tars, cfg) for split, tars in find_tars(cfg.src, cfg.split).items()}
-    every = [s for per_tar in scanned.values() for _, samples in per_tar for s in samples]
+    folder = TarFolder(cfg.src)
+    refuse_converted_folder(folder)
+    scanned = {split: scan_split(folder, names, cfg) for split, names in find_tars(folder, cfg.split).items()}
+    every = [s for tars in scanned.values() for tar in tars for s in tar.samples]
     classes = decide_classes([s.label for s in every if s.reason is None], cfg.classes_file)
     lookup = {name: i for i, name in enumerate(classes)}
     for sample in every:
@@ -380,44 +447,46 @@ def index_folder(cfg: IndexConfig) -> ShardManifest:
         raise IndexDataError(f"{cfg.src}: no sample can be trained on: {len(every)} found, all left out ("
                              + "; ".join(f"{n} {r}" for r, n in reasons.most_common()) + ")")
     splits, skipped, warnings, extensions = {}, [], [], {}
-    for split, per_tar in scanned.items():
+    for split, tars in scanned.items():
         info = SplitInfo(class_counts=[0] * len(classes))
-        for tar, samples in per_tar:
-            skipped += [{"path": f"{tar.name}:{s.key}", "reason": s.reason} for s in samples if s.reason]
-            extensions[tar.name] = dict(sorted(sum((s.ext_counts() for s in samples), Counter()).items()))
-            kept = [s for s in samples if s.reason is None]
+        for tar in tars:
+            skipped += [{"path": f"{tar.name}:{s.key}", "reason": s.reason} for s in tar.samples if s.reason]
+            extensions[tar.name] = dict(sorted(sum((s.ext_counts() for s in tar.samples), Counter()).items()))
+            kept = [s for s in tar.samples if s.reason is None]
             if not kept:  # DALI refuses an index without samples
                 warnings.append(f"{tar.name}: no sample kept, left out of split {split!r}")
                 continue
             for s in kept:
                 info.class_counts[s.label] += 1
-            info.shards.append(write_index(tar, index_text(samples, cfg)))
+            info.shards.append(write_index(folder, tar, index_text(tar.samples, cfg)))
         if info.shards:
             splits[split] = info
+    remote = folder.remote
     manifest = ShardManifest(
-        root=cfg.src, kind=KIND, source=str(cfg.src.resolve()), options=cfg.to_json(), classes=classes,
-        splits=splits, skipped=skipped, found=len(every), warnings=warnings,
+        root=Path(".") if remote else cfg.src, kind=KIND, source=cfg.src if remote else str(cfg.src.resolve()),
+        options=cfg.to_json(), classes=classes, splits=splits, skipped=skipped, found=len(every), warnings=warnings,
         extra={"webdataset": {"label": {"member": cfg.label_member, "key": cfg.label_key,
                                         "dali": dali_label(cfg)},
                               "extensions": extensions}},
+        url=cfg.src if remote else None,
     )
-    manifest.save()
+    folder.write(MANIFEST_NAME, (json.dumps(manifest.to_json(), indent=2) + "\n").encode())  # last
     manifest.summary = IndexSummary(sum(i.samples for i in splits.values()), len(skipped),
                                     sum(len(i.shards) for i in splits.values()),
                                     {name: i.samples for name, i in splits.items()})
     return manifest
 
 
-def refuse_converted_folder(src: Path) -> None:
+def refuse_converted_folder(folder: TarFolder) -> None:
     """A folder shard-convert wrote has a manifest richer than the one `index` would write over it."""
-    path = src / "manifest.json"
+    text = folder.read_text(MANIFEST_NAME)
     try:
-        kind = json.loads(path.read_text()).get("kind") if path.is_file() else None
-    except (OSError, ValueError, AttributeError):
+        kind = json.loads(text).get("kind") if text else None
+    except (ValueError, AttributeError):
         return  # not a manifest of ours: index writes one
     if kind not in (None, KIND):
-        raise IndexError_(f"{src}: already a dalifeed shard folder ({kind} shards written by shard-convert); "
-                          f"there is nothing to index")
+        raise IndexError_(f"{folder.location}: already a dalifeed shard folder ({kind} shards written by "
+                          f"shard-convert); there is nothing to index")
 
 
 def dali_label(cfg: IndexConfig) -> dict:
@@ -428,66 +497,56 @@ def dali_label(cfg: IndexConfig) -> dict:
     return {"ext": NAME_LABEL_EXT, "from": "name", "digits": LABEL_DIGITS}
 
 
-def write_index(tar: Path, text: str) -> ShardInfo:
+def index_name(tar_name: str) -> str:
+    return tar_name[:-len(".tar")] + ".idx"
+
+
+def write_index(folder: TarFolder, tar: ScannedTar, text: str) -> ShardInfo:
     """Write the tar's index beside it (`NAME.idx`) and describe both; the tar is read, never written."""
-    idx = tar.with_suffix(".idx")
     data = text.encode()
-    write_atomic(idx, data)
-    return ShardInfo(tar.name, idx.name, int(text.split(None, 2)[1]), tar.stat().st_size, sha256_of(tar),
+    folder.write(index_name(tar.name), data)
+    return ShardInfo(tar.name, index_name(tar.name), int(text.split(None, 2)[1]), tar.bytes, tar.sha256,
                      hashlib.sha256(data).hexdigest())
-
-
-def sha256_of(path: Path) -> str:
-    from ..format import file_sha256
-
-    return file_sha256(path)
 
 
 def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decoder=None) -> list[str]:
     """Problems of an indexed folder, one line each: every tar's size and sha256 against the manifest (a tar
     changed since it was indexed), and every index against the one `index` writes now with the manifest's
-    options (each split's tars are read once). With `decoder` (a DaliDecoder), every kept image is also
-    decoded by DALI, as training would."""
+    options (each tar is read once). With `decoder` (a DaliDecoder), every kept image is also decoded by
+    DALI, as training would."""
     opts = manifest.options
-    cfg = IndexConfig(manifest.root, opts.get("split"), opts.get("label_member", "cls"), opts.get("label_key"),
+    folder = TarFolder(manifest.url or manifest.root)
+    cfg = IndexConfig(folder.location, opts.get("split"), opts.get("label_member", "cls"), opts.get("label_key"),
                       None, opts.get("max_pixels") or DEFAULT_MAX_PIXELS)
     lookup = {name: i for i, name in enumerate(manifest.classes)}
+    again = f"index it again: shard-convert index {manifest.location}"
     problems: list[str] = []
     for info in manifest.splits.values():
-        sound = []
-        for shard in info.shards:
-            found = tar_problems(manifest.root, shard)
-            problems += found
-            if not found:
-                sound.append(shard)
-        for tar, samples in scan_split([manifest.root / s.path for s in sound], cfg):
-            for sample in samples:
+        try:
+            tars = scan_split(folder, [shard.path for shard in info.shards], cfg)
+        except IndexDataError as e:
+            problems.append(f"{e}; {again}")
+            continue
+        for shard, tar in zip(info.shards, tars):
+            where = folder.where(tar.name)
+            if (tar.bytes, tar.sha256) != (shard.bytes, shard.sha256):
+                what = f"{tar.bytes} bytes, the manifest says {shard.bytes}" if tar.bytes != shard.bytes else \
+                    "sha256 differs from the manifest"
+                problems.append(f"{where}: {what} (changed since it was indexed: {again})")
+                continue
+            for sample in tar.samples:
                 if sample.reason is None:
                     sample.label, sample.reason = class_index(sample.label, manifest.classes, lookup)
-            idx = tar.with_suffix(".idx")
-            if not idx.is_file():
-                problems.append(f"{idx}: missing (shard-convert index {manifest.root} writes it)")
-            elif idx.read_text() != index_text(samples, cfg):
-                problems.append(f"{idx}: not the index of {tar.name} (index the folder again: shard-convert index "
-                                f"{manifest.root})")
+            text = folder.read_text(shard.index)
+            if text is None:
+                problems.append(f"{folder.where(shard.index)}: missing (shard-convert index {manifest.location} "
+                                f"writes it)")
+            elif text != index_text(tar.samples, cfg):
+                problems.append(f"{folder.where(shard.index)}: not the index of {tar.name} ({again})")
             if decoder is not None:
-                kept = [x for x in samples if x.reason is None]
+                kept = [x for x in tar.samples if x.reason is None]
                 for i, why in decoder.failures([x.data[image_member(x).ext] for x in kept]):
-                    problems.append(f"{tar}: sample {kept[i].key}: DALI cannot decode its image ({why}): a training "
-                                    f"run would stop here")
+                    problems.append(f"{where}: sample {kept[i].key}: DALI cannot decode its image ({why}): a "
+                                    f"training run would stop here")
             on_shard()
     return problems
-
-
-def tar_problems(root: Path, shard: ShardInfo) -> list[str]:
-    tar = root / shard.path
-    if not tar.is_file():
-        return [f"{tar}: missing"]
-    size = tar.stat().st_size
-    if size != shard.bytes:
-        return [f"{tar}: {size} bytes, the manifest says {shard.bytes} (changed since it was indexed: "
-                f"shard-convert index {root} again)"]
-    if sha256_of(tar) != shard.sha256:
-        return [f"{tar}: sha256 differs from the manifest (changed since it was indexed: shard-convert index "
-                f"{root} again)"]
-    return []
