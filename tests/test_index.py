@@ -17,7 +17,7 @@ import webdataset as wds
 from PIL import Image
 
 from dalifeed.format import ShardManifest, file_sha256
-from dalifeed.tools.index import IndexConfig, IndexDataError, IndexError_, index_folder
+from dalifeed.tools.index import IndexConfig, IndexDataError, IndexUsageError, index_folder
 from dalifeed.tools.verify import verify_shards
 from helpers import jpeg_bytes, png_bytes
 
@@ -187,11 +187,11 @@ def test_cls_with_newline_and_verify_finds_a_changed_tar(tmp_path):
 
 
 def test_usage_and_data_errors(tmp_path):
-    with pytest.raises(IndexError_, match="no such folder"):
+    with pytest.raises(IndexUsageError, match="no such folder"):
         IndexConfig(tmp_path / "nope")
-    with pytest.raises(IndexError_, match="--label-member json needs --label-key"):
+    with pytest.raises(IndexUsageError, match="--label-member json needs --label-key"):
         IndexConfig(tmp_path, label_member="json")
-    with pytest.raises(IndexError_, match="no .tar files"):
+    with pytest.raises(IndexUsageError, match="no .tar files"):
         index_folder(IndexConfig(tmp_path))
     (tmp_path / "bad.tar").write_bytes(b"not a tar at all" * 100)
     with pytest.raises(IndexDataError, match="bad.tar: unreadable tar"):
@@ -199,7 +199,7 @@ def test_usage_and_data_errors(tmp_path):
     (tmp_path / "bad.tar").unlink()
     (tmp_path / "manifest.json").write_text(json.dumps({"format": "dalifeed-shards", "kind": "imagefolder"}))
     write_shardwriter(tmp_path, "train", 3, per_shard=10)
-    with pytest.raises(IndexError_, match="already a dalifeed shard folder \\(imagefolder shards"):
+    with pytest.raises(IndexUsageError, match="already a dalifeed shard folder \\(imagefolder shards"):
         index_folder(IndexConfig(tmp_path))
     result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tmp_path / "nope")], capture_output=True,
                             text=True, env=ENV)

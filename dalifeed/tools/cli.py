@@ -19,7 +19,7 @@ from ..shardfolder import open_shard_folder
 from .convert import MergeError, merge, skip_reasons
 from .coco import CocoConfig, ExportError, convert_coco, export_coco
 from .imagefolder import TOP_LEVEL, ConvertConfig, UsageError, convert_imagefolder
-from .index import IndexConfig, IndexDataError, IndexError_, index_folder
+from .index import IndexConfig, IndexDataError, IndexUsageError, index_folder
 from .info import describe_folder, folder_info
 from .shards import JOBS_DIR, ConversionFailed, WorkerCrashed
 from .verify import verify_shards
@@ -317,7 +317,7 @@ def index_cmd(src: Path, split, label_member, label_key, classes_file, max_pixel
     """
     manifest = run_command(
         lambda: index_folder(IndexConfig(src, split, label_member, label_key, classes_file, max_pixels)),
-        debug=debug, usage_errors=(IndexError_,), runtime_errors=(IndexDataError, StorageError, OSError),
+        debug=debug, usage_errors=(IndexUsageError,), runtime_errors=(IndexDataError, StorageError, OSError),
         stopped=lambda e: "the tars are unchanged; run the same command again")
     click.echo(manifest.summary.describe(manifest))
 

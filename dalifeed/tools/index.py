@@ -46,7 +46,7 @@ SPLIT_NAMES = {"train": "train", "training": "train",
 DEFAULT_SPLIT = "train"  # of tars whose names carry no split prefix
 
 
-class IndexError_(Exception):
+class IndexUsageError(Exception):
     """A usage error of `shard-convert index` (exit 2): a bad folder, option or classes file."""
 
 
@@ -66,15 +66,15 @@ class IndexConfig:
     def __post_init__(self) -> None:
         self.src = s3.normalize(str(self.src)) if s3.is_s3_url(self.src) else Path(self.src)
         if isinstance(self.src, Path) and not self.src.is_dir():
-            raise IndexError_(f"{self.src}: no such folder")
+            raise IndexUsageError(f"{self.src}: no such folder")
         if self.label_member == "json" and not self.label_key:
-            raise IndexError_("--label-member json needs --label-key (the key of the .json holding the label)")
+            raise IndexUsageError("--label-member json needs --label-key (the key of the .json holding the label)")
         if self.label_member != "json" and self.label_key:
-            raise IndexError_(f"--label-key applies to --label-member json, not {self.label_member}")
+            raise IndexUsageError(f"--label-key applies to --label-member json, not {self.label_member}")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.label_member):
-            raise IndexError_(f"--label-member {self.label_member!r}: not a member extension")
+            raise IndexUsageError(f"--label-member {self.label_member!r}: not a member extension")
         if self.classes_file is not None and not Path(self.classes_file).is_file():
-            raise IndexError_(f"--classes-file {self.classes_file}: no such file")
+            raise IndexUsageError(f"--classes-file {self.classes_file}: no such file")
 
     @property
     def label_from_member(self) -> bool:
@@ -306,7 +306,7 @@ def find_tars(folder: TarFolder, forced_split: str | None) -> dict[str, list[str
     """The tars of the folder by split, each in name order."""
     names = folder.tar_names()
     if not names:
-        raise IndexError_(f"{folder.location}: no .tar files in it")
+        raise IndexUsageError(f"{folder.location}: no .tar files in it")
     splits: dict[str, list[str]] = {}
     for name in names:
         splits.setdefault(split_of(name, forced_split), []).append(name)
@@ -343,10 +343,10 @@ def read_classes_file(path: Path) -> list[str]:
     names = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
     names = [n for n in names if n]
     if not names:
-        raise IndexError_(f"--classes-file {path}: no class names in it")
+        raise IndexUsageError(f"--classes-file {path}: no class names in it")
     dupes = sorted(n for n, c in Counter(names).items() if c > 1)
     if dupes:
-        raise IndexError_(f"--classes-file {path}: class {dupes[0]!r} appears twice")
+        raise IndexUsageError(f"--classes-file {path}: class {dupes[0]!r} appears twice")
     return names
 
 
@@ -485,7 +485,7 @@ def refuse_converted_folder(folder: TarFolder) -> None:
     except (ValueError, AttributeError):
         return  # not a manifest of ours: index writes one
     if kind not in (None, KIND):
-        raise IndexError_(f"{folder.location}: already a dalifeed shard folder ({kind} shards written by "
+        raise IndexUsageError(f"{folder.location}: already a dalifeed shard folder ({kind} shards written by "
                           f"shard-convert); there is nothing to index")
 
 
