@@ -178,15 +178,25 @@ class ScannedTar:
     sha256: str
 
 
-def read_tar_samples(folder: TarFolder, name: str, wanted: set[str]) -> ScannedTar:
-    """The samples of tar `name` in order, with the bytes of the members named in `wanted` (the rest are only
-    listed), and the tar's size and sha256, from one sequential read. IndexDataError naming the tar if it
-    cannot be read to its end."""
+def read_tar_samples(folder: TarFolder, name: str, wanted: set[str], cfg: IndexConfig,
+                     keep_images: bool = False) -> ScannedTar:
+    """The samples of tar `name` in order, each judged (`judge`) as soon as its last member is read, and the
+    tar's size and sha256, from one sequential read. The bytes of the members `judge` needs (`wanted`) are
+    dropped once it has, unless `keep_images` (verify --decode): a tar's images are never all held.
+    IndexDataError naming the tar if it cannot be read to its end."""
     samples: list[Sample] = []
+
+    def finish(sample: Sample) -> None:
+        judge(sample, cfg)
+        if not keep_images:
+            sample.data = {}
+
     try:
         with folder.open(name) as stream:
             reader = HashingReader(stream)
-            with tarfile.open(fileobj=reader, mode="r|") as archive:
+            # bufsize: a 230 MB ShardWriter tar (2500 samples, pax headers) streams in 3.9 s with 64 KiB, 4.7 s
+            # with tarfile's default 10 KiB, 10 s with 1 MiB (its stream buffer is re-sliced on every read)
+            with tarfile.open(fileobj=reader, mode="r|", bufsize=2**16) as archive:
                 for info in archive:
                     if not info.isreg():
                         continue
@@ -194,6 +204,8 @@ def read_tar_samples(folder: TarFolder, name: str, wanted: set[str]) -> ScannedT
                     if not key or key.endswith("/"):  # hidden files, as wds2idx skips them
                         continue
                     if not samples or samples[-1].key != key:
+                        if samples:
+                            finish(samples[-1])
                         samples.append(Sample(key))
                     sample = samples[-1]
                     sample.members.append(Member(ext, info.offset_data, info.size, info.name))
@@ -202,6 +214,8 @@ def read_tar_samples(folder: TarFolder, name: str, wanted: set[str]) -> ScannedT
                         if len(data) != info.size:
                             raise EOFError(f"member {info.name} is cut short")
                         sample.data[ext] = data
+            if samples:
+                finish(samples[-1])
             reader.drain()  # what follows the archive's end (zero blocks), for the sha256
     except (tarfile.TarError, EOFError, OSError) as e:
         raise IndexDataError(f"{folder.where(name)}: unreadable tar ({e})") from None
@@ -421,12 +435,9 @@ class IndexSummary:
                 f"manifest: {manifest.location}/{MANIFEST_NAME}.")
 
 
-def scan_split(folder: TarFolder, names: list[str], cfg: IndexConfig) -> list[ScannedTar]:
+def scan_split(folder: TarFolder, names: list[str], cfg: IndexConfig, keep_images: bool = False) -> list[ScannedTar]:
     wanted = set(IMAGE_EXTS) | {cfg.label_member}
-    tars = [read_tar_samples(folder, name, wanted) for name in names]
-    for tar in tars:
-        for sample in tar.samples:
-            judge(sample, cfg)
+    tars = [read_tar_samples(folder, name, wanted, cfg, keep_images) for name in names]
     mark_keys_across_tars(tars)
     return tars
 
@@ -522,8 +533,16 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
     again = f"index it again: shard-convert index {manifest.location}"
     problems: list[str] = []
     for info in manifest.splits.values():
+        undecodable: dict[tuple[str, str], str] = {}  # (tar, key) -> DALI's reason
         try:
-            tars = scan_split(folder, [shard.path for shard in info.shards], cfg)
+            tars = []
+            for shard in info.shards:
+                tar = read_tar_samples(folder, shard.path, set(IMAGE_EXTS) | {cfg.label_member}, cfg,
+                                       keep_images=decoder is not None)
+                if decoder is not None:  # one tar's images at a time
+                    undecodable.update(decode_failures(tar, decoder))
+                tars.append(tar)
+            mark_keys_across_tars(tars)
         except IndexDataError as e:
             problems.append(f"{e}; {again}")
             continue
@@ -543,10 +562,20 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
                                 f"writes it)")
             elif text != index_text(tar.samples, cfg):
                 problems.append(f"{folder.where(shard.index)}: not the index of {tar.name} ({again})")
-            if decoder is not None:
-                kept = [x for x in tar.samples if x.reason is None]
-                for i, why in decoder.failures([x.data[image_member(x).ext] for x in kept]):
-                    problems.append(f"{where}: sample {kept[i].key}: DALI cannot decode its image ({why}): a "
+            for sample in tar.samples:
+                why = undecodable.get((tar.name, sample.key))
+                if sample.reason is None and why is not None:
+                    problems.append(f"{where}: sample {sample.key}: DALI cannot decode its image ({why}): a "
                                     f"training run would stop here")
             on_shard()
     return problems
+
+
+def decode_failures(tar: ScannedTar, decoder) -> dict[tuple[str, str], str]:
+    """DALI's reason for each image of the tar's samples judged usable that it cannot decode; the images are
+    dropped from memory afterwards."""
+    kept = [x for x in tar.samples if x.reason is None]
+    found = {(tar.name, kept[i].key): why for i, why in decoder.failures([x.data[image_member(x).ext] for x in kept])}
+    for sample in tar.samples:
+        sample.data = {}
+    return found
