@@ -17,7 +17,7 @@ import webdataset as wds
 from PIL import Image
 
 from dalifeed.format import ShardManifest, file_sha256
-from dalifeed.tools.index import IndexConfig, IndexDataError, IndexUsageError, index_folder
+from dalifeed.tools.index import IndexConfig, IndexDataError, IndexUsageError, index_folder, split_of
 from dalifeed.tools.verify import verify_shards
 from helpers import jpeg_bytes, png_bytes
 
@@ -263,3 +263,11 @@ def test_index_tars_in_object_storage_in_place(tmp_path, s3_bucket):
     assert verify_shards(url).problems == []
     got, reds = loader_labels_and_red(url, "train", 4)
     assert sorted(got) == sorted(labels) and got == reds
+
+
+def test_split_names_from_file_names():
+    names = {"train-000000.tar": "train", "validation_00001.tar": "val", "00000.tar": "train",
+             "imagenet-val-000003.tar": "val", "laion_train_12.tar": "train", "shard-000001.tar": "shard",
+             "Test-000000.tar": "test"}
+    assert {name: split_of(name, None) for name in names} == names
+    assert split_of("shard-000001.tar", "holdout") == "holdout"

@@ -313,7 +313,8 @@ def split_of(name: str, forced: str | None) -> str:
     prefix = match.group("split") if match else name.rsplit(".", 1)[0]
     if not prefix:
         return DEFAULT_SPLIT
-    return SPLIT_NAMES.get(prefix.lower(), prefix)
+    last = re.split(r"[-_.]", prefix)[-1].lower()  # imagenet-val-000000.tar, laion_train_00001.tar
+    return SPLIT_NAMES.get(prefix.lower()) or SPLIT_NAMES.get(last) or prefix
 
 
 def find_tars(folder: TarFolder, forced_split: str | None) -> dict[str, list[str]]:
