@@ -125,6 +125,12 @@ class ShardManifest:
         return f"{self.url}/{shard.path}" if self.url else str(self.root / shard.path)
 
     @property
+    def dali_text_label(self) -> dict | None:
+        """For shards `shard-convert index` adopted, how DALI reads their ASCII labels (the manifest's
+        `webdataset.label.dali`: `{"ext", "from": "member" or "name", "digits"}`); None for dalifeed's own."""
+        return self.extra.get("webdataset", {}).get("label", {}).get("dali")
+
+    @property
     def num_classes(self) -> int:
         return len(self.classes)
 

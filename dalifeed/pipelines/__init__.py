@@ -20,6 +20,7 @@ _WHERE = {
     "DetectionConfig": "detection", "detection_pipeline": "detection",
     "make_detection_loader": "detection",
     "ThreadBudget": "budget", "thread_budget": "budget",
+    "MixedLoader": "mixing", "MixError": "mixing",
 }
 __all__ = list(_WHERE)
 

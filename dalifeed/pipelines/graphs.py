@@ -160,9 +160,17 @@ def read_members(paths: list[str], index_paths: list[str], members: dict, *, sha
 
 
 def read_shards(paths: list[str], index_paths: list[str], *, shard_id: int, num_shards: int, shuffle: bool,
-                initial_fill: int, multilabel: bool = False):
+                initial_fill: int, multilabel: bool = False, text_label: dict | None = None):
     """(jpegs, labels) from webdataset shards; labels are the int64 `.cls.i64` members, shape (1,) (ImageFolder
-    shards), or with `multilabel` the int32 `.labels.i32` of COCO shards, shape (N,)."""
+    shards), or with `multilabel` the int32 `.labels.i32` of COCO shards, shape (N,), or with `text_label`
+    (shards `shard-convert index` adopted: the manifest's `webdataset.label.dali`) ASCII text parsed to int64."""
+    if text_label is not None:
+        from .textlabels import text_labels
+
+        jpegs, text = read_members(paths, index_paths, {IMAGE_MEMBER: types.UINT8, text_label["ext"]: types.UINT8},
+                                   shard_id=shard_id, num_shards=num_shards, shuffle=shuffle,
+                                   initial_fill=initial_fill)
+        return jpegs, text_labels(text, text_label)
     label_member, label_type = (COCO_LABELS_MEMBER, types.INT32) if multilabel else (CLASS_I64_MEMBER, types.INT64)
     jpegs, labels = read_members(paths, index_paths, {IMAGE_MEMBER: types.UINT8, label_member: label_type},
                                  shard_id=shard_id, num_shards=num_shards, shuffle=shuffle, initial_fill=initial_fill)
@@ -259,11 +267,12 @@ def multi_hot(labels, num_classes: int):
 
 @pipeline_def(enable_conditionals=False)
 def shard_pipeline(paths: list[str], index_paths: list[str], cfg: AugmentConfig, train: bool, device: str,
-                   shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024, multilabel_classes: int = 0):
+                   shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024, multilabel_classes: int = 0,
+                   text_label: dict | None = None):
     """Reader -> train_augment or val_transform. Returns (images, labels): labels int64 (1,) per image, or
     with `multilabel_classes=K` (COCO shards) a float multi-hot (K,) built from the `.labels.i32` member."""
     jpegs, labels = read_shards(paths, index_paths, shard_id=shard_id, num_shards=num_shards, shuffle=train,
-                                initial_fill=initial_fill, multilabel=bool(multilabel_classes))
+                                initial_fill=initial_fill, multilabel=bool(multilabel_classes), text_label=text_label)
     if multilabel_classes:
         labels = multi_hot(labels, multilabel_classes)
     images = train_augment(jpegs, cfg, device) if train else val_transform(jpegs, cfg, device)

@@ -315,17 +315,18 @@ def classification_loader(manifest: ShardManifest, split: str, options: LoaderOp
     int64 (B,) (or float multi-hot (B, num_classes) with `multilabel`), both on the GPU for devices 'gpu' and
     'hybrid', on the CPU for 'cpu'."""
     classes = manifest.num_classes if multilabel else 0
-    return DaliLoader(manifest, split, options, graph=partial(shard_pipeline, cfg=augment, multilabel_classes=classes),
+    return DaliLoader(manifest, split, options, graph=partial(shard_pipeline, cfg=augment, multilabel_classes=classes,
+                                                           text_label=manifest.dali_text_label),
                       to_torch=partial(images_and_labels, channels_last=augment.channels_last, multilabel=multilabel))
 
 
-def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, rank: int = 0, world_size: int = 1,
+def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: int, *, rank: int = 0, world_size: int = 1,
                 seed: int = 0, device: str = "auto", image_size: int = 224, train: bool | None = None,
                 crop_scale: tuple[float, float] = (0.08, 1.0), flip: bool = True,
                 dtype: torch.dtype = torch.float32, channels_last: bool = False, num_threads: int | None = None,
                 prefetch_queue_depth: int = 2, initial_fill: int = 1024, device_id: int | None = None,
                 checkpointing: bool = False, check: str = "size", multilabel: bool = False,
-                hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> DaliLoader:
+                hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, weights: list[float] | None = None) -> DaliLoader:
     """Batches of split `split` of the shard folder `shards_dir` (a path, or s3://bucket/prefix: DALI then reads
     the tars from the store, docs/storage.md) for this rank; see the module docstring (`train=None`: the
     split trains if its name starts with "train").
@@ -342,7 +343,17 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     indexes: two stats and two small reads per shard) or 'sha256' (also hashes every byte of the split).
     `multilabel` (COCO shards): labels are float multi-hot (B, num_classes) vectors of the categories each
     image holds, built in the DALI graph.
+    A list of shard folders mixes them (`weights`: their proportions in every batch, default equal;
+    `dalifeed.pipelines.mixing` says how epochs, classes and resume work then).
     """
+    if isinstance(shards_dir, (list, tuple)):
+        args = {k: v for k, v in locals().items() if k not in ("shards_dir", "split", "batch_size", "weights", "train")}
+        from .mixing import make_mixed_loader
+
+        return make_mixed_loader(list(shards_dir), split, batch_size, weights=weights, train=train, make_one=make_loader,
+                                 **args)
+    if weights is not None:
+        raise ValueError(f"weights={weights} mixes a list of shard folders; {shards_dir} is one")
     if dtype not in (torch.float32, torch.float16):
         raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
     manifest = open_shard_folder(shards_dir)  # a folder, or s3://bucket/prefix

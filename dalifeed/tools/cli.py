@@ -19,6 +19,7 @@ from ..shardfolder import open_shard_folder
 from .convert import MergeError, merge, skip_reasons
 from .coco import CocoConfig, ExportError, convert_coco, export_coco
 from .imagefolder import TOP_LEVEL, ConvertConfig, UsageError, convert_imagefolder
+from .index import IndexConfig, IndexDataError, IndexUsageError, index_folder
 from .info import describe_folder, folder_info
 from .shards import JOBS_DIR, ConversionFailed, WorkerCrashed
 from .verify import verify_shards
@@ -36,6 +37,7 @@ def main() -> None:
       shard-convert verify /data/imagenet-shards --decode
       shard-convert info /data/imagenet-shards
       shard-convert imagefolder /data/imagenet s3://bucket/imagenet-shards   (docs/storage.md)
+      shard-convert index /data/my-webdataset-tars   (adopt tars written elsewhere, in place)
 
     Each shard `<split>-NNNNNN.tar` has a DALI index `<split>-NNNNNN.idx` beside it and the folder has a
     `manifest.json` (classes, shards with sizes and sha256, skipped files with reasons), written last.
@@ -283,6 +285,41 @@ def merge_cmd(out: Path):
     jobs = len(list((out / JOBS_DIR).glob("job-*-of-*.json")))  # the manifest's fingerprint is a single job's
     click.echo(f"{out}: merged {jobs} jobs into {out / 'manifest.json'} "
                f"({splits}; {len(manifest.skipped)} skipped).")
+
+
+@main.command("index", context_settings=CONTEXT)
+@click.argument("src", type=LOCATION)
+@click.option("--split", default=None,
+              help="Every tar is of this split. Default: from each file name's prefix (train-000000.tar -> train, "
+                   "validation_00001.tar -> val); tars without one (img2dataset's 00000.tar) are split train.")
+@click.option("--label-member", default="cls", show_default=True,
+              help="The member holding the label: cls (ASCII integer text, webdataset's convention), json (with "
+                   "--label-key), or txt (a class name; give --classes-file for their order).")
+@click.option("--label-key", default=None, help="With --label-member json: the key holding the label (an integer "
+                                                "class index or a class name).")
+@click.option("--classes-file", type=click.Path(path_type=Path), default=None,
+              help="Class names, one a line: line i names class i. Default: the integers 0..max for integer "
+                   "labels, the names found, sorted, for class names.")
+@click.option("--max-pixels", type=int, default=IndexConfig.max_pixels, show_default=True,
+              help="Leave out images with more pixels than this (read from the JPEG header).")
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+def index_cmd(src: Path, split, label_member, label_key, classes_file, max_pixels, debug):
+    """Adopt the WebDataset tars in SRC (written by webdataset's ShardWriter, img2dataset or any other tool)
+    in place: write a DALI index beside each tar and SRC/manifest.json, without changing a byte of any tar.
+    SRC may be s3://bucket/prefix (each tar is streamed once; the indexes and manifest are written there).
+
+    \b
+    Every sample is kept or left out with a reason in the manifest's `skipped` (shard-convert info counts
+    them): no image, no label, an image not every decoder reads alike (the header rule of conversion:
+    PNG, CMYK, lossless, 12-bit ... JPEGs), a duplicate key, a key split across two tars. The index lists
+    the kept samples only, so training never meets the others. Then verify, info, dali-train, dali-bench
+    and make_loader work on SRC. See docs/format.md ("Shards from elsewhere").
+    """
+    manifest = run_command(
+        lambda: index_folder(IndexConfig(src, split, label_member, label_key, classes_file, max_pixels)),
+        debug=debug, usage_errors=(IndexUsageError,), runtime_errors=(IndexDataError, StorageError, OSError),
+        stopped=lambda e: "the tars are unchanged; run the same command again")
+    click.echo(manifest.summary.describe(manifest))
 
 
 @main.command("verify", context_settings=CONTEXT)

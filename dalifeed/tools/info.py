@@ -52,8 +52,9 @@ def describe_folder(info: dict) -> str:
         elif counts is None:
             lines.append("    classes: counts not recorded (made by an older dalifeed)")
     converted = sum(s["samples"] for s in info["splits"].values())
-    found = "image records" if info["kind"] == "coco" else "files found"
-    lines.append(f"  {found} {info['found']}: {converted} converted, {sum(info['skipped'].values())} skipped")
+    found = {"coco": "image records", "webdataset": "samples found"}.get(info["kind"], "files found")
+    done, skipped = ("indexed", "left out") if info["kind"] == "webdataset" else ("converted", "skipped")
+    lines.append(f"  {found} {info['found']}: {converted} {done}, {sum(info['skipped'].values())} {skipped}")
     if info.get("category_ids"):
         lines.append(f"  categories: ids {info['category_ids'][:12]}{' ...' if len(info['category_ids']) > 12 else ''}"
                      f" are training indices 0..{len(info['category_ids']) - 1} (class counts: images holding one)")

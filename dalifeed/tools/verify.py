@@ -43,6 +43,12 @@ def verify_shards(root: Path, decode: bool = False, on_shard=lambda: None) -> Ve
         manifest = open_shard_folder(root)
     except ManifestError as e:
         return VerifyReport([str(e)], 0, 0)
+    if manifest.kind == "webdataset":  # tars shard-convert index adopted: their own checks
+        from .index import verify_indexed_folder
+
+        problems = verify_indexed_folder(manifest, on_shard, dali_decoder() if decode else None)
+        samples = sum(info.samples for info in manifest.splits.values())
+        return VerifyReport(problems, sum(len(info.shards) for info in manifest.splits.values()), samples)
     root, remote = manifest.root, manifest if manifest.url else None
     decoder = dali_decoder() if decode else None
     max_pixels = manifest.options.get("max_pixels") or DEFAULT_MAX_PIXELS

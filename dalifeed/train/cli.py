@@ -12,6 +12,7 @@ from click.core import ParameterSource
 from dalifeed.cliutil import default, run_command
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.pipelines.graphs import DEVICES
+from dalifeed.pipelines.mixing import MixError
 from dalifeed.runtime import DiskFull, FolderInUse
 from dalifeed.s3 import StorageError
 
@@ -32,6 +33,20 @@ def parse_val_split(ctx, param, value: str) -> str | None:
     return None if value.strip().lower() in NO_SPLIT else value
 
 
+def parse_data(value: tuple) -> str | list[str] | None:
+    """One --data is a string (as before), several a list."""
+    return None if not value else value[0] if len(value) == 1 else list(value)
+
+
+def parse_weights(value: str | None) -> list[float] | None:
+    if value is None:
+        return None
+    try:
+        return [float(v) for v in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected numbers separated by commas, such as 3,1 — got {value!r}") from None
+
+
 def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
     try:
         lo, hi = (float(v) for v in value.split(","))
@@ -41,8 +56,15 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--data", help="Shard folder made by shard-convert (its train split trains, its val split evaluates), "
-                             "or s3://bucket/prefix (DALI reads the tars from the store; docs/storage.md).")
+@click.option("--data", multiple=True, callback=lambda ctx, param, value: parse_data(value),
+              help="Shard folder made by shard-convert or adopted by shard-convert index (its train split trains, "
+                   "its val split evaluates), or s3://bucket/prefix (DALI reads the tars from the store; "
+                   "docs/storage.md). Repeat it to mix datasets: every batch draws from each in the "
+                   "--data-weights proportions, the classes are the union of theirs, and each is evaluated "
+                   "and reported apart (NAME/top1 ...).")
+@click.option("--data-weights", default=None, callback=lambda ctx, param, value: parse_weights(value),
+              metavar="W1,W2,...", help="With several --data: each one's share of every batch, e.g. 3,1 "
+                                        "(default: equal).")
 @click.option("--out", help="Run folder: config.json, metrics.jsonl, last.pt, best.pt, tensorboard/. If it holds a "
                             "run made with the same options, that run continues (what a restarted job wants).")
 @click.option("--resume", default="auto", show_default=True, metavar="RUN|auto",
@@ -161,7 +183,7 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
         train(cfg, resume=state)
 
     run_dir: list[Path] = []
-    run_command(run, debug=debug, usage_errors=(ConfigError, FolderInUse),
+    run_command(run, debug=debug, usage_errors=(ConfigError, FolderInUse, MixError),
                 runtime_errors=(ShardDataError, TrainingDiverged, DiskFull, StorageError), prefix=rank_prefix(),
                 log=lambda: error_log(run_dir[0]) if run_dir else None,
                 stopped=lambda e: (e.detail if isinstance(e, TrainingStopped) else

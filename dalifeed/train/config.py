@@ -18,7 +18,7 @@ class ConfigError(Exception):
 
 @dataclass
 class TrainConfig:
-    data: str
+    data: str | list[str]  # a shard folder, or several mixed (dalifeed.pipelines.mixing)
     out: str
     task: str = "classify"  # classify (one label, cross-entropy, top-1) | multilabel (COCO: BCE, mAP)
     train_split: str = "train"
@@ -56,6 +56,7 @@ class TrainConfig:
     check_shards: str = "size"  # size | sha256: what is compared with the manifest before training
     progress_every: float = 30.0  # seconds between progress lines when stdout is not a terminal (0: none)
     tensorboard_every: int = 50  # optimizer steps between per-step TensorBoard scalars (0: none)
+    data_weights: list[float] | None = None  # with several --data: their shares of every batch (default equal)
 
     def validate(self) -> None:
         """Check every option, naming the bad value; fills in the defaults that depend on others."""
@@ -104,9 +105,19 @@ class TrainConfig:
             if not torch.cuda.is_available():
                 raise ConfigError(f"--device {self.device} needs a CUDA GPU, and torch sees none here "
                                   f"(use --device cpu, or auto)")
-        if not is_s3_url(self.data) and not Path(self.data).is_dir():
-            what = "is a file, not a shard folder" if Path(self.data).exists() else "no such shard folder"
-            raise ConfigError(f"--data {self.data}: {what}")
+        if isinstance(self.data, (list, tuple)):
+            self.data = [str(d) for d in self.data] if len(self.data) > 1 else str(self.data[0])
+        for data in self.data if isinstance(self.data, list) else [self.data]:
+            if not is_s3_url(data) and not Path(data).is_dir():
+                what = "is a file, not a shard folder" if Path(data).exists() else "no such shard folder"
+                raise ConfigError(f"--data {data}: {what}")
+        if self.data_weights is not None:
+            count = len(self.data) if isinstance(self.data, list) else 1
+            if count == 1 or len(self.data_weights) != count:
+                raise ConfigError(f"--data-weights {','.join(map(str, self.data_weights))}: one weight per --data "
+                                  f"({count} given) and at least two --data")
+            if any(not w > 0 for w in self.data_weights):
+                raise ConfigError(f"--data-weights must be positive, got {self.data_weights}")
         if self.pretrained and not Path(self.pretrained).is_file():
             raise ConfigError(f"--pretrained {self.pretrained}: no such file")
         problem = output_folder_problem("--out", self.out)

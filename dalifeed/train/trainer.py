@@ -32,6 +32,7 @@ from dalifeed.shardfolder import open_shard_folder
 
 from . import checkpoint, models
 from .config import ConfigError, TrainConfig
+from .mixdata import evaluate_each, open_datasets
 from .distributed import Dist, all_reduce_min, all_reduce_sum, gather_objects, setup, teardown
 from .synthetic import SyntheticLoader
 
@@ -492,6 +493,8 @@ class Run:
                 return evaluate_multilabel(model, self.val_loader, self.dist, self.dtype)
         else:
             def score(model):
+                if hasattr(self.val_loader, "per_dataset"):  # several datasets (--data A --data B): each apart
+                    return evaluate_each(lambda part: evaluate(model, part, self.dist, self.dtype, k), self.val_loader)
                 return evaluate(model, self.val_loader, self.dist, self.dtype, k)
         record = score(self.train_model)
         if self.ema is not None:
@@ -564,7 +567,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
         print(f"world size {dist.world_size}, device {dist.device}, {manifest.num_classes} classes, "
               f"{manifest.num_samples(cfg.train_split)} train samples")
         print(f"--dali-threads {cfg.workers}: DALI threads per pipeline" if cfg.workers else budget.describe())
-        write_json_atomic(out / "config.json", cfg.to_json())
+        mixed = {"classes": manifest.classes} if isinstance(cfg.data, list) else {}  # the union's, in order
+        write_json_atomic(out / "config.json", {**cfg.to_json(), **mixed})
         if cfg.val_split is None:
             print("--val-split none: no evaluation; best.pt keeps the epoch of lowest train loss", flush=True)
         if dtype == torch.float16 and dist.device.type == "cpu":
@@ -588,6 +592,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     # DALI's checkpointing costs nothing measurable (docs; 575-625 images/s either way here) and lets any
     # step become a mid-epoch checkpoint: when --checkpoint-every says, and when a signal stops the run
     loader_args["multilabel"] = cfg.task == "multilabel"
+    if isinstance(cfg.data, list):  # several datasets mixed: their shares of a batch
+        loader_args["weights"] = cfg.data_weights
     train_loader = make_loader(cfg.data, cfg.train_split, cfg.batch_size, seed=cfg.seed, crop_scale=cfg.crop_scale,
                                flip=cfg.flip, checkpointing=True, train=True, **loader_args)
     val_loader = make_loader(cfg.data, cfg.val_split, cfg.batch_size, seed=cfg.seed, train=False, **loader_args) \
@@ -761,6 +767,10 @@ def check_splits(cfg: TrainConfig, manifest: ShardManifest) -> None:
 
 
 def load_manifest(cfg: TrainConfig) -> ShardManifest:
+    if isinstance(cfg.data, list):  # several datasets: their union stands for the manifest
+        datasets = open_datasets(cfg)
+        check_splits(cfg, datasets)
+        return datasets
     try:
         manifest = open_shard_folder(cfg.data)  # a folder, or s3://bucket/prefix
     except ManifestError as e:

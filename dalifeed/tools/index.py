@@ -1,0 +1,582 @@
+"""`shard-convert index`: adopt WebDataset tars that dalifeed did not write, in place, without changing a byte
+of them (docs/format.md, "Shards from elsewhere").
+
+Every tar is read once. Its samples are grouped as webdataset and DALI's `wds2idx` group them (consecutive
+members sharing the name up to the first dot after the last slash); each sample is kept or left out with a
+reason (no image, no label, an image not every decoder reads alike, a duplicate key, a key split across two
+tars); the DALI index written beside the tar lists the kept samples only, which is how the left-out ones stay
+out of training without touching the tar. The manifest (kind `webdataset`) is written last.
+
+How DALI gets the label without a binary member (DALI returns raw bytes, and a `.cls` is ASCII):
+
+- `.cls` labels (webdataset's convention, ASCII decimal): the index lists the `.cls` member as it is (its
+  line is the one `wds2idx` writes; trailing whitespace is cut off by the size) and the graph turns the
+  ASCII digits into an int64 (`dalifeed.pipelines.textlabels`).
+- any other label (a key of the `.json`, a class name in a `.txt`): the index gives each kept sample one
+  more, empty, component `dalifeed.label` whose name field ends in the class index as ten digits; DALI
+  reports a component's index name as the end of its `source_info`, and the graph parses those digits.
+  Nothing is read from the tar for it. (DALI 2.4 refuses index offsets that are not multiples of 512, so
+  the index cannot point at a value inside a `.json`.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import tarfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .. import s3
+from ..atomic import write_atomic
+from ..format import INDEX_VERSION, MANIFEST_NAME, ShardInfo, ShardManifest, SplitInfo
+from .images import DEFAULT_MAX_PIXELS, read_jpeg_frame, sniff_format
+
+KIND = "webdataset"
+IMAGE_EXTS = ("jpg", "jpeg")  # the first of these a sample has is its image; DALI reads it as `jpg`
+NAME_LABEL_EXT = "dalifeed.label"  # the empty index component whose name carries the label (module docstring)
+LABEL_DIGITS = 10  # width of the decimal label in that name, and the longest `.cls` text the graph parses
+# `train-000000.tar`, `val_00012.tar`: split prefix, separator, shard number. `00000.tar` (img2dataset) has none.
+SHARD_NAME = re.compile(r"^(?P<split>.*?)[-_]?(?P<number>\d+)\.tar$")
+SPLIT_NAMES = {"train": "train", "training": "train",
+               "val": "val", "valid": "val", "validation": "val", "dev": "val", "eval": "val", "evaluation": "val",
+               "test": "test", "testing": "test"}
+DEFAULT_SPLIT = "train"  # of tars whose names carry no split prefix
+
+
+class IndexUsageError(Exception):
+    """A usage error of `shard-convert index` (exit 2): a bad folder, option or classes file."""
+
+
+class IndexDataError(Exception):
+    """The tars cannot be indexed (exit 1): unreadable, or not one usable sample."""
+
+
+@dataclass
+class IndexConfig:
+    src: Path | str  # a local folder, or s3://bucket/prefix
+    split: str | None = None  # every tar is of this split; default: from each file name's prefix
+    label_member: str = "cls"  # the member the label is read from: cls (ASCII int), json (with label_key), txt
+    label_key: str | None = None  # with label_member json: the key holding the label (an int, or a class name)
+    classes_file: Path | None = None  # one class name a line; line i is class i
+    max_pixels: int = DEFAULT_MAX_PIXELS
+
+    def __post_init__(self) -> None:
+        self.src = s3.normalize(str(self.src)) if s3.is_s3_url(self.src) else Path(self.src)
+        if isinstance(self.src, Path) and not self.src.is_dir():
+            raise IndexUsageError(f"{self.src}: no such folder")
+        if self.label_member == "json" and not self.label_key:
+            raise IndexUsageError("--label-member json needs --label-key (the key of the .json holding the label)")
+        if self.label_member != "json" and self.label_key:
+            raise IndexUsageError(f"--label-key applies to --label-member json, not {self.label_member}")
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.label_member):
+            raise IndexUsageError(f"--label-member {self.label_member!r}: not a member extension")
+        if self.classes_file is not None and not Path(self.classes_file).is_file():
+            raise IndexUsageError(f"--classes-file {self.classes_file}: no such file")
+
+    @property
+    def label_from_member(self) -> bool:
+        """Whether DALI reads the label's ASCII digits from the `.cls` member itself (else from the index)."""
+        return self.label_member == "cls"
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        return {**doc, "src": str(self.src), "classes_file": str(self.classes_file) if self.classes_file else None}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading a tar: members -> samples, as wds2idx groups them
+
+
+@dataclass
+class Member:
+    ext: str
+    offset: int  # of the data, in the tar
+    size: int
+    name: str
+
+
+@dataclass
+class Sample:
+    key: str
+    members: list[Member] = field(default_factory=list)
+    data: dict[str, bytes] = field(default_factory=dict)  # the members we read: image header, label sources
+    reason: str | None = None  # why it is left out, or None
+    label: int | str | None = None  # an int (class index) or a class name, before classes are known
+    label_size: int | None = None  # `.cls` labels: the digits' length (whitespace after them cut off)
+
+    def ext_counts(self) -> Counter:
+        return Counter(m.ext for m in self.members)
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """(key, extension) as wds2idx splits a member name: at the first dot after the last slash."""
+    dot = name.find(".", name.rfind("/") + 1)
+    return (name, "") if dot < 0 else (name[:dot], name[dot + 1:])
+
+
+class TarFolder:
+    """Where the tars are, a local folder or s3://bucket/prefix: what `index` lists, reads and writes there."""
+
+    def __init__(self, location: Path | str):
+        self.location = location
+        self.remote = isinstance(location, str)
+
+    def where(self, name: str) -> str:
+        return s3.join(self.location, name) if self.remote else str(self.location / name)
+
+    def tar_names(self) -> list[str]:
+        """The tars directly in the folder, in name order (zero-padded numbers sort alike)."""
+        if self.remote:
+            names = [n for n in s3.list_objects(self.location) if "/" not in n]
+        else:
+            names = [p.name for p in self.location.iterdir() if p.is_file()]
+        return sorted(n for n in names if n.endswith(".tar") and not n.startswith("."))
+
+    def open(self, name: str):
+        return s3.ObjectStream(self.where(name)) if self.remote else open(self.location / name, "rb")
+
+    def read_text(self, name: str) -> str | None:
+        """A small file of the folder (an index, the manifest), or None if it is not there."""
+        try:
+            return (s3.get_bytes(self.where(name)) if self.remote else (self.location / name).read_bytes()).decode()
+        except (s3.ObjectProblem, FileNotFoundError):
+            return None
+
+    def write(self, name: str, data: bytes) -> None:
+        """Written whole (atomically on disk; an object PUT is whole by itself)."""
+        if self.remote:
+            s3.put_bytes(self.where(name), data)
+        else:
+            write_atomic(self.location / name, data)
+
+
+class HashingReader:
+    """A binary stream that hashes and counts every byte read through it (the tar is read once)."""
+
+    def __init__(self, stream):
+        self.stream, self.sha256, self.size = stream, hashlib.sha256(), 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.sha256.update(data)
+        self.size += len(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(2**22):
+            pass
+
+
+@dataclass
+class ScannedTar:
+    name: str
+    samples: list[Sample]
+    bytes: int
+    sha256: str
+
+
+def read_tar_samples(folder: TarFolder, name: str, wanted: set[str], cfg: IndexConfig,
+                     keep_images: bool = False) -> ScannedTar:
+    """The samples of tar `name` in order, each judged (`judge`) as soon as its last member is read, and the
+    tar's size and sha256, from one sequential read. The bytes of the members `judge` needs (`wanted`) are
+    dropped once it has, unless `keep_images` (verify --decode): a tar's images are never all held.
+    IndexDataError naming the tar if it cannot be read to its end."""
+    samples: list[Sample] = []
+
+    def finish(sample: Sample) -> None:
+        judge(sample, cfg)
+        if not keep_images:
+            sample.data = {}
+
+    try:
+        with folder.open(name) as stream:
+            reader = HashingReader(stream)
+            # bufsize: a 230 MB ShardWriter tar (2500 samples, pax headers) streams in 3.9 s with 64 KiB, 4.7 s
+            # with tarfile's default 10 KiB, 10 s with 1 MiB (its stream buffer is re-sliced on every read)
+            with tarfile.open(fileobj=reader, mode="r|", bufsize=2**16) as archive:
+                for info in archive:
+                    if not info.isreg():
+                        continue
+                    key, ext = split_name(info.name)
+                    if not key or key.endswith("/"):  # hidden files, as wds2idx skips them
+                        continue
+                    if not samples or samples[-1].key != key:
+                        if samples:
+                            finish(samples[-1])
+                        samples.append(Sample(key))
+                    sample = samples[-1]
+                    sample.members.append(Member(ext, info.offset_data, info.size, info.name))
+                    if ext in wanted and ext not in sample.data:
+                        data = archive.extractfile(info).read()
+                        if len(data) != info.size:
+                            raise EOFError(f"member {info.name} is cut short")
+                        sample.data[ext] = data
+            if samples:
+                finish(samples[-1])
+            reader.drain()  # what follows the archive's end (zero blocks), for the sha256
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise IndexDataError(f"{folder.where(name)}: unreadable tar ({e})") from None
+    return ScannedTar(name, samples, reader.size, reader.sha256.hexdigest())
+
+
+def wds2idx_line(sample: Sample) -> str:
+    """The sample's line as DALI's wds2idx writes it."""
+    return " ".join(f"{m.ext} {m.offset} {m.size} {m.name}" for m in sample.members)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Judging a sample: image, label
+
+
+def image_member(sample: Sample) -> Member | None:
+    return next((m for m in sample.members if m.ext in IMAGE_EXTS), None)
+
+
+def image_problem(sample: Sample, max_pixels: int) -> str | None:
+    """Why the sample's image is left out (the conversion's header rule, docs/format.md), or None."""
+    member = image_member(sample)
+    if member is None:
+        others = ", ".join(sorted({"." + m.ext for m in sample.members}))
+        return f"no image: no .jpg or .jpeg member (has {others})"
+    data = sample.data[member.ext]
+    frame = read_jpeg_frame(data)
+    if frame is None:
+        what = sniff_format(data)
+        return f"image not a JPEG: .{member.ext} is {what or 'no image format'} (shard-convert imagefolder " \
+               f"re-encodes these; index keeps the tars as they are)"
+    reason = frame.reencode_reason()
+    if reason is not None:
+        return f"image {reason}: .{member.ext} is a {frame.describe()}, which not every decoder reads alike"
+    if frame.width * frame.height > max_pixels:
+        return f"image larger than --max-pixels {max_pixels} ({frame.width}x{frame.height})"
+    if sum(m.ext == member.ext for m in sample.members) > 1:
+        return f"image twice: two .{member.ext} members"
+    return None
+
+
+def read_label(sample: Sample, cfg: IndexConfig) -> tuple[int | str | None, str | None]:
+    """(the label as stored: an int or a class name, None) or (None, why it cannot be read)."""
+    ext = cfg.label_member
+    if ext not in sample.data:
+        return None, f"no label: no .{ext} member"
+    try:
+        text = sample.data[ext].decode("utf-8")
+    except UnicodeDecodeError:
+        return None, f"label unreadable: .{ext} is not UTF-8 text"
+    if ext == "json":
+        try:
+            doc = json.loads(text)
+        except ValueError as e:
+            return None, f"label unreadable: .json is not JSON ({e})"
+        if not isinstance(doc, dict) or cfg.label_key not in doc:
+            return None, f"no label: .json has no key {cfg.label_key!r}"
+        value = doc[cfg.label_key]
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            return None, f"label unreadable: .json {cfg.label_key!r} is {type(value).__name__} {value!r:.40}"
+        if isinstance(value, int) and value < 0:
+            return None, f"label unreadable: .json {cfg.label_key!r} is {value}, negative"
+        return (value.strip() if isinstance(value, str) else value), None
+    if ext == "cls":
+        digits = text.rstrip()
+        if not re.fullmatch(r"[0-9]{1,%d}" % LABEL_DIGITS, digits):
+            return None, f"label unreadable: .cls is {text[:40]!r}, not a decimal integer (webdataset's convention)"
+        sample.label_size = len(digits.encode())
+        return int(digits), None
+    name = text.strip()
+    return (name, None) if name else (None, f"no label: .{ext} is empty")
+
+
+def judge(sample: Sample, cfg: IndexConfig) -> None:
+    """Set the sample's label, or its reason to be left out."""
+    spaced = next((m.name for m in sample.members if any(c.isspace() for c in m.name)), None)
+    if spaced is not None:  # DALI's index separates its fields by spaces
+        sample.reason = f"name with whitespace: {spaced[:60]!r} cannot be written in a DALI index"
+        return
+    reason = image_problem(sample, cfg.max_pixels)
+    if reason is None:
+        label, reason = read_label(sample, cfg)
+        sample.label = label
+    sample.reason = reason
+
+
+# ----------------------------------------------------------------------------------------------------
+# Splits, tars, keys across tars
+
+
+def split_of(name: str, forced: str | None) -> str:
+    if forced:
+        return forced
+    match = SHARD_NAME.match(name)
+    prefix = match.group("split") if match else name.rsplit(".", 1)[0]
+    if not prefix:
+        return DEFAULT_SPLIT
+    last = re.split(r"[-_.]", prefix)[-1].lower()  # imagenet-val-000000.tar, laion_train_00001.tar
+    return SPLIT_NAMES.get(prefix.lower()) or SPLIT_NAMES.get(last) or prefix
+
+
+def find_tars(folder: TarFolder, forced_split: str | None) -> dict[str, list[str]]:
+    """The tars of the folder by split, each in name order."""
+    names = folder.tar_names()
+    if not names:
+        raise IndexUsageError(f"{folder.location}: no .tar files in it")
+    splits: dict[str, list[str]] = {}
+    for name in names:
+        splits.setdefault(split_of(name, forced_split), []).append(name)
+    return splits
+
+
+def mark_keys_across_tars(tars: list[ScannedTar]) -> None:
+    """Leave out every sample whose key also appears elsewhere in the split: a key at the end of one tar and
+    the start of the next is a sample split across them; any other repeat is a duplicate key. All its
+    occurrences are left out: which one is right cannot be told."""
+    where: dict[str, list[tuple[int, int]]] = {}
+    for t, tar in enumerate(tars):
+        for i, sample in enumerate(tar.samples):
+            where.setdefault(sample.key, []).append((t, i))
+    for key, places in where.items():
+        if len(places) < 2:
+            continue
+        names = [tars[t].name for t, _ in places]
+        (t0, i0), (t1, i1) = places[0], places[-1]
+        split_across = len(places) == 2 and t1 == t0 + 1 and i1 == 0 and i0 == len(tars[t0].samples) - 1
+        for t, i in places:
+            if split_across:
+                reason = f"key split across tars: its members are in {names[0]} and {names[1]}"
+            else:
+                reason = f"duplicate key: {len(places)} samples named {key} (in {', '.join(sorted(set(names)))})"
+            tars[t].samples[i].reason = reason
+
+
+# ----------------------------------------------------------------------------------------------------
+# Classes
+
+
+def read_classes_file(path: Path) -> list[str]:
+    names = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    names = [n for n in names if n]
+    if not names:
+        raise IndexUsageError(f"--classes-file {path}: no class names in it")
+    dupes = sorted(n for n, c in Counter(names).items() if c > 1)
+    if dupes:
+        raise IndexUsageError(f"--classes-file {path}: class {dupes[0]!r} appears twice")
+    return names
+
+
+def decide_classes(labels: list[int | str], classes_file: Path | None) -> list[str]:
+    """Class i's name: line i of the classes file; else, for integer labels, the integers 0..max; else the
+    class names seen, sorted as ImageFolder sorts its folders."""
+    if classes_file is not None:
+        return read_classes_file(classes_file)
+    ints = [v for v in labels if isinstance(v, int)]
+    names = sorted({v for v in labels if isinstance(v, str)})
+    if ints and names:
+        raise IndexDataError(f"labels are both integers ({ints[0]}) and class names ({names[0]!r}): give "
+                             f"--classes-file to name the integers' classes")
+    return [str(i) for i in range(max(ints) + 1)] if ints else names
+
+
+def class_index(label: int | str, classes: list[str], lookup: dict[str, int]) -> tuple[int | None, str | None]:
+    if isinstance(label, int):
+        if label >= len(classes):
+            return None, f"label out of range: {label}, the classes are 0..{len(classes) - 1}"
+        return label, None
+    if label not in lookup:
+        return None, f"label not a class: {label[:60]!r} is not in the classes file"
+    return lookup[label], None
+
+
+# ----------------------------------------------------------------------------------------------------
+# The index lines
+
+
+def index_line(sample: Sample, cfg: IndexConfig) -> str:
+    """The kept sample's DALI index line: wds2idx's, with the image member's extension read as `jpg`, a
+    `.cls` cut to its digits, or one more empty component whose name ends in the class index."""
+    image = image_member(sample)
+    parts = []
+    for m in sample.members:
+        ext, size = m.ext, m.size
+        if m is image:
+            ext = "jpg"
+        elif m.ext == "jpg":
+            continue  # not the image (a .jpeg is): DALI would see two `jpg` components
+        if cfg.label_from_member and m.ext == "cls" and sample.label_size is not None:
+            size = sample.label_size
+        parts.append(f"{ext} {m.offset} {size} {m.name}")
+    if not cfg.label_from_member:
+        parts.append(f"{NAME_LABEL_EXT} {image.offset} 0 {sample.key}.label-{sample.label:0{LABEL_DIGITS}d}")
+    return " ".join(parts)
+
+
+def index_text(samples: list[Sample], cfg: IndexConfig) -> str:
+    kept = [s for s in samples if s.reason is None]
+    return f"{INDEX_VERSION} {len(kept)}\n" + "".join(index_line(s, cfg) + "\n" for s in kept)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The whole folder
+
+
+@dataclass
+class IndexSummary:
+    samples: int
+    left_out: int
+    shards: int
+    splits: dict[str, int]
+
+    def describe(self, manifest: ShardManifest) -> str:
+        reasons = Counter(e["reason"].split(":")[0] for e in manifest.skipped)
+        why = "; ".join(f"{n} {r}" for r, n in reasons.most_common()) or "none"
+        splits = ", ".join(f"{name} {n}" for name, n in self.splits.items())
+        return (f"Indexed {self.samples} of {manifest.found} samples in {self.shards} tars ({splits}), "
+                f"{len(manifest.classes)} classes; left out {self.left_out} ({why}). The tars are unchanged; "
+                f"manifest: {manifest.location}/{MANIFEST_NAME}.")
+
+
+def scan_split(folder: TarFolder, names: list[str], cfg: IndexConfig, keep_images: bool = False) -> list[ScannedTar]:
+    wanted = set(IMAGE_EXTS) | {cfg.label_member}
+    tars = [read_tar_samples(folder, name, wanted, cfg, keep_images) for name in names]
+    mark_keys_across_tars(tars)
+    return tars
+
+
+def index_folder(cfg: IndexConfig) -> ShardManifest:
+    """Index every tar of `cfg.src` in place and write its manifest (last). The tars are only read."""
+    folder = TarFolder(cfg.src)
+    refuse_converted_folder(folder)
+    scanned = {split: scan_split(folder, names, cfg) for split, names in find_tars(folder, cfg.split).items()}
+    every = [s for tars in scanned.values() for tar in tars for s in tar.samples]
+    classes = decide_classes([s.label for s in every if s.reason is None], cfg.classes_file)
+    lookup = {name: i for i, name in enumerate(classes)}
+    for sample in every:
+        if sample.reason is None:
+            sample.label, sample.reason = class_index(sample.label, classes, lookup)
+    if not any(s.reason is None for s in every):
+        reasons = Counter(s.reason.split(":")[0] for s in every)
+        raise IndexDataError(f"{cfg.src}: no sample can be trained on: {len(every)} found, all left out ("
+                             + "; ".join(f"{n} {r}" for r, n in reasons.most_common()) + ")")
+    splits, skipped, warnings, extensions = {}, [], [], {}
+    for split, tars in scanned.items():
+        info = SplitInfo(class_counts=[0] * len(classes))
+        for tar in tars:
+            skipped += [{"path": f"{tar.name}:{s.key}", "reason": s.reason} for s in tar.samples if s.reason]
+            extensions[tar.name] = dict(sorted(sum((s.ext_counts() for s in tar.samples), Counter()).items()))
+            kept = [s for s in tar.samples if s.reason is None]
+            if not kept:  # DALI refuses an index without samples
+                warnings.append(f"{tar.name}: no sample kept, left out of split {split!r}")
+                continue
+            for s in kept:
+                info.class_counts[s.label] += 1
+            info.shards.append(write_index(folder, tar, index_text(tar.samples, cfg)))
+        if info.shards:
+            splits[split] = info
+    remote = folder.remote
+    manifest = ShardManifest(
+        root=Path(".") if remote else cfg.src, kind=KIND, source=cfg.src if remote else str(cfg.src.resolve()),
+        options=cfg.to_json(), classes=classes, splits=splits, skipped=skipped, found=len(every), warnings=warnings,
+        extra={"webdataset": {"label": {"member": cfg.label_member, "key": cfg.label_key,
+                                        "dali": dali_label(cfg)},
+                              "extensions": extensions}},
+        url=cfg.src if remote else None,
+    )
+    folder.write(MANIFEST_NAME, (json.dumps(manifest.to_json(), indent=2) + "\n").encode())  # last
+    manifest.summary = IndexSummary(sum(i.samples for i in splits.values()), len(skipped),
+                                    sum(len(i.shards) for i in splits.values()),
+                                    {name: i.samples for name, i in splits.items()})
+    return manifest
+
+
+def refuse_converted_folder(folder: TarFolder) -> None:
+    """A folder shard-convert wrote has a manifest richer than the one `index` would write over it."""
+    text = folder.read_text(MANIFEST_NAME)
+    try:
+        kind = json.loads(text).get("kind") if text else None
+    except (ValueError, AttributeError):
+        return  # not a manifest of ours: index writes one
+    if kind not in (None, KIND):
+        raise IndexUsageError(f"{folder.location}: already a dalifeed shard folder ({kind} shards written by "
+                          f"shard-convert); there is nothing to index")
+
+
+def dali_label(cfg: IndexConfig) -> dict:
+    """How the graph reads the label (`dalifeed.pipelines.textlabels`): the `.cls` member's ASCII digits, or
+    the digits at the end of the `dalifeed.label` component's index name."""
+    if cfg.label_from_member:
+        return {"ext": "cls", "from": "member"}
+    return {"ext": NAME_LABEL_EXT, "from": "name", "digits": LABEL_DIGITS}
+
+
+def index_name(tar_name: str) -> str:
+    return tar_name[:-len(".tar")] + ".idx"
+
+
+def write_index(folder: TarFolder, tar: ScannedTar, text: str) -> ShardInfo:
+    """Write the tar's index beside it (`NAME.idx`) and describe both; the tar is read, never written."""
+    data = text.encode()
+    folder.write(index_name(tar.name), data)
+    return ShardInfo(tar.name, index_name(tar.name), int(text.split(None, 2)[1]), tar.bytes, tar.sha256,
+                     hashlib.sha256(data).hexdigest())
+
+
+def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decoder=None) -> list[str]:
+    """Problems of an indexed folder, one line each: every tar's size and sha256 against the manifest (a tar
+    changed since it was indexed), and every index against the one `index` writes now with the manifest's
+    options (each tar is read once). With `decoder` (a DaliDecoder), every kept image is also decoded by
+    DALI, as training would."""
+    opts = manifest.options
+    folder = TarFolder(manifest.url or manifest.root)
+    cfg = IndexConfig(folder.location, opts.get("split"), opts.get("label_member", "cls"), opts.get("label_key"),
+                      None, opts.get("max_pixels") or DEFAULT_MAX_PIXELS)
+    lookup = {name: i for i, name in enumerate(manifest.classes)}
+    again = f"index it again: shard-convert index {manifest.location}"
+    problems: list[str] = []
+    for info in manifest.splits.values():
+        undecodable: dict[tuple[str, str], str] = {}  # (tar, key) -> DALI's reason
+        try:
+            tars = []
+            for shard in info.shards:
+                tar = read_tar_samples(folder, shard.path, set(IMAGE_EXTS) | {cfg.label_member}, cfg,
+                                       keep_images=decoder is not None)
+                if decoder is not None:  # one tar's images at a time
+                    undecodable.update(decode_failures(tar, decoder))
+                tars.append(tar)
+            mark_keys_across_tars(tars)
+        except IndexDataError as e:
+            problems.append(f"{e}; {again}")
+            continue
+        for shard, tar in zip(info.shards, tars):
+            where = folder.where(tar.name)
+            if (tar.bytes, tar.sha256) != (shard.bytes, shard.sha256):
+                what = f"{tar.bytes} bytes, the manifest says {shard.bytes}" if tar.bytes != shard.bytes else \
+                    "sha256 differs from the manifest"
+                problems.append(f"{where}: {what} (changed since it was indexed: {again})")
+                continue
+            for sample in tar.samples:
+                if sample.reason is None:
+                    sample.label, sample.reason = class_index(sample.label, manifest.classes, lookup)
+            text = folder.read_text(shard.index)
+            if text is None:
+                problems.append(f"{folder.where(shard.index)}: missing (shard-convert index {manifest.location} "
+                                f"writes it)")
+            elif text != index_text(tar.samples, cfg):
+                problems.append(f"{folder.where(shard.index)}: not the index of {tar.name} ({again})")
+            for sample in tar.samples:
+                why = undecodable.get((tar.name, sample.key))
+                if sample.reason is None and why is not None:
+                    problems.append(f"{where}: sample {sample.key}: DALI cannot decode its image ({why}): a "
+                                    f"training run would stop here")
+            on_shard()
+    return problems
+
+
+def decode_failures(tar: ScannedTar, decoder) -> dict[tuple[str, str], str]:
+    """DALI's reason for each image of the tar's samples judged usable that it cannot decode; the images are
+    dropped from memory afterwards."""
+    kept = [x for x in tar.samples if x.reason is None]
+    found = {(tar.name, kept[i].key): why for i, why in decoder.failures([x.data[image_member(x).ext] for x in kept])}
+    for sample in tar.samples:
+        sample.data = {}
+    return found

@@ -1,0 +1,42 @@
+"""dali-train over several shard folders (`--data A --data B --data-weights 3,1`): the datasets' union of
+classes stands for the manifest, and evaluation runs on each dataset apart (dalifeed.pipelines.mixing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dalifeed.format import ManifestError
+
+from .config import ConfigError
+
+
+def open_datasets(cfg):
+    """The `MixedDatasets` of `cfg.data` (a list), refused in one line when it cannot be mixed."""
+    from dalifeed.pipelines.mixing import MixError, describe_datasets
+
+    if cfg.task != "classify":
+        raise ConfigError("--task multilabel takes one --data (COCO shards cannot be mixed)")
+    try:
+        return describe_datasets(cfg.data)
+    except (ManifestError, MixError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def dataset_names(locations: list[str]) -> list[str]:
+    """Short, distinct names for the metrics of each dataset: the folder's name, or data0, data1, ..."""
+    names = [Path(str(location).rstrip("/")).name or f"data{i}" for i, location in enumerate(locations)]
+    return names if len(set(names)) == len(names) else [f"data{i}" for i in range(len(locations))]
+
+
+def evaluate_each(score, loader) -> dict:
+    """`score(loader) -> {"val_loss", "top1", ..., "val_samples"}` over each dataset of a mixed validation
+    loader (`loader.per_dataset`), reported as `NAME/top1` ..., and over all of them together (the
+    sample-weighted means, what one loader over the union would give) under the usual names."""
+    parts = dict(zip(dataset_names(list(loader.per_dataset)), (score(x) for x in loader.per_dataset.values())))
+    total = sum(r["val_samples"] for r in parts.values())
+    record = {key: sum(r[key] * r["val_samples"] for r in parts.values()) / total
+              for key in next(iter(parts.values())) if key != "val_samples"}
+    record["val_samples"] = total
+    for name, result in parts.items():
+        record.update({f"{name}/{key}": value for key, value in result.items()})
+    return record

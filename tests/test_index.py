@@ -1,0 +1,273 @@
+"""`shard-convert index`: WebDataset tars written by webdataset's ShardWriter and an img2dataset-like layout,
+adopted in place (tars byte for byte unchanged), read by the real DALI loader, plus every bad case."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from PIL import Image
+
+from dalifeed.format import ShardManifest, file_sha256
+from dalifeed.tools.index import IndexConfig, IndexDataError, IndexUsageError, index_folder, split_of
+from dalifeed.tools.verify import verify_shards
+from helpers import jpeg_bytes, png_bytes
+
+VENV_BIN = Path(sys.executable).parent
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+def solid(label: int, size=(20, 24)) -> bytes:
+    """A JPEG whose mean red level encodes the label (8 classes at most): the DALI output can be checked."""
+    return jpeg_bytes(np.full((*size, 3), (label * 30 + 10, 128, 40), np.uint8), quality=95)
+
+
+def write_shardwriter(root: Path, split: str, n: int, per_shard: int, seed: int = 0, classes: int = 3) -> list[int]:
+    """Shards as webdataset's ShardWriter writes them: keys `000123`, members jpg + cls (its int encoder)."""
+    root.mkdir(parents=True, exist_ok=True)
+    labels = [int(x) for x in np.random.default_rng(seed).integers(0, classes, n)]
+    with wds.ShardWriter(str(root / f"{split}-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for i, label in enumerate(labels):
+            sink.write({"__key__": f"{i:06d}", "jpg": solid(label), "cls": label})
+    return labels
+
+
+def add_member(tar, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def tree_sha256(root: Path) -> dict[str, str]:
+    return {p.name: file_sha256(p) for p in sorted(root.glob("*.tar"))}
+
+
+def wds2idx(tar: Path, out: Path) -> str:
+    subprocess.run([str(VENV_BIN / "wds2idx"), str(tar), str(out)], check=True, capture_output=True,
+                   env={**ENV, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"})
+    return out.read_text()
+
+
+def loader_labels_and_red(root: Path, split: str, batch: int, train: bool = False) -> tuple[list[int], list[int]]:
+    from dalifeed.pipelines import make_loader
+
+    loader = make_loader(root, split, batch, device="cpu", image_size=16, train=train, num_threads=1,
+                         initial_fill=8)
+    labels, reds = [], []
+    for images, target in loader:
+        labels += target.tolist()
+        # undo the normalisation of the red channel: mean level of the image
+        red = images[:, 0].mean(dim=(1, 2)) * 0.229 * 255 + 0.485 * 255
+        reds += [round((float(r) - 10) / 30) for r in red]
+    return labels, reds
+
+
+def test_shardwriter_tars_index_like_wds2idx_and_train_unchanged(tmp_path):
+    labels = write_shardwriter(tmp_path / "ds", "train", 23, per_shard=10)
+    write_shardwriter(tmp_path / "ds", "val", 7, per_shard=10, seed=1)
+    before = tree_sha256(tmp_path / "ds")
+    manifest = index_folder(IndexConfig(tmp_path / "ds"))
+    assert tree_sha256(tmp_path / "ds") == before  # not a byte of a tar changed
+    assert manifest.kind == "webdataset" and manifest.classes == ["0", "1", "2"]
+    assert {name: info.samples for name, info in manifest.splits.items()} == {"train": 23, "val": 7}
+    assert [s.samples for s in manifest.splits["train"].shards] == [10, 10, 3]
+    for tar in sorted((tmp_path / "ds").glob("*.tar")):  # DALI's own tool writes the same index
+        assert tar.with_suffix(".idx").read_text() == wds2idx(tar, tmp_path / "ref.idx")
+    assert manifest.splits["train"].class_counts == [labels.count(c) for c in range(3)]
+    assert manifest.skipped == [] and manifest.found == 30
+    assert verify_shards(tmp_path / "ds").problems == []
+    got, reds = loader_labels_and_red(tmp_path / "ds", "train", 5)
+    assert sorted(got) == sorted(labels) and got == reds  # each label arrives with its own image
+
+
+def test_img2dataset_layout_json_label_and_bad_samples(tmp_path):
+    """`00000.tar` with .jpg/.txt/.json (img2dataset), label under a .json key; every bad case is left out
+    with its reason, the rest train."""
+    root = tmp_path / "i2d"
+    root.mkdir()
+    good = {}
+    with tarfile.open(root / "00000.tar", "w") as tar:
+        for i in range(9):
+            key, label = f"{i:09d}", i % 3
+            good[key] = label
+            add_member(tar, f"{key}.jpg", solid(label))
+            add_member(tar, f"{key}.txt", f"a photo number {i}".encode())
+            add_member(tar, f"{key}.json", json.dumps({"url": "http://x", "label": label, "key": key}).encode())
+        add_member(tar, "000000100.txt", b"no image")  # no image
+        add_member(tar, "000000100.json", b'{"label": 1}')
+        add_member(tar, "000000101.jpg", solid(1))  # no label key
+        add_member(tar, "000000101.json", b'{"caption": "x"}')
+        add_member(tar, "000000102.jpg", png_bytes(Image.new("RGB", (8, 8))))  # not a JPEG
+        add_member(tar, "000000102.json", b'{"label": 1}')
+        cmyk = io.BytesIO()
+        Image.new("CMYK", (8, 8)).save(cmyk, "JPEG")
+        add_member(tar, "000000103.jpg", cmyk.getvalue())  # CMYK JPEG: not every decoder reads it alike
+        add_member(tar, "000000103.json", b'{"label": 1}')
+        add_member(tar, "000000000.jpg", solid(0))  # a duplicate key, not consecutive
+        add_member(tar, "000000000.json", b'{"label": 0}')
+        add_member(tar, "000000105 copy.jpg", solid(2))  # a space in its name: no DALI index can hold it
+        add_member(tar, "000000105 copy.json", b'{"label": 2}')
+        add_member(tar, "000000104.jpg", solid(2))  # split across tars: first half here
+    with tarfile.open(root / "00001.tar", "w") as tar:
+        add_member(tar, "000000104.json", b'{"label": 2}')  # ... second half here
+        for i in range(200, 205):
+            key = f"{i:09d}"
+            good[key] = i % 3
+            add_member(tar, f"{key}.jpg", solid(i % 3))
+            add_member(tar, f"{key}.json", json.dumps({"label": i % 3}).encode())
+    del good["000000000"]
+    before = tree_sha256(root)
+    manifest = index_folder(IndexConfig(root, label_member="json", label_key="label"))
+    assert tree_sha256(root) == before
+    reasons = {e["path"]: e["reason"].split(":")[0] for e in manifest.skipped}
+    assert reasons == {"00000.tar:000000100": "no image", "00000.tar:000000101": "no label",
+                       "00000.tar:000000102": "image not a JPEG", "00000.tar:000000103": "image cmyk-jpeg",
+                       "00000.tar:000000000": "duplicate key", "00000.tar:000000104": "key split across tars",
+                       "00000.tar:000000105 copy": "name with whitespace",
+                       "00001.tar:000000104": "key split across tars"}
+    assert list(manifest.splits) == ["train"] and manifest.num_samples("train") == len(good)
+    assert len(manifest.skipped) == 9  # both samples named 000000000 are left out
+    assert manifest.found == len(good) + 9
+    assert verify_shards(root).problems == []
+    got, reds = loader_labels_and_red(root, "train", 4)
+    assert sorted(got) == sorted(good.values()) and got == reds
+
+
+def test_txt_class_names_with_classes_file_and_cli(tmp_path):
+    root = tmp_path / "named"
+    root.mkdir()
+    names = ["zebra", "ant", "cat"]
+    with tarfile.open(root / "train-000000.tar", "w") as tar:
+        for i in range(12):
+            add_member(tar, f"s{i:04d}.jpg", solid(i % 3))
+            add_member(tar, f"s{i:04d}.txt", f"{names[i % 3]}\n".encode())
+        add_member(tar, "s9999.jpg", solid(0))
+        add_member(tar, "s9999.txt", b"dog")  # not in the classes file
+    (tmp_path / "classes.txt").write_text("\n".join(names) + "\n")
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(root), "--label-member", "txt",
+                             "--classes-file", str(tmp_path / "classes.txt")], capture_output=True, text=True,
+                            env=ENV)
+    assert result.returncode == 0, result.stderr
+    assert "Indexed 12 of 13 samples" in result.stdout and "1 label not a class" in result.stdout
+    manifest = ShardManifest.load(root)
+    assert manifest.classes == names
+    got, reds = loader_labels_and_red(root, "train", 4)
+    assert sorted(got) == sorted(i % 3 for i in range(12)) and got == reds
+    info = subprocess.run([str(VENV_BIN / "shard-convert"), "info", str(root)], capture_output=True, text=True,
+                          env=ENV)
+    assert "samples found 13: 12 indexed, 1 left out" in info.stdout
+
+
+def test_cls_with_newline_and_verify_finds_a_changed_tar(tmp_path):
+    root = tmp_path / "nl"
+    root.mkdir()
+    with tarfile.open(root / "data-000000.tar", "w") as tar:
+        for i in range(6):
+            add_member(tar, f"{i:03d}.jpg", solid(i % 2))
+            add_member(tar, f"{i:03d}.cls", f"{i % 2}\n".encode())
+        add_member(tar, "009.jpg", solid(1))
+        add_member(tar, "009.cls", b"one")
+    manifest = index_folder(IndexConfig(root, split="train"))
+    assert [e["reason"].split(":")[0] for e in manifest.skipped] == ["label unreadable"]
+    got, reds = loader_labels_and_red(root, "train", 3)
+    assert sorted(got) == [0, 0, 0, 1, 1, 1] and got == reds
+    with open(root / "data-000000.tar", "r+b") as f:  # someone changes the tar after indexing
+        f.seek(600)
+        f.write(b"\0")
+    problems = verify_shards(root).problems
+    assert len(problems) == 1 and "sha256 differs from the manifest (changed since it was indexed" in problems[0]
+
+
+def test_usage_and_data_errors(tmp_path):
+    with pytest.raises(IndexUsageError, match="no such folder"):
+        IndexConfig(tmp_path / "nope")
+    with pytest.raises(IndexUsageError, match="--label-member json needs --label-key"):
+        IndexConfig(tmp_path, label_member="json")
+    with pytest.raises(IndexUsageError, match="no .tar files"):
+        index_folder(IndexConfig(tmp_path))
+    (tmp_path / "bad.tar").write_bytes(b"not a tar at all" * 100)
+    with pytest.raises(IndexDataError, match="bad.tar: unreadable tar"):
+        index_folder(IndexConfig(tmp_path))
+    (tmp_path / "bad.tar").unlink()
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "dalifeed-shards", "kind": "imagefolder"}))
+    write_shardwriter(tmp_path, "train", 3, per_shard=10)
+    with pytest.raises(IndexUsageError, match="already a dalifeed shard folder \\(imagefolder shards"):
+        index_folder(IndexConfig(tmp_path))
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tmp_path / "nope")], capture_output=True,
+                            text=True, env=ENV)
+    assert result.returncode == 2 and "no such folder" in result.stderr
+
+
+def test_dali_train_on_indexed_shardwriter_tars(tmp_path):
+    """Done means: ShardWriter tars, `shard-convert index`, then dali-train trains and evaluates on them."""
+    write_shardwriter(tmp_path / "ds", "train", 24, per_shard=10)
+    write_shardwriter(tmp_path / "ds", "val", 9, per_shard=10, seed=1)
+    before = tree_sha256(tmp_path / "ds")
+    indexed = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tmp_path / "ds")], capture_output=True,
+                             text=True, env=ENV)
+    assert indexed.returncode == 0, indexed.stderr
+    run = subprocess.run([str(VENV_BIN / "dali-train"), "--data", str(tmp_path / "ds"), "--out", str(tmp_path / "run"),
+                          "--epochs", "1", "--model", "resnet18", "--image-size", "16", "--batch-size", "8",
+                          "--device", "cpu", "--dali-threads", "1", "--progress-every", "0"],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["epoch"] == 0 and records[-1]["val_samples"] == 9
+    assert tree_sha256(tmp_path / "ds") == before
+
+
+def test_verify_decode_finds_a_kept_image_dali_cannot_decode(tmp_path):
+    """The header rule keeps a JPEG cut short after its headers; `verify --decode` decodes it with DALI and
+    names it, before a training run would meet it."""
+    root = tmp_path / "cut"
+    root.mkdir()
+    with tarfile.open(root / "train-000000.tar", "w") as tar:
+        for i in range(4):
+            add_member(tar, f"{i:03d}.jpg", solid(i % 2))
+            add_member(tar, f"{i:03d}.cls", str(i % 2).encode())
+        whole = solid(1, size=(64, 64))
+        add_member(tar, "009.jpg", whole[:whole.index(b"\xff\xda") + 20])  # headers, then 20 bytes of the scan
+        add_member(tar, "009.cls", b"1")
+    manifest = index_folder(IndexConfig(root))
+    assert manifest.num_samples("train") == 5 and manifest.skipped == []
+    assert verify_shards(root).problems == []
+    problems = verify_shards(root, decode=True).problems
+    assert len(problems) == 1 and "sample 009: DALI cannot decode its image" in problems[0]
+
+
+def test_index_tars_in_object_storage_in_place(tmp_path, s3_bucket):
+    """`shard-convert index s3://...`: each tar streamed once, indexes and manifest written beside them in the
+    store, the tar objects unchanged; the loader reads them from the store (DALI's S3 client)."""
+    from dalifeed import s3
+
+    labels = write_shardwriter(tmp_path / "ds", "train", 17, per_shard=8)
+    url = f"{s3_bucket}/adopted"
+    for tar in sorted((tmp_path / "ds").glob("*.tar")):
+        s3.upload_file(tar, f"{url}/{tar.name}", file_sha256(tar))
+    before = {name: s3.object_sha256(f"{url}/{name}") for name in s3.list_objects(url)}
+    manifest = index_folder(IndexConfig(url))
+    assert manifest.url == url and manifest.num_samples("train") == 17
+    assert {name: s3.object_sha256(f"{url}/{name}") for name in before} == before
+    assert sorted(s3.list_objects(url)) == sorted([*before, "manifest.json", *(n[:-4] + ".idx" for n in before)])
+    for name in before:  # the same index as for the local copy, which is DALI's wds2idx's
+        assert s3.get_bytes(f"{url}/{name[:-4]}.idx").decode() == wds2idx(tmp_path / "ds" / name, tmp_path / "r.idx")
+    assert [s.sha256 for s in manifest.splits["train"].shards] == list(before.values())
+    assert verify_shards(url).problems == []
+    got, reds = loader_labels_and_red(url, "train", 4)
+    assert sorted(got) == sorted(labels) and got == reds
+
+
+def test_split_names_from_file_names():
+    names = {"train-000000.tar": "train", "validation_00001.tar": "val", "00000.tar": "train",
+             "imagenet-val-000003.tar": "val", "laion_train_12.tar": "train", "shard-000001.tar": "shard",
+             "Test-000000.tar": "test"}
+    assert {name: split_of(name, None) for name in names} == names
+    assert split_of("shard-000001.tar", "holdout") == "holdout"
