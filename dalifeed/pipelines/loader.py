@@ -37,6 +37,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
 from dalifeed.format import ShardInfo, ShardManifest
 from dalifeed.s3 import StorageError
+from dalifeed.shardcache import shard_cache_of
 from dalifeed.shardfolder import check_split, open_shard_folder
 
 from .budget import thread_budget
@@ -132,19 +133,25 @@ class DaliLoader:
             raise ValueError("restoring a mid-epoch loader state needs make_loader(..., checkpointing=True)")
         self.epoch, self._batches_done, self._restore = state["epoch"], state["batches_done"], state["dali"]
 
-    def _epoch_shards(self) -> list[ShardInfo]:
+    def _epoch_shards(self, epoch: int | None = None) -> list[ShardInfo]:
         if not self.train:
             return list(self._shards)
         order = list(range(len(self._shards)))
-        random.Random(f"{self.seed}:{self.epoch}").shuffle(order)  # same on every rank: a partition
+        random.Random(f"{self.seed}:{self.epoch if epoch is None else epoch}").shuffle(order)  # same on every rank
         return [self._shards[i] for i in order]
 
     def _epoch_files(self) -> tuple[list[str], list[str]]:
         shards = self._epoch_shards()
-        root = self.manifest.root  # a store's indexes are in the cache (check_files fetched them), its tars not
-        return [self.manifest.shard_location(s) for s in shards], [str(root / s.index) for s in shards]
+        root = self.manifest.root  # a store's indexes are in the cache (check_files fetched them)
+        if self.shard_cache is not None:  # a store's tars: this rank's fetched whole first (dalifeed/shardcache.py)
+            tars = self.shard_cache.epoch_files(shards, self._shard_range(self.rank),
+                                                upcoming=self._epoch_shards(self.epoch + 1))
+        else:
+            tars = [self.manifest.shard_location(s) for s in shards]
+        return tars, [str(root / s.index) for s in shards]
 
     outputs = ("images", "labels")  # what the pipeline returns, in order
+    shard_cache = None  # a ShardCache (s3:// folders: make_loader sets it), else DALI reads the tars where they are
 
     def _pipeline(self, tars: list[str], indexes: list[str], **pipeline_args):
         return shard_pipeline(tars, indexes, self.augment, self.train, self.device,
@@ -268,9 +275,10 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
                 dtype: torch.dtype = torch.float32, channels_last: bool = False, num_threads: int | None = None,
                 prefetch_queue_depth: int = 2, initial_fill: int = 1024, device_id: int | None = None,
                 checkpointing: bool = False, check: str = "size", multilabel: bool = False,
-                hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> DaliLoader:
-    """Batches of split `split` of the shard folder `shards_dir` (a path, or s3://bucket/prefix: DALI then reads
-    the tars from the store, docs/storage.md) for this rank; see the module docstring.
+                hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, cache_dir: str | os.PathLike | None = None,
+                cache_limit: int | str | None = None) -> DaliLoader:
+    """Batches of split `split` of the shard folder `shards_dir` (a path, or s3://bucket/prefix: the tars are then
+    fetched whole into the node's shard cache and DALI reads them there, docs/storage.md) for this rank; see the module docstring.
 
     `device`: 'auto' (GPU when torch and DALI see one), 'gpu' (nvJPEG decode, GPU augmentation), 'hybrid' (CPU
     decode, GPU augmentation: for when the GPU's decoder is the bottleneck) or 'cpu'. `hw_decoder_load`:
@@ -284,6 +292,9 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     indexes: two stats and two small reads per shard) or 'sha256' (also hashes every byte of the split).
     `multilabel` (COCO shards): labels are float multi-hot (B, num_classes) vectors of the categories each
     image holds, built in the DALI graph.
+    `cache_dir`, `cache_limit` (s3:// only): the node's shard cache the tars are fetched into, whole, before
+    DALI reads them (default: `shards/` in dalifeed's cache folder; limit in bytes or '20G', default 90% of
+    the free space; see dalifeed/shardcache.py and docs/storage.md).
     """
     if dtype not in (torch.float32, torch.float16):
         raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
@@ -300,11 +311,14 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     augment = AugmentConfig(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
                             fp16=dtype == torch.float16, channels_last=channels_last, hw_decoder_load=hw_decoder_load)
     threads = num_threads or thread_budget(resolved).threads
-    return DaliLoader(manifest, split, batch_size, train=split == "train" if train is None else train, rank=rank,
+    cache = shard_cache_of(manifest, cache_dir, cache_limit, sha256=check == "sha256")
+    loader = DaliLoader(manifest, split, batch_size, train=split == "train" if train is None else train, rank=rank,
                       world_size=world_size, seed=seed, device=resolved, augment=augment, num_threads=threads,
                       prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
                       device_id=device_id if uses_gpu(resolved) else None, checkpointing=checkpointing, check=check,
                       multilabel=multilabel)
+    loader.shard_cache = cache
+    return loader
 
 
 def check_files(manifest: ShardManifest, split: str, check: str) -> None:
