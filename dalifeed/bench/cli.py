@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from dalifeed.format import ManifestError
 from dalifeed.s3 import StorageError, is_s3_url
+from dalifeed.shardcache import parse_size
 from dalifeed.shardfolder import open_shard_folder
 
 from dalifeed.atomic import write_json_atomic
@@ -56,6 +57,8 @@ class BenchConfig:
     fp16: bool = False  # every loader hands out float16 batches (what an AMP model consumes)
     hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # dali-gpu (both tasks): share of JPEGs for the hardware decoder
     allow_different_data: bool = False
+    cache_dir: Path | None = None  # s3:// shards: the shard cache (dalifeed/shardcache.py)
+    cache_limit: str | None = None
 
     def validate(self) -> None:
         if self.task not in ("classify", "detection"):
@@ -103,6 +106,11 @@ class BenchConfig:
             self.check_model()
         if not 0 <= self.hw_decoder_load <= 1:
             raise BenchUsageError(f"--hw-decoder-load must be in [0, 1], got {self.hw_decoder_load}")
+        if self.cache_limit is not None:
+            try:
+                parse_size(self.cache_limit)
+            except ValueError as e:
+                raise BenchUsageError(f"--cache-limit: {e}") from None
         if self.task == "detection" and self.fp16:
             raise BenchUsageError("--fp16 applies to --task classify (the detection loaders hand out float32 lists)")
         images = manifest.num_samples(self.split)
@@ -180,7 +188,8 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             loader = on_device(build_loader(name, imagefolder=cfg.imagefolder, shards=cfg.shards, split=cfg.split,
                                             batch_size=cfg.batch_size, image_size=cfg.image_size,
                                             workers=cfg.workers, device=device, fp16=cfg.fp16,
-                                            hw_decoder_load=cfg.hw_decoder_load), device)
+                                            hw_decoder_load=cfg.hw_decoder_load, cache_dir=cfg.cache_dir,
+                                            cache_limit=cfg.cache_limit), device)
         timing = time_loader(loader, device, warmup_batches=cfg.warmup_batches, seconds=None if batches else cfg.seconds,
                              batches=batches, repeats=cfg.repeats, cores=usable_cores())
         record = {"loader": name, "images_per_s": timing.median, "images_per_s_runs": timing.images_per_s,
@@ -383,6 +392,11 @@ def d(name: str):
                    "compare different work).")
 @click.option("--out", type=click.Path(path_type=Path), default=d("out"), show_default=True,
               help="Folder for bench.json, bench.png and config.json.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="--shards s3://...: the shard cache the DALI loaders fetch whole tars into [default: shards/ in "
+                   "dalifeed's cache folder].")
+@click.option("--cache-limit", default=None, metavar="SIZE",
+              help="--shards s3://...: bound of the shard cache, e.g. 20G [default: 90% of the free space].")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def main(debug: bool, **options):
     """Race the DALI pipelines against the torch DataLoader baseline on the same images and augmentation

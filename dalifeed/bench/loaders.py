@@ -103,19 +103,21 @@ def webdataset_loader(shards: Path, split: str, batch_size: int, image_size: int
 
 
 def dali_loader(shards: Path, split: str, batch_size: int, image_size: int, threads: int, device: str,
-                fp16: bool = False, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> Iterable:
+                fp16: bool = False, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, cache_dir=None,
+                cache_limit=None) -> Iterable:
     return make_loader(shards, split, batch_size, device=device, image_size=image_size, num_threads=threads,
                        train=True, prefetch_queue_depth=2, dtype=torch.float16 if fp16 else torch.float32,
-                       hw_decoder_load=hw_decoder_load)
+                       hw_decoder_load=hw_decoder_load, cache_dir=cache_dir, cache_limit=cache_limit)
 
 
 def build_loader(name: str, *, imagefolder: Path, shards: Path, split: str, batch_size: int, image_size: int,
                  workers: int, device: torch.device, fp16: bool = False,
-                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> Iterable:
+                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, cache_dir=None, cache_limit=None) -> Iterable:
     if name == "baseline":
         return baseline_loader(imagefolder, batch_size, image_size, workers, device, fp16)
     if name == "webdataset":
         return webdataset_loader(shards, split, batch_size, image_size, workers, device, fp16)
     if name in DALI_DEVICES:
-        return dali_loader(shards, split, batch_size, image_size, workers, DALI_DEVICES[name], fp16, hw_decoder_load)
+        return dali_loader(shards, split, batch_size, image_size, workers, DALI_DEVICES[name], fp16, hw_decoder_load,
+                           cache_dir, cache_limit)
     raise ValueError(f"unknown loader {name!r} (choose from {', '.join(LOADERS)})")
