@@ -22,6 +22,7 @@ from nvidia.dali import fn, pipeline_def, types
 
 from dalifeed.format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
                              COCO_LABELS_MEMBER, IMAGE_MEMBER)
+from dalifeed.shardcache import shard_cache_of
 from dalifeed.shardfolder import open_shard_folder
 
 from .budget import thread_budget
@@ -208,9 +209,11 @@ def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size:
     resolved = resolve_device(device)
     if uses_gpu(resolved) and device_id is None:
         device_id = torch.cuda.current_device()
-    return DetectionLoader(
+    loader = DetectionLoader(
         manifest, split, batch_size, train=split.startswith("train") if train is None else train, rank=rank,
         world_size=world_size, seed=seed, device=resolved, augment=AugmentConfig(), detection=detection,
         num_threads=num_threads or thread_budget(resolved).threads, prefetch_queue_depth=prefetch_queue_depth,
         initial_fill=initial_fill, device_id=device_id if uses_gpu(resolved) else None, checkpointing=checkpointing,
         check=check)
+    loader.shard_cache = shard_cache_of(manifest, None, None, sha256=check == "sha256")  # s3://: the node's cache
+    return loader
