@@ -148,6 +148,13 @@ class ShardCache:
             self._start_prefetch(rank_shards(upcoming, rank_range))
         return paths
 
+    def prefetch(self, shards: list[ShardInfo], rank_range: tuple[int, int]) -> "ShardCache":
+        """Start fetching this rank's tars of an epoch in the background (the loader's first epoch, while the
+        trainer builds its model): `epoch_files` then finds them there, or waits for them."""
+        self._stop_prefetch()
+        self._start_prefetch(rank_shards(shards, rank_range))
+        return self
+
     def close(self) -> None:
         self._stop_prefetch()
         self._unpin_all_but(set())

@@ -317,7 +317,8 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
                       prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
                       device_id=device_id if uses_gpu(resolved) else None, checkpointing=checkpointing, check=check,
                       multilabel=multilabel)
-    loader.shard_cache = cache
+    if cache is not None:  # the first epoch's tars start coming while the caller gets ready
+        loader.shard_cache = cache.prefetch(loader._epoch_shards(), loader._shard_range(rank))
     return loader
 
 
