@@ -343,3 +343,19 @@ def test_a_full_disk_is_one_line_with_the_sizes(store, tmp_path):
                         r"\w+; the cache holds [0-9.]+ \w+, its limit is 1.0 GiB\): lower --cache-limit or free "
                         r"space\n", proc.stdout), proc.stdout + proc.stderr
     assert not list((tmp_path / "cache" / "shards").iterdir())
+
+
+def test_a_cache_limit_that_is_not_a_size_is_a_usage_error(store, tmp_path):
+    from click.testing import CliRunner
+
+    from dalifeed.bench.cli import main as bench_cli
+    from dalifeed.train.cli import main as train_cli
+
+    trained = CliRunner().invoke(train_cli, ["--data", store.url, "--out", str(tmp_path / "run"),
+                                             "--cache-limit", "lots"])
+    assert trained.exit_code == 2
+    assert "--cache-limit: 'lots' is not a size (examples: 500M, 20G, 1.5T, 123456)" in trained.output
+    benched = CliRunner().invoke(bench_cli, ["--shards", store.url, "--imagefolder", str(store.tmp / "src"),
+                                             "--out", str(tmp_path / "bench"), "--cache-limit", "lots"])
+    assert benched.exit_code == 2
+    assert "--cache-limit: 'lots' is not a size (examples: 500M, 20G, 1.5T, 123456)" in benched.output
