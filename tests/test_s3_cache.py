@@ -359,3 +359,17 @@ def test_a_cache_limit_that_is_not_a_size_is_a_usage_error(store, tmp_path):
                                              "--out", str(tmp_path / "bench"), "--cache-limit", "lots"])
     assert benched.exit_code == 2
     assert "--cache-limit: 'lots' is not a size (examples: 500M, 20G, 1.5T, 123456)" in benched.output
+
+
+def test_dali_opens_every_tar_when_it_builds_the_pipeline(store, tmp_path):
+    """The premise of the cache's design (docs/storage.md): DALI 2.4 maps every tar of `paths` at build, even
+    another rank's, so a rank's tars must all be local before its epoch's pipeline is built. If a DALI
+    version opens them lazily, this fails, and the cache could hand tars over while the epoch runs."""
+    loader = make_loader(store.local, "train", 4, rank=0, world_size=2, **OPTIONS)
+    tars, indexes = loader._epoch_files()
+    others = [t for t in tars if Path(t).name not in {s.path for s in rank_shards(loader._epoch_shards(),
+                                                                                  loader._shard_range(0))}]
+    missing = str(tmp_path / "missing.tar")
+    loader._epoch_files = lambda: ([missing if t == others[0] else t for t in tars], indexes)
+    with pytest.raises(Exception, match="File mapping failed"):
+        next(iter(loader))
