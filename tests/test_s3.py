@@ -413,33 +413,7 @@ def test_access_denied(s3_shards, locked_bucket, template, tmp_path):
     assert "the store rejected the credentials (InvalidAccessKeyId)" in one_line_error(unknown)
 
 
-READ_THEN_LOSE_THE_STORE = """
-import os, signal, sys, boto3
-from dalifeed.pipelines import make_loader
-from dalifeed.tools import ConvertConfig, convert_imagefolder
-boto3.client("s3").create_bucket(Bucket="mid")
-convert_imagefolder(ConvertConfig(src=sys.argv[1], out="s3://mid/p", samples_per_shard=5, progress=False))
-batches = iter(make_loader("s3://mid/p", "train", 4, device="cpu", image_size=32, initial_fill=8, num_threads=2))
-next(batches)
-os.kill(int(sys.argv[2]), signal.SIGKILL)
-try:
-    list(batches)
-except Exception as e:
-    print(f"{type(e).__name__}: {e}")
-"""
-
-
-def test_the_store_failing_mid_epoch_is_one_line(s3_shards, tmp_path):
-    server, endpoint = start_s3_server(tmp_path / "moto.log")  # its own: this test kills it
-    try:
-        proc = subprocess.run([sys.executable, "-c", READ_THEN_LOSE_THE_STORE, str(s3_shards[0]), str(server.pid)],
-                              capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "AWS_ENDPOINT_URL": endpoint})
-    finally:
-        stop_s3_server(server)
-    assert proc.stdout.startswith("StorageError: s3://mid/p: DALI could not read from the store: curlCode: 7, "
-                                  "Could not connect to server"), proc.stdout + proc.stderr
-    assert len(proc.stdout.splitlines()) == 1
+# the store failing mid-epoch: tests/test_s3_cache.py (make_loader reads a store's tars through the shard cache)
 
 
 def test_a_shard_missing_in_the_store(s3_shards, s3_bucket, tmp_path):

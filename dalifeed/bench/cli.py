@@ -67,6 +67,11 @@ def d(name: str):
                    "compare different work).")
 @click.option("--out", type=click.Path(path_type=Path), default=d("out"), show_default=True,
               help="Folder for bench.json, bench.png and config.json.")
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              help="--shards s3://...: the shard cache the DALI loaders fetch whole tars into [default: shards/ in "
+                   "dalifeed's cache folder].")
+@click.option("--cache-limit", default=None, metavar="SIZE",
+              help="--shards s3://...: bound of the shard cache, e.g. 20G [default: 90% of the free space].")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def main(debug: bool, **options):
     """Race the DALI pipelines against the torch DataLoader baseline on the same images and augmentation

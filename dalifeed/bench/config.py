@@ -9,6 +9,7 @@ from dalifeed.cliutil import output_folder_problem
 from dalifeed.format import ManifestError
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 from dalifeed.runtime import usable_cores
+from dalifeed.shardcache import parse_size
 from dalifeed.shardfolder import open_shard_folder
 
 from .detection import DETECTION_LOADERS, same_coco_data_problem
@@ -43,6 +44,8 @@ class BenchConfig:
     fp16: bool = False  # every loader hands out float16 batches (what an AMP model consumes)
     hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # dali-gpu (both tasks): share of JPEGs for the hardware decoder
     allow_different_data: bool = False
+    cache_dir: Path | None = None  # s3:// shards: the shard cache (dalifeed/shardcache.py)
+    cache_limit: str | None = None
 
     def validate(self) -> None:
         if self.task not in ("classify", "detection"):
@@ -90,6 +93,11 @@ class BenchConfig:
             self.check_model()
         if not 0 <= self.hw_decoder_load <= 1:
             raise BenchUsageError(f"--hw-decoder-load must be in [0, 1], got {self.hw_decoder_load}")
+        if self.cache_limit is not None:
+            try:
+                parse_size(self.cache_limit)
+            except ValueError as e:
+                raise BenchUsageError(f"--cache-limit: {e}") from None
         if self.task == "detection" and self.fp16:
             raise BenchUsageError("--fp16 applies to --task classify (the detection loaders hand out float32 lists)")
         images = manifest.num_samples(self.split)

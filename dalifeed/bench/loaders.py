@@ -41,12 +41,12 @@ def train_transform(augment: AugmentConfig):
 
 
 def dali_loader(shards: Path, split: str, batch_size: int, threads: int, device: str,
-                augment: AugmentConfig) -> Iterable:
+                augment: AugmentConfig, cache_dir=None, cache_limit=None) -> Iterable:
     # make_loader takes no crop_ratio, mean or std: its graph uses AugmentConfig's defaults, as `augment` does
     return make_loader(shards, split, batch_size, device=device, image_size=augment.image_size,
                        crop_scale=augment.crop_scale, flip=augment.flip, num_threads=threads, train=True,
                        prefetch_queue_depth=2, dtype=torch.float16 if augment.fp16 else torch.float32,
-                       hw_decoder_load=augment.hw_decoder_load)
+                       hw_decoder_load=augment.hw_decoder_load, cache_dir=cache_dir, cache_limit=cache_limit)
 
 
 # -- the torch side ------------------------------------------------------------------------------------
@@ -126,13 +126,14 @@ def webdataset_loader(shards: Path, split: str, batch_size: int, workers: int, d
 
 def build_loader(name: str, *, imagefolder: Path, shards: Path, split: str, batch_size: int, image_size: int,
                  workers: int, device: torch.device, fp16: bool = False,
-                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> Iterable:
-    """Loader `name`: RandomResizedCrop(image_size) + flip + normalise (AugmentConfig's ImageNet recipe)."""
+                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, cache_dir=None, cache_limit=None) -> Iterable:
+    """Loader `name`: RandomResizedCrop(image_size) + flip + normalise (AugmentConfig's ImageNet recipe);
+    `cache_dir`, `cache_limit`: the DALI loaders' shard cache for s3:// shards (make_loader)."""
     augment = AugmentConfig(image_size=image_size, fp16=fp16, hw_decoder_load=hw_decoder_load)
     if name == "baseline":
         return baseline_loader(imagefolder, batch_size, workers, device, augment)
     if name == "webdataset":
         return webdataset_loader(shards, split, batch_size, workers, device, augment)
     if name in DALI_DEVICES:
-        return dali_loader(shards, split, batch_size, workers, DALI_DEVICES[name], augment)
+        return dali_loader(shards, split, batch_size, workers, DALI_DEVICES[name], augment, cache_dir, cache_limit)
     raise ValueError(f"unknown loader {name!r} (choose from {', '.join(LOADERS)})")

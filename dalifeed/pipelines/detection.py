@@ -23,6 +23,7 @@ from nvidia.dali import fn, pipeline_def, types
 
 from dalifeed.format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
                              COCO_LABELS_MEMBER, IMAGE_MEMBER)
+from dalifeed.shardcache import shard_cache_of
 from dalifeed.shardfolder import open_shard_folder
 
 from .graphs import (ADJUST_ORIENTATION, DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER,
@@ -196,5 +197,7 @@ def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size:
                              num_threads=num_threads, rank=rank, world_size=world_size, seed=seed,
                              prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
                              checkpointing=checkpointing, check=check)
-    return DaliLoader(manifest, split, options, graph=partial(detection_pipeline, cfg=detection),
-                      outputs=DETECTION_OUTPUTS, to_torch=targets_from_batch)
+    loader = DaliLoader(manifest, split, options, graph=partial(detection_pipeline, cfg=detection),
+                        outputs=DETECTION_OUTPUTS, to_torch=targets_from_batch)
+    loader.shard_cache = shard_cache_of(manifest, None, None, sha256=check == "sha256")  # s3://: the node's cache
+    return loader

@@ -51,6 +51,7 @@ import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
 from dalifeed.format import ShardInfo, ShardManifest
+from dalifeed.shardcache import shard_cache_of
 from dalifeed.shardfolder import check_split, open_shard_folder
 
 from .budget import thread_budget
@@ -207,12 +208,24 @@ class DaliLoader:
         mine = self.state
         mine.epoch, mine.batches_done, mine.restore = state["epoch"], state["batches_done"], state["dali"]
 
-    def _epoch_shards(self) -> list[ShardInfo]:
+    def _epoch_shards(self, epoch: int | None = None) -> list[ShardInfo]:
         if not self.options.train:
             return list(self._shards)
         order = list(range(len(self._shards)))
-        random.Random(f"{self.options.seed}:{self.state.epoch}").shuffle(order)  # same on every rank: a partition
+        epoch = self.state.epoch if epoch is None else epoch
+        random.Random(f"{self.options.seed}:{epoch}").shuffle(order)  # same on every rank: a partition
         return [self._shards[i] for i in order]
+
+    shard_cache = None  # s3:// folders: the node's ShardCache (make_loader sets it), else DALI reads `files`
+
+    def _epoch_files(self, shards: list[ShardInfo]) -> tuple[list[str], list[str]]:
+        """`files` of this epoch's shards; from a store with a shard cache, the local copies of this rank's
+        tars, fetched whole first (and the next epoch's started in the background: dalifeed/shardcache.py)."""
+        if self.shard_cache is None:
+            return self.files(self.manifest, shards)
+        tars = self.shard_cache.epoch_files(shards, self._shard_range(self.options.rank),
+                                            upcoming=self._epoch_shards(self.state.epoch + 1))
+        return tars, [str(self.manifest.root / s.index) for s in shards]
 
     def _pipeline_seed(self) -> int:
         # distinct per rank (different augmentations) and per epoch; below 2**31 as DALI requires
@@ -222,7 +235,7 @@ class DaliLoader:
         """The DALI pipeline of the current epoch, defined but not built (building is what needs the GPU:
         tests/test_gpu_graphs.py checks the GPU graphs on a machine without one through this)."""
         o = self.options
-        tars, indexes = self.files(self.manifest, self._epoch_shards())
+        tars, indexes = self._epoch_files(self._epoch_shards())
         return self.graph(
             tars, indexes, train=o.train, device=o.device, shard_id=o.rank, num_shards=o.world_size,
             initial_fill=o.initial_fill, batch_size=o.batch_size, num_threads=o.num_threads, device_id=o.device_id,
@@ -271,7 +284,7 @@ class DaliLoader:
     def _explain(self, error: Exception) -> Exception:
         o = self.options
         shards = self._epoch_shards()
-        tars, indexes = self.files(self.manifest, shards)
+        tars, indexes = self._epoch_files(shards)
         return explain_dali_error(
             error, location=self.manifest.location, split=self.split, remote=bool(self.manifest.url), tars=tars,
             indexes=indexes, suspects=self._suspects(shards, tars, indexes),
@@ -326,9 +339,10 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
                 dtype: torch.dtype = torch.float32, channels_last: bool = False, num_threads: int | None = None,
                 prefetch_queue_depth: int = 2, initial_fill: int = 1024, device_id: int | None = None,
                 checkpointing: bool = False, check: str = "size", multilabel: bool = False,
-                hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, weights: list[float] | None = None) -> DaliLoader:
-    """Batches of split `split` of the shard folder `shards_dir` (a path, or s3://bucket/prefix: DALI then reads
-    the tars from the store, docs/storage.md) for this rank; see the module docstring (`train=None`: the
+                hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, weights: list[float] | None = None,
+                cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None) -> DaliLoader:
+    """Batches of split `split` of the shard folder `shards_dir` (a path, or s3://bucket/prefix: the tars are then
+    fetched whole into the node's shard cache and DALI reads them there, docs/storage.md) for this rank; see the module docstring (`train=None`: the
     split trains if its name starts with "train").
 
     `device`: 'auto' (GPU when torch and DALI see one), 'gpu' (nvJPEG decode, GPU augmentation), 'hybrid' (CPU
@@ -345,6 +359,9 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
     image holds, built in the DALI graph.
     A list of shard folders mixes them (`weights`: their proportions in every batch, default equal;
     `dalifeed.pipelines.mixing` says how epochs, classes and resume work then).
+    `cache_dir`, `cache_limit` (s3:// only): the node's shard cache the tars are fetched into, whole, before
+    DALI reads them (default: `shards/` in dalifeed's cache folder; limit in bytes or '20G', default 90% of
+    the free space; see dalifeed/shardcache.py and docs/storage.md).
     """
     if isinstance(shards_dir, (list, tuple)):
         args = {k: v for k, v in locals().items() if k not in ("shards_dir", "split", "batch_size", "weights", "train")}
@@ -369,7 +386,11 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
                              checkpointing=checkpointing, check=check)
     augment = AugmentConfig(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
                             fp16=dtype == torch.float16, channels_last=channels_last, hw_decoder_load=hw_decoder_load)
-    return classification_loader(manifest, split, options, augment, multilabel)
+    loader = classification_loader(manifest, split, options, augment, multilabel)
+    cache = shard_cache_of(manifest, cache_dir, cache_limit, sha256=check == "sha256")
+    if cache is not None:  # the first epoch's tars start coming while the caller gets ready
+        loader.shard_cache = cache.prefetch(loader._epoch_shards(), loader._shard_range(rank))
+    return loader
 
 
 def check_files(manifest: ShardManifest, split: str, check: str) -> None:

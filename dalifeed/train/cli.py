@@ -22,7 +22,7 @@ from .trainer import TrainingDiverged, TrainingStopped, main as train
 
 # Options that may differ from the checkpoint's config when resuming: they do not change the maths.
 RESUMABLE_OVERRIDES = {"epochs", "workers", "profile", "compile", "checkpoint_every", "check_shards", "progress_every",
-                       "tensorboard_every"}
+                       "tensorboard_every", "cache_dir", "cache_limit"}
 
 
 def d(name: str):
@@ -142,6 +142,12 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 @click.option("--check-shards", type=click.Choice(["size", "sha256"]), default=d("check_shards"), show_default=True,
               help="Before training, compare every shard with the manifest: size (sizes and DALI indexes, "
                    "instant) or sha256 (also hashes every byte: catches bit flips, costs a full read).")
+@click.option("--cache-dir", default=None, metavar="DIR",
+              help="s3:// data: the node's shard cache, shared by its ranks, where each tar is fetched whole "
+                   "(one GET) before DALI reads it [default: shards/ in $DALIFEED_CACHE or ~/.cache/dalifeed].")
+@click.option("--cache-limit", default=None, metavar="SIZE",
+              help="s3:// data: bound of the shard cache (e.g. 200G; tars read earliest are evicted first); must "
+                   "hold what the node's ranks read in one epoch [default: 90% of the free space].")
 @click.option("--progress-every", type=float, default=d("progress_every"), show_default=True, metavar="SECONDS",
               help="When stdout is not a terminal (Slurm, nohup, > log): a progress line every SECONDS with the "
                    "step, images/s, mean loss, data-wait share and the time left (0: none). A terminal gets a bar.")

@@ -54,6 +54,8 @@ class TrainConfig:
     hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # gpu: share of JPEGs for the hardware decoder
     synthetic: bool = False  # train on one real batch repeated: the speed of the model alone
     check_shards: str = "size"  # size | sha256: what is compared with the manifest before training
+    cache_dir: str | None = None  # s3:// data: the node's shard cache (default: shards/ in dalifeed's cache)
+    cache_limit: str | None = None  # its bound, "20G" or bytes (default: 90% of the free space)
     progress_every: float = 30.0  # seconds between progress lines when stdout is not a terminal (0: none)
     tensorboard_every: int = 50  # optimizer steps between per-step TensorBoard scalars (0: none)
     data_weights: list[float] | None = None  # with several --data: their shares of every batch (default equal)
@@ -99,6 +101,13 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        if self.cache_limit is not None:
+            from dalifeed.shardcache import parse_size
+
+            try:
+                parse_size(self.cache_limit)
+            except ValueError as e:
+                raise ConfigError(f"--cache-limit: {e}") from None
         if uses_gpu(self.device):
             import torch
 

@@ -588,7 +588,7 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
                        image_size=cfg.image_size, channels_last=cfg.channels_last,
                        num_threads=cfg.workers or budget.threads,
                        device_id=dist.local_rank if dist.device.type == "cuda" else None, check=cfg.check_shards,
-                       hw_decoder_load=cfg.hw_decoder_load)
+                       hw_decoder_load=cfg.hw_decoder_load, cache_dir=cfg.cache_dir, cache_limit=cfg.cache_limit)
     # DALI's checkpointing costs nothing measurable (docs; 575-625 images/s either way here) and lets any
     # step become a mid-epoch checkpoint: when --checkpoint-every says, and when a signal stops the run
     loader_args["multilabel"] = cfg.task == "multilabel"

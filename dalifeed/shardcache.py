@@ -1,0 +1,409 @@
+"""The node's shard cache: the tars of a shard folder in a store (s3://), fetched whole (one GET each) into a
+local folder shared by the ranks of a node, bounded in size, and handed to DALI as local files.
+
+Why whole tars before the pipeline is built: DALI 2.4's webdataset reader opens (memory-maps) every tar of
+its `paths` when the pipeline is built (`WebdatasetLoader::PrepareMetadataImpl`; a missing one fails the
+build with "File mapping failed", and a tar deleted after the build is still read from its mapping), so
+a tar cannot arrive while the pipeline runs. The loader builds one pipeline per epoch; before each build
+this rank's tars of the epoch (the ones its contiguous slice of samples touches) are fetched, several at
+once, in the order the reader reads them; the other ranks' tars are given to DALI as sparse placeholder
+files of their size (no disk blocks, never read: `stick_to_shard` keeps the reader in its slice). While
+the epoch runs, the next epoch's tars are fetched in the background (its order is a function of
+(seed, epoch + 1)), so only the first epoch waits for the store. docs/storage.md has the measurements.
+
+Sharing and bounds, all through file locks (flock) in the cache folder, so they hold across the ranks
+(processes) of a node:
+- `locks/<name>.lock`, one per tar: held exclusively while fetching it (another rank waits on it, then
+  finds the tar there: one GET per node), shared while a rank uses it (pinned: not evicted).
+- `space.lock`: held while space is counted, made (evicting) and reserved (the temporary file allocated
+  at its full size), so two ranks never both count the same free bytes.
+- A tar lands as `<name>.part` (allocated, written, size checked, sha256 checked on request) and is
+  renamed to `<name>.tar`: a killed download leaves a `.part` that is never read, and that the next fetch
+  of that tar (or an eviction) replaces.
+- Eviction: unpinned tars, least recently used first (a tar's mtime is touched when pinned); shards read
+  in earlier epochs are the unpinned ones.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import s3
+from .format import ShardInfo, ShardManifest
+
+CHUNK = 2**20  # bytes per read of a GET's body
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+class CacheFull(s3.StorageError):
+    """The cache (its limit, or its disk) cannot hold what this rank needs now. One line with the sizes."""
+
+
+def parse_size(text: str | int) -> int:
+    """'20G', '500M', '1.5T', '123' (bytes) -> bytes (powers of 1024). ValueError in one line otherwise."""
+    if isinstance(text, int):
+        return text
+    found = _SIZE.match(str(text))
+    if not found:
+        raise ValueError(f"{text!r} is not a size (examples: 500M, 20G, 1.5T, 123456)")
+    return int(float(found.group(1)) * _UNITS[found.group(2).lower()])
+
+
+def human(size: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size} B"
+
+
+def default_folder() -> Path:
+    from .shardfolder import cache_dir
+
+    return cache_dir() / "shards"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    folder: Path  # shared by the ranks of a node (local disk)
+    limit: int | None = None  # bytes; None: 90% of what the folder's file system can give the cache
+    verify_sha256: bool = False  # hash every tar fetched (or found) once per process, against the manifest
+    parallel: int = 4  # GETs at once: how many shards ahead of the reader the fetch runs
+    attempts: int = 5  # per tar, on top of botocore's own retries of each request
+    backoff_s: float = 0.5  # doubled after each failed attempt
+
+
+def default_limit(folder: Path) -> int:
+    """90% of the free space of the cache's file system plus what the cache already holds."""
+    return int(0.9 * (shutil.disk_usage(folder).free + _usage(folder / "shards")))
+
+
+def _usage(folder: Path) -> int:
+    """Bytes on disk of the cache's tars and part files (allocated blocks: placeholders are not counted)."""
+    total = 0
+    for entry in os.scandir(folder) if folder.is_dir() else ():
+        try:
+            total += entry.stat().st_blocks * 512
+        except FileNotFoundError:
+            pass
+    return total
+
+
+class ShardCache:
+    """Tars of one shard folder in a store, fetched into `config.folder` for one rank. See the module
+    docstring; `epoch_files` is what the loader calls before building an epoch's pipeline."""
+
+    def __init__(self, manifest: ShardManifest, config: CacheConfig, log=None):
+        if manifest.url is None:
+            raise ValueError("a shard cache is for shard folders in a store (s3://)")
+        self.manifest, self.config = manifest, config
+        self.folder = Path(config.folder)
+        for sub in ("shards", "locks", "placeholders"):
+            (self.folder / sub).mkdir(parents=True, exist_ok=True)
+        self.limit = config.limit if config.limit is not None else default_limit(self.folder)
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._pins: dict[str, int] = {}  # cache name -> fd of its lock, held shared
+        self._pins_lock = threading.Lock()
+        self._verified: set[str] = set()  # names whose sha256 this process checked
+        self._last: tuple[tuple, list[str]] | None = None  # the last epoch's (names, paths)
+        self._prefetch: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- what the loader calls -----------------------------------------------------------------------
+    def epoch_files(self, shards: list[ShardInfo], rank_range: tuple[int, int],
+                    upcoming: list[ShardInfo] | None = None) -> list[str]:
+        """Local paths for DALI of the epoch's tars `shards` (in the epoch's order): this rank's (those holding
+        samples `rank_range` of the concatenation) fetched and pinned, the others sparse placeholders. Then
+        starts fetching the tars `upcoming` (the next epoch's order) in the background."""
+        key = tuple(s.path for s in shards)
+        if self._last is not None and self._last[0] == key:  # asked again (an error being explained)
+            return self._last[1]
+        self._stop_prefetch()
+        mine = rank_shards(shards, rank_range)
+        need = sum(s.bytes for s in mine)
+        if need > self.limit:
+            raise CacheFull(f"{self.manifest.location}: the shard cache's limit {human(self.limit)} (--cache-limit) "
+                            f"is below the {human(need)} of the {len(mine)} tars this rank reads in one epoch: DALI "
+                            f"opens an epoch's tars when it builds its pipeline, so they must all be in the cache "
+                            f"({self.folder}); raise --cache-limit or use more ranks")
+        keep = {self.name(s) for s in mine}
+        self._unpin_all_but(keep)  # the last epoch's pipeline is gone: its tars may be evicted
+        with ThreadPoolExecutor(self.config.parallel) as pool:  # in reading order, `parallel` at once
+            list(pool.map(self.pin, mine))
+        paths = [str(self.path(s)) if self.name(s) in keep else str(self.placeholder(s)) for s in shards]
+        self._last = (key, paths)
+        if upcoming is not None:
+            self._start_prefetch(rank_shards(upcoming, rank_range))
+        return paths
+
+    def prefetch(self, shards: list[ShardInfo], rank_range: tuple[int, int]) -> "ShardCache":
+        """Start fetching this rank's tars of an epoch in the background (the loader's first epoch, while the
+        trainer builds its model): `epoch_files` then finds them there, or waits for them."""
+        self._stop_prefetch()
+        self._start_prefetch(rank_shards(shards, rank_range))
+        return self
+
+    def close(self) -> None:
+        self._stop_prefetch()
+        self._unpin_all_but(set())
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- names -------------------------------------------------------------------------------------
+    def name(self, shard: ShardInfo) -> str:
+        """Content-addressed: a tar re-converted differently gets another name; datasets sharing a tar share it."""
+        return shard.sha256 or hashlib.sha256(self.manifest.shard_location(shard).encode()).hexdigest()
+
+    def path(self, shard: ShardInfo) -> Path:
+        return self.folder / "shards" / f"{self.name(shard)}.tar"
+
+    def placeholder(self, shard: ShardInfo) -> Path:
+        """A sparse file of the tar's size: DALI opens it at build and, the tar being another rank's, never
+        reads it."""
+        path = self.folder / "placeholders" / f"{shard.bytes}.tar"
+        if not path.is_file() or path.stat().st_size != shard.bytes:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            with open(tmp, "wb") as f:
+                f.truncate(shard.bytes)
+            os.replace(tmp, path)
+        return path
+
+    # -- pinning: fetch if needed, then hold shared --------------------------------------------------
+    def pin(self, shard: ShardInfo) -> None:
+        """Make sure the tar is in the cache, whole, and hold it (shared lock) until unpinned. CacheFull if
+        there is no room, StorageError if the store fails (after retries)."""
+        name = self.name(shard)
+        with self._pins_lock:
+            if name in self._pins:
+                return
+        fd = os.open(self.folder / "locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            while True:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # waits while another rank fetches it
+                if self._usable(shard, say=False):
+                    break
+                fcntl.flock(fd, fcntl.LOCK_EX)  # (not atomic: re-checked under the exclusive lock)
+                if not self._usable(shard, say=True):
+                    self._fetch(shard)
+                # back to shared and check again: an eviction may slip into the conversion's gap
+            os.utime(self.path(shard))  # recently used: evicted last
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._pins_lock:
+            if name in self._pins:  # pinned meanwhile by another thread of this process
+                os.close(fd)
+            else:
+                self._pins[name] = fd
+
+    def _unpin_all_but(self, keep: set[str]) -> None:
+        with self._pins_lock:
+            for name in [n for n in self._pins if n not in keep]:
+                os.close(self._pins.pop(name))  # closing the descriptor releases its lock
+
+    def _usable(self, shard: ShardInfo, say: bool) -> bool:
+        """The cache entry is there, of the manifest's size (and sha256, when asked). A wrong one is deleted
+        (under the exclusive lock) and, with `say`, reported once."""
+        path = self.path(shard)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return False
+        problem = None
+        if size != shard.bytes:
+            problem = f"{size} bytes, the manifest says {shard.bytes}"
+        elif self.config.verify_sha256 and path.name not in self._verified:
+            if _file_sha256(path) != shard.sha256:
+                problem = "sha256 differs from the manifest"
+            else:
+                self._verified.add(path.name)
+        if problem is None:
+            return True
+        if say:
+            self.log(f"{path}: cache entry of {self.manifest.shard_location(shard)} is wrong ({problem}): "
+                     f"fetching it again")
+            path.unlink(missing_ok=True)
+        return False
+
+    # -- fetching ----------------------------------------------------------------------------------
+    def _fetch(self, shard: ShardInfo) -> None:
+        """One GET of the whole tar into `<name>.part` (allocated first, under the space lock), checked, then
+        renamed into place. Called with the tar's lock held exclusively."""
+        url = self.manifest.shard_location(shard)
+        part = self.path(shard).with_suffix(".part")
+        self._reserve(shard, part)
+        started, error = time.monotonic(), None
+        try:
+            for attempt in range(self.config.attempts):
+                if attempt:
+                    time.sleep(self.config.backoff_s * 2 ** (attempt - 1))
+                try:
+                    digest = self._download(url, part)
+                    break
+                except s3.ObjectProblem:
+                    raise
+                except s3.StorageError as e:
+                    error = e
+            else:
+                raise s3.StorageError(f"{error} (fetching {shard.path} into the shard cache: gave up after "
+                                      f"{self.config.attempts} attempts in {time.monotonic() - started:.0f} s)")
+            size = part.stat().st_size
+            if size != shard.bytes:
+                raise s3.ObjectProblem(f"{url}: {size} bytes in the store, the manifest says {shard.bytes} "
+                                       f"(truncated or replaced)")
+            if self.config.verify_sha256:
+                if digest != shard.sha256:
+                    raise s3.ObjectProblem(f"{url}: sha256 differs from the manifest (modified or corrupt)")
+                self._verified.add(self.path(shard).name)
+            os.replace(part, self.path(shard))
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+
+    def _download(self, url: str, part: Path) -> str:
+        """The object's bytes over the allocated `part` file, from its start; returns their sha256."""
+        digest = hashlib.sha256()
+        with s3.ObjectStream(url) as body, open(part, "r+b") as out:
+            while True:
+                chunk = body.read(CHUNK)
+                if not chunk:
+                    break
+                try:
+                    out.write(chunk)
+                except OSError as e:
+                    raise self._disk_full(e, part) from e
+                digest.update(chunk)
+            out.truncate()
+        return digest.hexdigest()
+
+    # -- space -------------------------------------------------------------------------------------
+    def _reserve(self, shard: ShardInfo, part: Path) -> None:
+        """Make room for the tar (evicting unpinned tars, least recently used first) and allocate `part` at its
+        full size, all under the space lock. CacheFull if the limit or the disk cannot give it."""
+        with open(self.folder / "space.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            used = _usage(self.folder / "shards")
+            if used + shard.bytes > self.limit:
+                used -= self._evict(used + shard.bytes - self.limit)
+            if used + shard.bytes > self.limit:
+                raise CacheFull(f"{self.manifest.shard_location(shard)}: no room in the shard cache {self.folder}: "
+                                f"it holds {human(used)} in use by the ranks of this node, the tar needs "
+                                f"{human(shard.bytes)}, the limit is {human(self.limit)} (--cache-limit)")
+            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.posix_fallocate(fd, 0, shard.bytes)
+            except OSError as e:
+                os.close(fd)
+                part.unlink(missing_ok=True)
+                raise self._disk_full(e, part) from e
+            os.close(fd)
+
+    def _evict(self, wanted: int) -> int:
+        """Delete unpinned tars (and abandoned part files), least recently used first, until `wanted` bytes
+        are freed or none is left. Returns the bytes freed. Called under the space lock."""
+        freed = 0
+        entries = []
+        for entry in os.scandir(self.folder / "shards"):
+            try:
+                entries.append((entry.stat().st_mtime, entry.path, entry.stat().st_blocks * 512))
+            except FileNotFoundError:
+                pass
+        for _, path, size in sorted(entries):
+            if freed >= wanted:
+                break
+            name = Path(path).name.rsplit(".", 1)[0]
+            fd = os.open(self.folder / "locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # pinned or being fetched: skip it
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            try:
+                os.unlink(path)
+                freed += size
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(fd)
+        return freed
+
+    def _disk_full(self, error: OSError, part: Path) -> Exception:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return error
+        disk = shutil.disk_usage(self.folder)
+        return CacheFull(f"{part}: the disk of the shard cache is full ({human(disk.free)} free of "
+                         f"{human(disk.total)}; the cache holds {human(_usage(self.folder / 'shards'))}, its limit "
+                         f"is {human(self.limit)}): lower --cache-limit or free space")
+
+    # -- the next epoch, in the background -------------------------------------------------------------
+    def _start_prefetch(self, shards: list[ShardInfo]) -> None:
+        self._stop.clear()
+        self._prefetch = threading.Thread(target=self._prefetch_all, args=(shards,), daemon=True,
+                                          name="dalifeed-shard-prefetch")
+        self._prefetch.start()
+
+    def _prefetch_all(self, shards: list[ShardInfo]) -> None:
+        """Fetch and pin the tars in order, `parallel` at once; stop quietly at the first failure (no room:
+        the current epoch's tars are pinned until it ends; the store: the next epoch retries, and says so)."""
+        def one(shard):
+            if not self._stop.is_set():
+                self.pin(shard)
+
+        try:
+            with ThreadPoolExecutor(self.config.parallel) as pool:
+                for future in [pool.submit(one, s) for s in shards]:
+                    future.result()
+        except Exception:
+            self._stop.set()
+
+    def _stop_prefetch(self) -> None:
+        if self._prefetch is not None:
+            self._stop.set()
+            self._prefetch.join()
+            self._prefetch = None
+
+
+def shard_cache_of(manifest: ShardManifest, folder: str | os.PathLike | None, limit: int | str | None,
+                   sha256: bool = False) -> ShardCache | None:
+    """The cache `make_loader` reads a store's folder through (`folder` default: `shards/` in dalifeed's cache
+    folder; `limit` bytes or '20G'); None for a local folder, which DALI reads where it is."""
+    if manifest.url is None:
+        return None
+    config = CacheConfig(Path(folder) if folder else default_folder(),
+                         None if limit is None else parse_size(limit), verify_sha256=sha256)
+    return ShardCache(manifest, config)
+
+
+def rank_shards(shards: list[ShardInfo], rank_range: tuple[int, int]) -> list[ShardInfo]:
+    """The tars, in order, holding samples [start, end) of their concatenation (DALI's shard of a rank)."""
+    start, end = rank_range
+    found, position = [], 0
+    for shard in shards:
+        if position < end and position + shard.samples > start:
+            found.append(shard)
+        position += shard.samples
+    return found
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
