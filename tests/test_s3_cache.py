@@ -366,10 +366,10 @@ def test_dali_opens_every_tar_when_it_builds_the_pipeline(store, tmp_path):
     another rank's, so a rank's tars must all be local before its epoch's pipeline is built. If a DALI
     version opens them lazily, this fails, and the cache could hand tars over while the epoch runs."""
     loader = make_loader(store.local, "train", 4, rank=0, world_size=2, **OPTIONS)
-    tars, indexes = loader._epoch_files()
+    tars, indexes = loader._epoch_files(loader._epoch_shards())
     others = [t for t in tars if Path(t).name not in {s.path for s in rank_shards(loader._epoch_shards(),
                                                                                   loader._shard_range(0))}]
     missing = str(tmp_path / "missing.tar")
-    loader._epoch_files = lambda: ([missing if t == others[0] else t for t in tars], indexes)
+    loader._epoch_files = lambda shards: ([missing if t == others[0] else t for t in tars], indexes)
     with pytest.raises(Exception, match="File mapping failed"):
         next(iter(loader))
