@@ -13,14 +13,12 @@ import numpy as np
 import pytest
 import torchvision
 import webdataset as wds
+from click.testing import CliRunner
 
-from dalifeed.tools import ConvertConfig, ShardManifest, convert_imagefolder
+from dalifeed.tools import ShardManifest
+from dalifeed.tools.cli import main as cli
 
-from helpers import write_imagefolder
-
-
-def convert(src: Path, out: Path, **options) -> ShardManifest:
-    return convert_imagefolder(ConvertConfig(src=src, out=out, progress=False, **options))
+from helpers import convert, write_imagefolder
 
 
 def source_bytes(src: Path, meta: bytes) -> bytes:
@@ -167,6 +165,18 @@ def test_max_shard_bytes_bounds_every_shard(imagefolder, tmp_path):
     # tar pads its end to a 10 KiB record, the only overshoot allowed
     assert max(sizes) <= limit + 10240
     assert sum(s.samples for s in manifest.splits["train"].shards) == 1007
+
+
+def test_both_shard_limits_hold_and_an_oversized_sample_is_reported(tmp_path):
+    src = write_imagefolder(tmp_path / "src", {"a": 20, "b": 21}, size=(64, 64))
+    manifest = convert(src, tmp_path / "both", samples_per_shard=8, max_shard_bytes=12_000)
+    shards = manifest.splits["train"].shards
+    assert max(s.samples for s in shards) <= 8 and max(s.bytes for s in shards) <= 12_000 + 10240
+    assert min(s.samples for s in shards) < 8  # the byte limit, not only the count, ended some shards
+    tiny = convert(src, tmp_path / "tiny", max_shard_bytes=4096)
+    assert len(tiny.warnings) == 41 and "alone is" in tiny.warnings[0] and "over --max-shard-bytes 4096" in tiny.warnings[0]
+    result = CliRunner().invoke(cli, ["info", str(tmp_path / "tiny")])
+    assert "warning: train-000000.tar: sample" in result.output
 
 
 def test_a_folder_of_format_1_is_refused_in_one_line_and_not_resumed(small_imagefolder, tmp_path):

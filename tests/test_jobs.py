@@ -19,7 +19,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from helpers import gradient_image, jpeg_bytes, png_bytes, random_image
+from helpers import assert_same_folder, gradient_image, jpeg_bytes, png_bytes, random_image, shard_convert
 
 PY = sys.executable
 JOBS = 3
@@ -54,10 +54,8 @@ def source_files(src: Path) -> list[str]:
 def convert(src: Path, out: Path, *options: str, job: int | None = None, env: dict | None = None,
             timeout: float = 180) -> subprocess.CompletedProcess:
     """One real `shard-convert imagefolder` process; `job` adds --num-jobs JOBS --job-index job."""
-    command = [PY, "-m", "dalifeed.tools.cli", "imagefolder", str(src), str(out), "--workers", "1", *options]
-    if job is not None:
-        command += ["--num-jobs", str(JOBS), "--job-index", str(job)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    jobs = ("--num-jobs", JOBS, "--job-index", job) if job is not None else ()
+    return shard_convert("imagefolder", src, out, "--workers", "1", *options, *jobs, env=env, timeout=timeout)
 
 
 def convert_ok(*args, **kwargs) -> subprocess.CompletedProcess:
@@ -67,8 +65,7 @@ def convert_ok(*args, **kwargs) -> subprocess.CompletedProcess:
 
 
 def merge(out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "dalifeed.tools.cli", "merge", str(out)], capture_output=True, text=True,
-                          timeout=120)
+    return shard_convert("merge", out)
 
 
 def error_line(stderr: str) -> str:
@@ -76,14 +73,6 @@ def error_line(stderr: str) -> str:
     errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr
     return errors[0]
-
-
-def assert_same_folder(expected: Path, got: Path) -> None:
-    """Every shard, index and the manifest, byte for byte; no other shard file on either side."""
-    names = sorted(p.name for p in expected.iterdir() if p.suffix in (".tar", ".idx"))
-    assert names == sorted(p.name for p in got.iterdir() if p.suffix in (".tar", ".idx"))
-    for name in names + ["manifest.json"]:
-        assert (expected / name).read_bytes() == (got / name).read_bytes(), name
 
 
 def job_records(out: Path) -> list[dict]:
@@ -164,8 +153,7 @@ def test_jobs_of_byte_sized_shards_hold_the_single_jobs_samples(tree, single, tm
     for split, info in expected["splits"].items():
         assert manifest["splits"][split]["class_counts"] == info["class_counts"]
         assert manifest["splits"][split]["samples"] == info["samples"]
-    verify = subprocess.run([PY, "-m", "dalifeed.tools.cli", "verify", str(out)], capture_output=True, text=True,
-                            timeout=120)
+    verify = shard_convert("verify", out)
     assert verify.returncode == 0 and verify.stdout.strip().endswith("OK"), verify.stdout
 
 
