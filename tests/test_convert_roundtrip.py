@@ -25,10 +25,13 @@ def source_bytes(src: Path, meta: bytes) -> bytes:
     return (src / json.loads(meta)["path"]).read_bytes()
 
 
-@pytest.fixture
-def converted(imagefolder: Path, tmp_path: Path) -> tuple[Path, ShardManifest]:
-    manifest = convert(imagefolder, tmp_path / "shards", samples_per_shard=100, workers=2)
-    return imagefolder, manifest
+THREE_CLASSES = {"cat": 401, "dog": 333, "emu": 273}  # 1007 images: odd counts catch shard arithmetic off-by-ones
+
+
+@pytest.fixture(scope="module")
+def converted(make_shards) -> tuple[Path, ShardManifest]:
+    src, shards = make_shards(THREE_CLASSES, samples_per_shard=100, workers=2)
+    return src, ShardManifest.load(shards)
 
 
 def test_manifest_counts_and_shard_arithmetic(converted):
@@ -131,10 +134,9 @@ def test_different_seed_gives_different_order(small_imagefolder, tmp_path):
     assert sorted(order(0)) == sorted(order(1))
 
 
-def test_train_and_val_folders_become_splits_with_train_class_indices(tmp_path):
-    write_imagefolder(tmp_path / "src" / "train", {"a": 5, "b": 6, "c": 4})
-    write_imagefolder(tmp_path / "src" / "val", {"a": 2, "c": 3}, seed=1)  # val lacks class b
-    manifest = convert(tmp_path / "src", tmp_path / "out")
+def test_train_and_val_folders_become_splits_with_train_class_indices(make_shards):
+    _, shards = make_shards({"train": {"a": 5, "b": 6, "c": 4}, "val": {"a": 2, "c": 3}})  # val lacks class b
+    manifest = ShardManifest.load(shards)
     assert manifest.num_samples("train") == 15 and manifest.num_samples("val") == 5
     labels = {}
     for s in wds.WebDataset([str(p) for p in manifest.shard_paths("val")], shardshuffle=False):
@@ -157,9 +159,9 @@ def test_val_fraction_is_stratified_and_disjoint(small_imagefolder, tmp_path):
     assert per_class == {"a": round(13 * 0.3), "b": round(11 * 0.3), "c": round(7 * 0.3)}
 
 
-def test_max_shard_bytes_bounds_every_shard(imagefolder, tmp_path):
+def test_max_shard_bytes_bounds_every_shard(make_shards):
     limit = 64 * 1024
-    manifest = convert(imagefolder, tmp_path / "out", max_shard_bytes=limit)
+    manifest = ShardManifest.load(make_shards(THREE_CLASSES, max_shard_bytes=limit)[1])
     sizes = [s.bytes for s in manifest.splits["train"].shards]
     assert len(sizes) > 5
     # tar pads its end to a 10 KiB record, the only overshoot allowed
