@@ -133,6 +133,28 @@ def test_jobs_of_whole_shards_merge_into_the_single_job_folder_byte_for_byte(tre
     assert_same_folder(single(*options), out)
 
 
+def test_records_of_an_older_version_merge_their_lists_in_job_order(tree, single, tmp_path):
+    """Job records without per-split lists (written before they had them) still merge into the single job's
+    shards and counts; their skipped files and warnings come whole, job by job."""
+    options = ("--samples-per-shard", "4", "--val-fraction", "0.25")
+    out = tmp_path / "out"
+    for i in range(JOBS):
+        convert_ok(tree, out, *options, job=i)
+    paths = sorted((out / ".dalifeed-jobs").glob("job-*.json"))
+    records = job_records(out)
+    for path, record in zip(paths, records):
+        del record["job"]["splits"], record["job"]["plan"]
+        path.write_text(json.dumps(record))
+    (out / "manifest.json").unlink()
+    assert merge(out).returncode == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    expected = json.loads((single(*options) / "manifest.json").read_text())
+    assert manifest["splits"] == expected["splits"] and manifest["reencoded"] == expected["reencoded"]
+    assert manifest["skipped"] == [entry for record in records for entry in record["skipped"]]
+    assert sorted(map(json.dumps, manifest["skipped"])) == sorted(map(json.dumps, expected["skipped"]))
+    assert manifest["skipped"] != expected["skipped"]  # job order is not a single job's: why records list by split
+
+
 def test_jobs_of_byte_sized_shards_hold_the_single_jobs_samples(tree, single, tmp_path):
     options = ("--max-shard-bytes", "12KB", "--val-fraction", "0.25")
     out = tmp_path / "out"
