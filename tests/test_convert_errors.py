@@ -23,7 +23,7 @@ from PIL import Image
 from dalifeed.tools import ConvertConfig, convert_imagefolder, verify_shards
 from dalifeed.tools.cli import main as cli
 
-from helpers import (assert_same_folder, convert, hold_lock, jpeg_bytes, limit_file_size, random_image,
+from helpers import (assert_same_folder, convert, hold_lock, jpeg_bytes, limit_file_size, png_bytes, random_image,
                      shard_convert, wait_for, write_imagefolder)
 
 PY = sys.executable
@@ -31,12 +31,6 @@ PY = sys.executable
 
 def run_cli(*args: str):
     return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def png_bytes(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture
