@@ -73,12 +73,6 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
-def imagefolder(tmp_path: Path) -> Path:
-    """Three classes, 1007 images in all (odd counts catch shard arithmetic off-by-ones)."""
-    return write_imagefolder(tmp_path / "src", {"cat": 401, "dog": 333, "emu": 273})
-
-
-@pytest.fixture
 def small_imagefolder(tmp_path: Path) -> Path:
     return write_imagefolder(tmp_path / "small", {"a": 13, "b": 11, "c": 7})
 

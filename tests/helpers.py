@@ -1,4 +1,6 @@
-"""Builders of small, real test data (images, ImageFolder trees) and a local S3 server, imported by the tests."""
+"""Builders of small, real test data (images, ImageFolder trees), the conversion as the tests run it (through
+the library or the real CLI in a child process), real processes to race against (a lock holder), and a
+local S3 server; imported by the tests."""
 
 from __future__ import annotations
 
@@ -55,6 +57,57 @@ def write_imagefolder(root: Path, counts: dict[str, int], seed: int = 0, size=(2
         for i in range(n):
             (folder / f"{name}_{i:04d}.jpg").write_bytes(jpeg_bytes(random_image(rng, size, label)))
     return root
+
+
+def convert(src: Path, out: Path | str, **options):
+    """Convert through the library, without a progress bar: the ImageFolder tree `src` (ConvertConfig
+    options), or with `annotations=` that COCO instances file over the images in `src` (CocoConfig options).
+    Returns the manifest. For shards a test only reads, the `make_shards` fixture builds them once."""
+    from dalifeed.tools import CocoConfig, ConvertConfig, convert_coco, convert_imagefolder
+
+    if "annotations" in options:
+        annotations = options.pop("annotations")
+        return convert_coco(CocoConfig(images=[src], annotations=[annotations], out=out, progress=False, **options))
+    return convert_imagefolder(ConvertConfig(src=src, out=out, progress=False, **options))
+
+
+def shard_convert(*args, timeout: float = 120, **run) -> subprocess.CompletedProcess:
+    """`shard-convert ARGS` as a real child process (signals, exit codes, stdout and stderr as a user sees
+    them), its output captured as text; `run`: more subprocess.run arguments (env, preexec_fn, ...)."""
+    return subprocess.run([sys.executable, "-m", "dalifeed.tools.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, **run)
+
+
+def assert_same_folder(expected: Path, got: Path) -> None:
+    """Every shard, index and the manifest, byte for byte; no other shard file on either side."""
+    names = sorted(p.name for p in expected.iterdir() if p.suffix in (".tar", ".idx"))
+    assert names == sorted(p.name for p in got.iterdir() if p.suffix in (".tar", ".idx"))
+    for name in names + ["manifest.json"]:
+        assert (expected / name).read_bytes() == (got / name).read_bytes(), name
+
+
+def wait_for(condition, timeout: float = 60, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def hold_lock(folder: Path) -> subprocess.Popen:
+    """Another real process holding the folder's lock, as a running conversion or training would."""
+    code = ("import sys, time; from dalifeed.runtime import folder_lock\n"
+            f"with folder_lock({str(folder)!r}, 'a test holder'):\n    print('locked', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "locked"
+    return holder
+
+
+def limit_file_size(limit: int):
+    """A `preexec_fn` that makes the child's writes beyond `limit` bytes fail as a full disk would (EFBIG)."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
 def write_coco(root: Path, seed: int = 0) -> tuple[Path, Path]:

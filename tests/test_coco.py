@@ -21,6 +21,8 @@ import webdataset as wds
 from PIL import Image
 
 from dalifeed.tools.coco import CocoConfig, convert_coco
+
+import helpers
 from helpers import jpeg_bytes, random_image, write_coco, write_shapes_coco
 
 CATEGORY_IDS = [0, 3, 7, 90]  # sorted: the training index of category id c is CATEGORY_IDS.index(c)
@@ -32,9 +34,8 @@ def coco(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def convert(images: Path, annotations: Path, out: Path, **options):
-    cfg = CocoConfig(images=[images], annotations=[annotations], out=out, progress=False,
-                     **{"workers": 1, "samples_per_shard": 3, **options})
-    return convert_coco(cfg)
+    """`helpers.convert` of one COCO split, into shards of 3 images written by one worker unless told."""
+    return helpers.convert(images, out, annotations=annotations, **{"workers": 1, "samples_per_shard": 3, **options})
 
 
 def source_doc(annotations: Path) -> dict:
@@ -149,8 +150,7 @@ def test_export_coco_round_trips_through_pycocotools(coco, tmp_path):
     out = tmp_path / "out"
     convert(images, annotations, out)
     dest = tmp_path / "back.json"
-    result = subprocess.run([sys.executable, "-m", "dalifeed.tools.cli", "export-coco", str(out), str(dest)],
-                            capture_output=True, text=True)
+    result = helpers.shard_convert("export-coco", out, dest)
     assert result.returncode == 0, result.stderr
     original, back = COCO(str(annotations)), COCO(str(dest))
     doc = source_doc(annotations)
@@ -226,9 +226,8 @@ def test_bad_instances_file_is_one_line_exit_2(tmp_path, content, message):
     (tmp_path / "images").mkdir()
     bad = tmp_path / "instances_bad.json"
     bad.write_text(content)
-    result = subprocess.run([sys.executable, "-m", "dalifeed.tools.cli", "coco", str(tmp_path / "out"), "--images",
-                             str(tmp_path / "images"), "--annotations", str(bad), "--quiet"],
-                            capture_output=True, text=True)
+    result = helpers.shard_convert("coco", tmp_path / "out", "--images", tmp_path / "images", "--annotations", bad,
+                                   "--quiet")
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error")]
     assert len(errors) == 1 and message in errors[0] and str(bad) in errors[0], result.stderr
@@ -443,7 +442,8 @@ def test_average_precision_matches_its_definition():
 
 
 def test_dali_bench_detection_races_the_same_data(coco, tmp_path):
-    from dalifeed.bench.cli import BenchConfig, BenchUsageError, run_bench
+    from dalifeed.bench.config import BenchConfig, BenchUsageError
+    from dalifeed.bench.run import run_bench
 
     images, annotations = coco
     out = tmp_path / "out"
@@ -527,6 +527,4 @@ def test_kill_9_mid_conversion_then_rerun_gives_the_same_bytes(tmp_path):
     assert not (out / "manifest.json").exists(), "the kill landed after the conversion finished"
     rerun = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0 and "(resumed)" in rerun.stdout, rerun.stderr
-    for path in sorted((tmp_path / "ref").glob("*.tar")) + sorted((tmp_path / "ref").glob("*.idx")) + \
-            [tmp_path / "ref" / "manifest.json"]:
-        assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+    helpers.assert_same_folder(tmp_path / "ref", out)

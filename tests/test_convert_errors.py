@@ -1,4 +1,5 @@
-"""Bad input is reported and accounted for; interrupted runs resume to the same bytes; verify catches damage."""
+"""Bad input is reported and accounted for; interrupted runs (an exception, Ctrl-C, SIGTERM, kill -9, a full
+disk) resume to the same bytes, and leave no worker or lock behind; verify catches damage."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import webdataset as wds
 from click.testing import CliRunner
@@ -21,17 +23,14 @@ from PIL import Image
 from dalifeed.tools import ConvertConfig, convert_imagefolder, verify_shards
 from dalifeed.tools.cli import main as cli
 
-from helpers import jpeg_bytes, random_image, write_imagefolder
+from helpers import (assert_same_folder, convert, hold_lock, jpeg_bytes, limit_file_size, png_bytes, random_image,
+                     shard_convert, wait_for, write_imagefolder)
+
+PY = sys.executable
 
 
 def run_cli(*args: str):
     return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def png_bytes(img: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture
@@ -57,7 +56,7 @@ def messy_folder(tmp_path: Path) -> Path:
 
 
 def test_every_file_is_converted_or_skipped_with_reason(messy_folder, tmp_path):
-    manifest = convert_imagefolder(ConvertConfig(src=messy_folder, out=tmp_path / "out", progress=False))
+    manifest = convert(messy_folder, tmp_path / "out")
     all_files = [p for p in messy_folder.rglob("*") if p.is_file()]
     skipped = {s["path"]: s["reason"] for s in manifest.skipped}
     assert manifest.found == len(all_files) == manifest.num_samples("train") + len(skipped)
@@ -88,14 +87,14 @@ def test_alpha_is_composited_on_white(tmp_path):
     src.mkdir(parents=True)
     transparent = Image.new("RGBA", (16, 16), (0, 0, 0, 0))
     transparent.save(src / "clear.png")
-    manifest = convert_imagefolder(ConvertConfig(src=src.parent, out=tmp_path / "out", progress=False))
+    manifest = convert(src.parent, tmp_path / "out")
     sample = next(iter(wds.WebDataset([str(manifest.shard_paths("train")[0])], shardshuffle=False).decode("rgb8")))
     assert sample["jpg"].min() > 240
 
 
 def test_max_side_shrinks_large_images(tmp_path):
     src = write_imagefolder(tmp_path / "src", {"a": 3}, size=(90, 120))
-    manifest = convert_imagefolder(ConvertConfig(src=src, out=tmp_path / "out", max_side=60, progress=False))
+    manifest = convert(src, tmp_path / "out", max_side=60)
     for s in wds.WebDataset([str(p) for p in manifest.shard_paths("train")], shardshuffle=False):
         assert Image.open(io.BytesIO(s["jpg"])).size == (60, 45)
         assert json.loads(s["json"])["reencoded"] == "max_side"
@@ -173,8 +172,7 @@ def interrupt_after(n: int):
 def test_interrupted_conversion_resumes_to_identical_bytes(small_imagefolder, tmp_path, monkeypatch, stop_after):
     import tqdm
 
-    reference = convert_imagefolder(ConvertConfig(src=small_imagefolder, out=tmp_path / "ref", samples_per_shard=4,
-                                                  workers=1, progress=False))
+    reference = convert(small_imagefolder, tmp_path / "ref", samples_per_shard=4, workers=1)
     out = tmp_path / "out"
     cfg = ConvertConfig(src=small_imagefolder, out=out, samples_per_shard=4, workers=2, progress=False)
     with monkeypatch.context() as m:
@@ -190,16 +188,12 @@ def test_interrupted_conversion_resumes_to_identical_bytes(small_imagefolder, tm
     assert resumed.summary.status == "resume"
     for name, mtime in finished.items():
         assert (out / name).stat().st_mtime_ns == mtime, f"{name} was rewritten"
-    for p in reference.root.iterdir():
-        if p.suffix in (".tar", ".idx") or p.name == "manifest.json":
-            assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+    assert_same_folder(reference.root, out)
     assert not list(out.glob(".*.tmp*")) and not (out / ".dalifeed-progress").exists()
 
 
-def test_kill_9_mid_conversion_then_rerun_gives_identical_bytes(tmp_path):
-    src = write_imagefolder(tmp_path / "src", {"a": 150, "b": 151}, size=(64, 64))
-    reference = convert_imagefolder(ConvertConfig(src=src, out=tmp_path / "ref", samples_per_shard=5, workers=1,
-                                                  progress=False))
+def test_kill_9_mid_conversion_then_rerun_gives_identical_bytes(make_shards, tmp_path):
+    src, reference = make_shards({"a": 150, "b": 151}, size=(64, 64), samples_per_shard=5, workers=1)
     out = tmp_path / "out"
     command = [sys.executable, "-m", "dalifeed.tools.cli", "imagefolder", str(src), str(out),
                "--samples-per-shard", "5", "--workers", "2"]
@@ -215,10 +209,99 @@ def test_kill_9_mid_conversion_then_rerun_gives_identical_bytes(tmp_path):
     rerun = subprocess.run(command, capture_output=True, text=True)
     assert rerun.returncode == 0, rerun.stderr
     assert "resumed" in rerun.stdout
-    for p in reference.root.iterdir():
-        if p.suffix in (".tar", ".idx") or p.name == "manifest.json":
-            assert (out / p.name).read_bytes() == p.read_bytes(), p.name
+    assert_same_folder(reference, out)
     assert killed_with >= 3
+
+
+# a run stopped, killed, raced or out of space
+
+
+@pytest.fixture(scope="module")
+def big_source(make_shards) -> tuple[Path, Path]:
+    """Enough images that a conversion runs for a while in 2 workers, and its uninterrupted result."""
+    return make_shards({"a": 400, "b": 401}, size=(96, 96), samples_per_shard=5, workers=1)
+
+
+def start_conversion(src: Path, out: Path, **popen) -> subprocess.Popen:
+    command = [PY, "-m", "dalifeed.tools.cli", "imagefolder", str(src), str(out), "--samples-per-shard", "5",
+               "--workers", "2"]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def workers_of(proc: subprocess.Popen) -> list[psutil.Process]:
+    wait_for(lambda: len(psutil.Process(proc.pid).children()) >= 2, what="conversion workers")
+    return psutil.Process(proc.pid).children()
+
+
+def gone(processes: list[psutil.Process]) -> bool:
+    return all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in processes)
+
+
+def test_sigterm_to_the_converter_stops_cleanly_and_a_rerun_resumes(big_source, tmp_path):
+    src, reference = big_source
+    out = tmp_path / "out"
+    proc = start_conversion(src, out)
+    workers = workers_of(proc)
+    wait_for(lambda: len(list(out.glob("train-*.tar"))) >= 3, what="three shards")
+    proc.send_signal(signal.SIGTERM)  # to the main process only, as `kill PID` or a scheduler does
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    assert "stopped by SIGTERM: finished shards" in stderr and "run the same command again to resume" in stderr
+    assert "Traceback" not in stderr
+    wait_for(lambda: gone(workers), timeout=10, what="the workers to exit")
+    assert not (out / "manifest.json").exists()
+    rerun = start_conversion(src, out)
+    stdout, stderr = rerun.communicate(timeout=120)
+    assert rerun.returncode == 0 and "(resumed)" in stdout, stderr
+    assert_same_folder(reference, out)
+
+
+def test_workers_die_with_a_killed_converter(big_source, tmp_path):
+    src, _ = big_source
+    proc = start_conversion(src, tmp_path / "out")
+    workers = workers_of(proc)
+    proc.kill()  # SIGKILL to the main process only: the OOM killer, a lost node's agent
+    proc.wait()
+    # before: both workers stayed alive, blocked on a pipe nobody read
+    wait_for(lambda: gone(workers), timeout=10, what="the orphaned workers to die")
+
+
+def test_one_run_per_folder_and_a_killed_holder_leaves_no_stale_lock(tmp_path):
+    src = write_imagefolder(tmp_path / "src", {"a": 5, "b": 4})
+    out = tmp_path / "out"
+    holder = hold_lock(out)
+    refused = CliRunner().invoke(cli, ["imagefolder", str(src), str(out)])
+    assert refused.exit_code == 2 and f"in use by pid {holder.pid} (a test holder" in refused.output
+    assert not (out / "manifest.json").exists()
+    holder.kill()  # kill -9: the kernel drops the lock with the process
+    holder.wait()
+    assert CliRunner().invoke(cli, ["imagefolder", str(src), str(out)]).exit_code == 0
+
+
+def test_a_full_disk_is_one_line_and_the_conversion_resumes(tmp_path):
+    src = write_imagefolder(tmp_path / "src", {"a": 30, "b": 31}, size=(64, 64))
+    reference = convert(src, tmp_path / "ref", samples_per_shard=40, workers=1)
+    out = tmp_path / "out"
+    command = ["imagefolder", src, out, "--samples-per-shard", "40"]
+    full = shard_convert(*command, preexec_fn=limit_file_size(40_000))
+    assert full.returncode == 1, full.stderr
+    errors = [line for line in full.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in full.stderr
+    assert f"{out}/train-000000.tar: File too large" in errors[0]
+    assert "need about" in errors[0] and "run the same command again to resume" in errors[0]
+    assert not list(out.glob(".*.tmp*"))  # nothing half-written is left behind
+    rerun = shard_convert(*command)
+    assert rerun.returncode == 0, rerun.stderr
+    assert_same_folder(reference.root, out)
+
+
+def test_a_rerun_with_other_options_names_them(tmp_path):
+    src = write_imagefolder(tmp_path / "src", {"a": 5, "b": 4})
+    out = tmp_path / "out"
+    assert CliRunner().invoke(cli, ["imagefolder", str(src), str(out), "--seed", "1"]).exit_code == 0
+    refused = CliRunner().invoke(cli, ["imagefolder", str(src), str(out), "--seed", "2", "--jpeg-quality", "80"])
+    assert refused.exit_code == 2
+    assert "--jpeg-quality was 95, now 80; --seed was 1, now 2" in refused.output
 
 
 def test_a_crashing_worker_surfaces_instead_of_hanging(small_imagefolder, tmp_path):
@@ -236,7 +319,7 @@ def _divide_by_zero(x):
 
 @pytest.fixture
 def shards(small_imagefolder, tmp_path) -> Path:
-    convert_imagefolder(ConvertConfig(src=small_imagefolder, out=tmp_path / "v", samples_per_shard=8, progress=False))
+    convert(small_imagefolder, tmp_path / "v", samples_per_shard=8)
     return tmp_path / "v"
 
 
@@ -267,6 +350,19 @@ def test_verify_catches_a_tampered_shard_and_index(shards):
     assert result.exit_code == 1 and not report["ok"]
     assert any("train-000002.tar: sha256 differs" in p for p in report["problems"])
     assert any("train-000000.idx: does not match" in p for p in report["problems"])
+
+
+def test_verify_writes_its_report_on_stdout(tmp_path):
+    src = write_imagefolder(tmp_path / "src", {"a": 5, "b": 4})
+    convert(src, tmp_path / "out")
+    tar = tmp_path / "out" / "train-000000.tar"
+    tar.write_bytes(tar.read_bytes()[:-2000])
+    report = tmp_path / "report.txt"
+    with open(report, "w") as f:
+        code = subprocess.run([PY, "-m", "dalifeed.tools.cli", "verify", str(tmp_path / "out")], stdout=f,
+                              stderr=subprocess.PIPE, timeout=120).returncode
+    lines = report.read_text().splitlines()
+    assert code == 1 and any("train-000000.tar" in line for line in lines) and "problem(s)" in lines[-1]
 
 
 def test_verify_missing_folder_is_usage_error(tmp_path):

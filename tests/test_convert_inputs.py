@@ -11,17 +11,17 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import webdataset as wds
 from click.testing import CliRunner
 
+from dalifeed.cliutil import parse_size
 from dalifeed.format import ShardManifest
 from dalifeed.tools.cli import main as cli
 
+import helpers
 from helpers import write_coco, write_imagefolder
 
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, PR_CAPBSET_DROP = 1, 2, 24
@@ -32,8 +32,7 @@ def shard_convert(*args, drop_root_file_access: bool = False, timeout: float = 1
     `drop_root_file_access`: as root, drop the capabilities that let root read any file, so that file
     permissions apply to the child as they would to any user."""
     preexec = drop_file_capabilities if drop_root_file_access and os.geteuid() == 0 else None
-    return subprocess.run([sys.executable, "-m", "dalifeed.tools.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, preexec_fn=preexec)
+    return helpers.shard_convert(*args, timeout=timeout, preexec_fn=preexec)
 
 
 def drop_file_capabilities() -> None:
@@ -333,6 +332,14 @@ def test_an_unlabelled_split_folder_is_refused(tmp_path):
 
 # ----------------------------------------------------------------------------------------------------
 # every plain command ends in one line and the right exit code
+
+
+def test_sizes_mean_what_their_units_say():
+    assert parse_size("512MB") == 512 * 10**6 and parse_size("256MiB") == 256 * 2**20
+    assert parse_size("1.5KB") == 1500 and parse_size("1KiB") == 1024 and parse_size("4096") == 4096
+    for bad, why in (("64Kb", "'b' is a bit"), ("64K", "write KB"), ("twelve", "not a size"), ("5XB", "unknown unit")):
+        with pytest.raises(ValueError, match=why):
+            parse_size(bad)
 
 
 @pytest.fixture(scope="module")

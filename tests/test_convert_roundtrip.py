@@ -13,24 +13,25 @@ import numpy as np
 import pytest
 import torchvision
 import webdataset as wds
+from click.testing import CliRunner
 
-from dalifeed.tools import ConvertConfig, ShardManifest, convert_imagefolder
+from dalifeed.tools import ShardManifest
+from dalifeed.tools.cli import main as cli
 
-from helpers import write_imagefolder
-
-
-def convert(src: Path, out: Path, **options) -> ShardManifest:
-    return convert_imagefolder(ConvertConfig(src=src, out=out, progress=False, **options))
+from helpers import convert, write_imagefolder
 
 
 def source_bytes(src: Path, meta: bytes) -> bytes:
     return (src / json.loads(meta)["path"]).read_bytes()
 
 
-@pytest.fixture
-def converted(imagefolder: Path, tmp_path: Path) -> tuple[Path, ShardManifest]:
-    manifest = convert(imagefolder, tmp_path / "shards", samples_per_shard=100, workers=2)
-    return imagefolder, manifest
+THREE_CLASSES = {"cat": 401, "dog": 333, "emu": 273}  # 1007 images: odd counts catch shard arithmetic off-by-ones
+
+
+@pytest.fixture(scope="module")
+def converted(make_shards) -> tuple[Path, ShardManifest]:
+    src, shards = make_shards(THREE_CLASSES, samples_per_shard=100, workers=2)
+    return src, ShardManifest.load(shards)
 
 
 def test_manifest_counts_and_shard_arithmetic(converted):
@@ -133,10 +134,9 @@ def test_different_seed_gives_different_order(small_imagefolder, tmp_path):
     assert sorted(order(0)) == sorted(order(1))
 
 
-def test_train_and_val_folders_become_splits_with_train_class_indices(tmp_path):
-    write_imagefolder(tmp_path / "src" / "train", {"a": 5, "b": 6, "c": 4})
-    write_imagefolder(tmp_path / "src" / "val", {"a": 2, "c": 3}, seed=1)  # val lacks class b
-    manifest = convert(tmp_path / "src", tmp_path / "out")
+def test_train_and_val_folders_become_splits_with_train_class_indices(make_shards):
+    _, shards = make_shards({"train": {"a": 5, "b": 6, "c": 4}, "val": {"a": 2, "c": 3}})  # val lacks class b
+    manifest = ShardManifest.load(shards)
     assert manifest.num_samples("train") == 15 and manifest.num_samples("val") == 5
     labels = {}
     for s in wds.WebDataset([str(p) for p in manifest.shard_paths("val")], shardshuffle=False):
@@ -159,14 +159,26 @@ def test_val_fraction_is_stratified_and_disjoint(small_imagefolder, tmp_path):
     assert per_class == {"a": round(13 * 0.3), "b": round(11 * 0.3), "c": round(7 * 0.3)}
 
 
-def test_max_shard_bytes_bounds_every_shard(imagefolder, tmp_path):
+def test_max_shard_bytes_bounds_every_shard(make_shards):
     limit = 64 * 1024
-    manifest = convert(imagefolder, tmp_path / "out", max_shard_bytes=limit)
+    manifest = ShardManifest.load(make_shards(THREE_CLASSES, max_shard_bytes=limit)[1])
     sizes = [s.bytes for s in manifest.splits["train"].shards]
     assert len(sizes) > 5
     # tar pads its end to a 10 KiB record, the only overshoot allowed
     assert max(sizes) <= limit + 10240
     assert sum(s.samples for s in manifest.splits["train"].shards) == 1007
+
+
+def test_both_shard_limits_hold_and_an_oversized_sample_is_reported(tmp_path):
+    src = write_imagefolder(tmp_path / "src", {"a": 20, "b": 21}, size=(64, 64))
+    manifest = convert(src, tmp_path / "both", samples_per_shard=8, max_shard_bytes=12_000)
+    shards = manifest.splits["train"].shards
+    assert max(s.samples for s in shards) <= 8 and max(s.bytes for s in shards) <= 12_000 + 10240
+    assert min(s.samples for s in shards) < 8  # the byte limit, not only the count, ended some shards
+    tiny = convert(src, tmp_path / "tiny", max_shard_bytes=4096)
+    assert len(tiny.warnings) == 41 and "alone is" in tiny.warnings[0] and "over --max-shard-bytes 4096" in tiny.warnings[0]
+    result = CliRunner().invoke(cli, ["info", str(tmp_path / "tiny")])
+    assert "warning: train-000000.tar: sample" in result.output
 
 
 def test_a_folder_of_format_1_is_refused_in_one_line_and_not_resumed(small_imagefolder, tmp_path):

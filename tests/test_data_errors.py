@@ -20,25 +20,23 @@ from click.testing import CliRunner
 from dalifeed.format import file_sha256
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.checks import ShardDataError
-from dalifeed.tools import ConvertConfig, convert_imagefolder
 from dalifeed.tools.cli import main as convert_cli
 from dalifeed.train import TrainConfig, main as train
 
-from helpers import gradient_image, write_imagefolder
+from helpers import gradient_image
 
 TRAIN = dict(model="resnet18", image_size=16, batch_size=8, optimizer="adamw", lr=0.032, warmup_epochs=0.0,
              crop_scale=(0.5, 1.0), workers=2)
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> tuple[Path, Path]:
-    """Shards (45 train in 5 tars, 21 val) and a run that finished epoch 0 on them."""
-    tmp = tmp_path_factory.mktemp("pristine")
-    write_imagefolder(tmp / "src" / "train", {"red": 17, "green": 15, "blue": 13}, seed=0)
-    write_imagefolder(tmp / "src" / "val", {"red": 7, "green": 7, "blue": 7}, seed=1)
-    convert_imagefolder(ConvertConfig(src=tmp / "src", out=tmp / "shards", samples_per_shard=10, progress=False))
-    train(TrainConfig(data=str(tmp / "shards"), out=str(tmp / "run"), epochs=1, **TRAIN))
-    return tmp / "shards", tmp / "run"
+def pristine(make_shards, tmp_path_factory) -> tuple[Path, Path]:
+    """Shards (45 train in 5 tars, 21 val) and a run that finished epoch 0 on them. Read only: copy_of."""
+    _, shards = make_shards({"train": {"red": 17, "green": 15, "blue": 13}, "val": {"red": 7, "green": 7, "blue": 7}},
+                            samples_per_shard=10)
+    run = tmp_path_factory.mktemp("pristine") / "run"
+    train(TrainConfig(data=str(shards), out=str(run), epochs=1, **TRAIN))
+    return shards, run
 
 
 def copy_of(pristine, tmp_path: Path) -> tuple[Path, Path]:

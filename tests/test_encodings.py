@@ -16,11 +16,11 @@ import pytest
 import webdataset as wds
 from PIL import Image, ImageOps
 
-from dalifeed.tools import ConvertConfig, convert_imagefolder, verify_shards
+from dalifeed.tools import verify_shards
 from dalifeed.tools.images import read_jpeg_frame
 from dalifeed.tools.verify import check_image
 
-from helpers import DATA, gradient_image, jpeg_bytes, png_bytes
+from helpers import DATA, convert, gradient_image, jpeg_bytes, png_bytes
 
 RGB = gradient_image(40, 48)
 GREY = np.ascontiguousarray(RGB[..., 0])
@@ -95,7 +95,7 @@ def converted(tmp_path_factory):
     folder.mkdir(parents=True)
     for name, (data, _) in ENCODINGS.items():
         (folder / name).write_bytes(data)
-    manifest = convert_imagefolder(ConvertConfig(src=tmp / "src", out=tmp / "shards", workers=2, progress=False))
+    manifest = convert(tmp / "src", tmp / "shards", workers=2)
     return tmp / "src", manifest
 
 
@@ -203,12 +203,11 @@ def test_a_decompression_bomb_is_skipped_and_the_limit_is_an_option(tmp_path):
     Image.new("1", (20000, 20000)).save(buf, format="PNG")  # 400 Mpx in 50 KB
     (folder / "bomb.png").write_bytes(buf.getvalue())
     (folder / "photo.jpg").write_bytes(jpeg_bytes(RGB))
-    manifest = convert_imagefolder(ConvertConfig(src=tmp_path / "src", out=tmp_path / "out", progress=False))
+    manifest = convert(tmp_path / "src", tmp_path / "out")
     assert manifest.skipped == [{"path": "a/bomb.png", "reason": "image larger than --max-pixels 300000000"}]
     assert manifest.num_samples("train") == 1
 
-    small = convert_imagefolder(ConvertConfig(src=tmp_path / "src", out=tmp_path / "small", max_pixels=1000,
-                                              progress=False))
+    small = convert(tmp_path / "src", tmp_path / "small", max_pixels=1000)
     assert {s["reason"] for s in small.skipped} == {"image larger than --max-pixels 1000"}
     assert Image.MAX_IMAGE_PIXELS == 89478485  # Pillow's own guard is back once conversion is done
 

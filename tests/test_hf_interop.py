@@ -23,10 +23,8 @@ import webdataset as wds
 from PIL import Image, ImageOps
 
 from dalifeed.format import COCO_META, IMAGEFOLDER_META
-from dalifeed.tools import ConvertConfig, convert_imagefolder
-from dalifeed.tools.coco import CocoConfig, convert_coco
 
-from helpers import gradient_image, jpeg_bytes, png_bytes, random_image, write_coco
+from helpers import convert, gradient_image, jpeg_bytes, png_bytes, random_image, write_coco
 
 HF_TYPES = {int: datasets.Value("int64"), str: datasets.Value("string")}
 # source file -> why shard-convert re-encodes it ("" = passed through); written at the end of the class
@@ -67,8 +65,7 @@ def imagefolder_shards(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf-imagefolder")
     src = write_source(tmp / "src")
     # seed 3 puts 5 passed-through images first, a re-encoded one sixth and two more in later shards
-    manifest = convert_imagefolder(ConvertConfig(src=src, out=tmp / "shards", samples_per_shard=8, seed=3,
-                                                 workers=1, progress=False))
+    manifest = convert(src, tmp / "shards", samples_per_shard=8, seed=3, workers=1)
     return src, manifest, load_webdataset(manifest.shard_paths("train"), tmp / "hf-cache")
 
 
@@ -132,8 +129,7 @@ def coco_shards(tmp_path_factory):
     and annotations, an image without annotations, a PNG."""
     tmp = tmp_path_factory.mktemp("hf-coco")
     images, instances = write_coco(tmp / "coco")
-    manifest = convert_coco(CocoConfig(images=[images], annotations=[instances], out=tmp / "shards", workers=1,
-                                       samples_per_shard=3, progress=False))
+    manifest = convert(images, tmp / "shards", annotations=instances, workers=1, samples_per_shard=3)
     return instances, manifest, load_webdataset(manifest.shard_paths("mini"), tmp / "hf-cache")
 
 

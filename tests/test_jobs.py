@@ -19,7 +19,7 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from helpers import gradient_image, jpeg_bytes, png_bytes, random_image
+from helpers import assert_same_folder, gradient_image, jpeg_bytes, png_bytes, random_image, shard_convert
 
 PY = sys.executable
 JOBS = 3
@@ -54,10 +54,8 @@ def source_files(src: Path) -> list[str]:
 def convert(src: Path, out: Path, *options: str, job: int | None = None, env: dict | None = None,
             timeout: float = 180) -> subprocess.CompletedProcess:
     """One real `shard-convert imagefolder` process; `job` adds --num-jobs JOBS --job-index job."""
-    command = [PY, "-m", "dalifeed.tools.cli", "imagefolder", str(src), str(out), "--workers", "1", *options]
-    if job is not None:
-        command += ["--num-jobs", str(JOBS), "--job-index", str(job)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    jobs = ("--num-jobs", JOBS, "--job-index", job) if job is not None else ()
+    return shard_convert("imagefolder", src, out, "--workers", "1", *options, *jobs, env=env, timeout=timeout)
 
 
 def convert_ok(*args, **kwargs) -> subprocess.CompletedProcess:
@@ -67,8 +65,7 @@ def convert_ok(*args, **kwargs) -> subprocess.CompletedProcess:
 
 
 def merge(out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "dalifeed.tools.cli", "merge", str(out)], capture_output=True, text=True,
-                          timeout=120)
+    return shard_convert("merge", out)
 
 
 def error_line(stderr: str) -> str:
@@ -76,14 +73,6 @@ def error_line(stderr: str) -> str:
     errors = [line for line in stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in stderr, stderr
     return errors[0]
-
-
-def assert_same_folder(expected: Path, got: Path) -> None:
-    """Every shard, index and the manifest, byte for byte; no other shard file on either side."""
-    names = sorted(p.name for p in expected.iterdir() if p.suffix in (".tar", ".idx"))
-    assert names == sorted(p.name for p in got.iterdir() if p.suffix in (".tar", ".idx"))
-    for name in names + ["manifest.json"]:
-        assert (expected / name).read_bytes() == (got / name).read_bytes(), name
 
 
 def job_records(out: Path) -> list[dict]:
@@ -144,6 +133,28 @@ def test_jobs_of_whole_shards_merge_into_the_single_job_folder_byte_for_byte(tre
     assert_same_folder(single(*options), out)
 
 
+def test_records_of_an_older_version_merge_their_lists_in_job_order(tree, single, tmp_path):
+    """Job records without per-split lists (written before they had them) still merge into the single job's
+    shards and counts; their skipped files and warnings come whole, job by job."""
+    options = ("--samples-per-shard", "4", "--val-fraction", "0.25")
+    out = tmp_path / "out"
+    for i in range(JOBS):
+        convert_ok(tree, out, *options, job=i)
+    paths = sorted((out / ".dalifeed-jobs").glob("job-*.json"))
+    records = job_records(out)
+    for path, record in zip(paths, records):
+        del record["job"]["splits"], record["job"]["plan"]
+        path.write_text(json.dumps(record))
+    (out / "manifest.json").unlink()
+    assert merge(out).returncode == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    expected = json.loads((single(*options) / "manifest.json").read_text())
+    assert manifest["splits"] == expected["splits"] and manifest["reencoded"] == expected["reencoded"]
+    assert manifest["skipped"] == [entry for record in records for entry in record["skipped"]]
+    assert sorted(map(json.dumps, manifest["skipped"])) == sorted(map(json.dumps, expected["skipped"]))
+    assert manifest["skipped"] != expected["skipped"]  # job order is not a single job's: why records list by split
+
+
 def test_jobs_of_byte_sized_shards_hold_the_single_jobs_samples(tree, single, tmp_path):
     options = ("--max-shard-bytes", "12KB", "--val-fraction", "0.25")
     out = tmp_path / "out"
@@ -164,8 +175,7 @@ def test_jobs_of_byte_sized_shards_hold_the_single_jobs_samples(tree, single, tm
     for split, info in expected["splits"].items():
         assert manifest["splits"][split]["class_counts"] == info["class_counts"]
         assert manifest["splits"][split]["samples"] == info["samples"]
-    verify = subprocess.run([PY, "-m", "dalifeed.tools.cli", "verify", str(out)], capture_output=True, text=True,
-                            timeout=120)
+    verify = shard_convert("verify", out)
     assert verify.returncode == 0 and verify.stdout.strip().endswith("OK"), verify.stdout
 
 

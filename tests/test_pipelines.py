@@ -12,7 +12,8 @@ import torchvision.transforms as T
 from PIL import Image
 
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD, make_loader
-from dalifeed.tools import ConvertConfig, convert_imagefolder
+
+from helpers import convert
 
 
 def photo_like(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
@@ -40,7 +41,7 @@ def photo_shards(tmp_path_factory) -> Path:
     rng = np.random.default_rng(0)
     sizes = [(48, 64), (64, 48), (50, 50), (61, 83)]
     src = write_jpegs(tmp / "src", {f"c{k}": [photo_like(rng, *sizes[(k + i) % 4]) for i in range(3)] for k in range(4)})
-    convert_imagefolder(ConvertConfig(src=src, out=tmp / "shards", samples_per_shard=5, progress=False))
+    convert(src, tmp / "shards", samples_per_shard=5)
     return tmp / "shards"
 
 
@@ -51,7 +52,7 @@ def flat_shards(tmp_path_factory) -> tuple[Path, list[tuple[int, int, int]]]:
     tmp = tmp_path_factory.mktemp("flat")
     colours = [(200, 30, 90), (10, 240, 120), (128, 128, 128), (250, 250, 5), (40, 60, 220)]
     src = write_jpegs(tmp / "src", {f"k{i}": [np.full((40, 56, 3), c, np.uint8)] * 3 for i, c in enumerate(colours)})
-    convert_imagefolder(ConvertConfig(src=src, out=tmp / "shards", progress=False))
+    convert(src, tmp / "shards")
     return tmp / "shards", colours
 
 
@@ -90,7 +91,7 @@ def real_photo_shards(tmp_path_factory) -> Path:
     views = [np.asarray(Image.fromarray(photos[i % len(photos)]).resize((w, h), Image.LANCZOS))
              for i, (h, w) in enumerate(VAL_PHOTO_SHAPES)]
     src = write_jpegs(tmp / "src", {"a": views[0::2], "b": views[1::2]})
-    convert_imagefolder(ConvertConfig(src=src, out=tmp / "shards", progress=False))
+    convert(src, tmp / "shards")
     return tmp / "shards"
 
 
@@ -177,7 +178,7 @@ def gradient_shards(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("gradient")
     ramp = np.repeat(np.repeat(np.linspace(20, 235, 64)[None, :, None], 48, 0), 3, 2).astype(np.uint8)
     src = write_jpegs(tmp / "src", {"a": [ramp] * 7, "b": [ramp] * 5})
-    convert_imagefolder(ConvertConfig(src=src, out=tmp / "shards", progress=False))
+    convert(src, tmp / "shards")
     return tmp / "shards"
 
 

@@ -16,11 +16,12 @@ from ..format import ManifestError, ShardManifest
 from ..runtime import DiskFull, FolderInUse
 from ..s3 import StorageError, is_s3_url
 from ..shardfolder import open_shard_folder
-from .convert import MergeError, merge, skip_reasons
+from .convert import skip_reasons
 from .coco import CocoConfig, ExportError, convert_coco, export_coco
 from .imagefolder import TOP_LEVEL, ConvertConfig, UsageError, convert_imagefolder
 from .index import IndexConfig, IndexDataError, IndexUsageError, index_folder
 from .info import describe_folder, folder_info
+from .jobs import MergeError, merge
 from .shards import JOBS_DIR, ConversionFailed, WorkerCrashed
 from .verify import verify_shards
 
@@ -138,7 +139,7 @@ def imagefolder_cmd(src, out, quiet, debug, **options):
     manifest = run_command(
         lambda: convert_imagefolder(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
         runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError, OSError),
-        log=lambda: cfg.out / "convert-error.log",
+        log=lambda: cfg.folder / "convert-error.log",
         stopped=lambda e: f"finished shards in {out} are kept; run the same command again to resume")
     click.echo(describe_result(manifest))
     exit_if_nothing_converted(manifest)
@@ -183,7 +184,7 @@ def coco_cmd(out, quiet, debug, **options):
     manifest = run_command(
         lambda: convert_coco(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
         runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError, OSError),
-        log=lambda: cfg.out / "convert-error.log",
+        log=lambda: cfg.folder / "convert-error.log",
         stopped=lambda e: f"finished shards in {out} are kept; run the same command again to resume")
     click.echo(describe_result(manifest))
     counts = manifest.extra.get("counts", {})

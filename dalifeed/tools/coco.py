@@ -76,8 +76,8 @@ class CocoConfig(ShardOptions):
             if not folder.is_dir():
                 raise UsageError(f"{folder}: image folder does not exist" if not folder.exists()
                                  else f"{folder}: --images is not a folder")
-            if self.out.resolve() == folder.resolve() or folder.resolve() in self.out.resolve().parents:
-                raise UsageError(f"{self.out}: output folder must not be inside the image folder {folder}")
+            if self.folder.resolve() == folder.resolve() or folder.resolve() in self.folder.resolve().parents:
+                raise UsageError(f"{self.folder}: output folder must not be inside the image folder {folder}")
         for path in self.annotations:
             if not path.is_file():
                 raise UsageError(f"{path}: --annotations is a folder, not an instances file" if path.is_dir()

@@ -6,12 +6,10 @@ options, and what it already knows is skipped. `convert` does the rest, the same
   "nothing to do", and refuses a folder made from other input, naming what differs;
 - encodes in worker processes and writes shards with `write_split` (deterministic, atomic, resumable);
 - writes `manifest.json` last, or, for one of N jobs (`--num-jobs N --job-index I`), a job record that
-  `merge` later combines into the manifest (docs/scaling.md).
+  `merge` later combines into the manifest (`jobs.py`, docs/scaling.md); both are added up by `jobs.add_up`.
 
-Jobs split the same plan: with `--samples-per-shard` alone, shard k holds plan positions [kS, (k+1)S) and
-job I writes a contiguous range of shard numbers, so the merged folder is byte-identical to a single-job
-conversion; with byte-sized shards, job I converts a contiguous range of positions into shards named
-`<split>-jIIII-NNNNNN`, holding the same samples as a single job would.
+For an s3:// OUT the core writes into a local staging folder (`ShardOptions.folder`) as into any OUT and
+`remote.py` uploads what it finishes.
 """
 
 from __future__ import annotations
@@ -30,11 +28,13 @@ from tqdm import tqdm
 
 from ..atomic import write_json_atomic
 from ..format import FORMAT_VERSION, MANIFEST_NAME, ShardManifest, SplitInfo
-from ..runtime import LOCK_NAME, DiskFull, FolderInUse, folder_lock, free_bytes, mib, usable_cores
+from ..runtime import LOCK_NAME, DiskFull, folder_lock, free_bytes, mib, usable_cores
 from .images import DEFAULT_MAX_PIXELS
 from ..s3 import StorageError, is_s3_url, parse_s3_url
 from . import remote
-from .shards import JOBS_DIR, PROGRESS_DIR, ProgressStore, is_output_file, remove_outputs, write_split
+from .jobs import Part, add_up, job_positions, job_record_path, merge_if_complete, shard_prefix, write_job_record
+from .shards import (JOBS_DIR, PROGRESS_DIR, ProgressStore, Totals, describe_difference, is_output_file,
+                     remove_outputs, write_split)
 
 DEFAULT_MAX_SHARD_BYTES = 256 * 2**20
 
@@ -83,9 +83,9 @@ def stat_source(path: Path) -> SourceStat:
 @dataclass(kw_only=True)
 class ShardOptions:
     """The options every converter has: where, how shards are cut and images encoded, how many workers, and
-    which of N jobs this run is."""
+    which of N jobs this run is. `out` stays what the user gave; `folder` is where this run writes."""
 
-    out: Path
+    out: Path | str  # OUT as given: a local folder, or s3://bucket/prefix
     seed: int = 0
     max_shard_bytes: int | None = None  # None: 256 MiB, unless samples_per_shard alone is given
     samples_per_shard: int | None = None
@@ -98,16 +98,21 @@ class ShardOptions:
     progress: bool = True
     num_jobs: int = 1
     job_index: int = 0
-    staging: Path | None = None  # with an s3:// OUT: the local folder shards wait in until uploaded
-    remote: str | None = None  # set from an s3:// OUT, whose staging folder `out` then is (tools/remote.py)
+    staging: Path | None = None  # --staging: with an s3:// OUT, the local folder shards wait in until uploaded
+    remote: str | None = field(init=False)  # OUT's s3:// URL (tools/remote.py uploads to it); None for a local OUT
+    # where this run writes shards, records and the manifest: OUT, or the staging folder of an s3:// OUT
+    # (--staging, or by default a folder in $TMPDIR named after OUT)
+    folder: Path = field(init=False)
 
     def __post_init__(self) -> None:
-        self._temporary_staging = False
-        if is_s3_url(self.out):  # the core writes into a local staging folder; StoreProgress uploads
-            self.remote, self._temporary_staging = str(self.out).rstrip("/"), self.staging is None
-            self.staging = Path(self.staging) if self.staging is not None else remote.default_staging(self.remote)
-            self.out = self.staging
-        self.out = Path(self.out)
+        self.staging = Path(self.staging) if self.staging is not None else None
+        if is_s3_url(self.out):
+            self.out = str(self.out)
+            self.remote = self.out.rstrip("/")
+            self.folder = self.staging or remote.default_staging(self.remote)
+        else:
+            self.out, self.remote = Path(self.out), None
+            self.folder = self.out
         # One limit given: that one. Both: a shard ends at whichever it reaches first. Neither: 256 MiB.
         if self.max_shard_bytes is None and self.samples_per_shard is None:
             self.max_shard_bytes = DEFAULT_MAX_SHARD_BYTES
@@ -141,12 +146,12 @@ class ShardOptions:
                 parse_s3_url(self.remote)
             except StorageError as e:
                 raise UsageError(str(e)) from None
-            stray = [p.name for p in self.out.iterdir() if not (_ours(p.name) or is_output_file(p.name))] \
-                if self.out.is_dir() else []
+            stray = [p.name for p in self.folder.iterdir() if not (_ours(p.name) or is_output_file(p.name))] \
+                if self.folder.is_dir() else []
             if stray:
-                raise UsageError(f"--staging {self.out}: holds other files ({stray[0]}); give an empty or new folder")
-        if self.out.exists() and not self.out.is_dir():
-            raise UsageError(f"{self.out}: output exists and is not a folder")
+                raise UsageError(f"--staging {self.folder}: holds other files ({stray[0]}); give an empty or new folder")
+        if self.folder.exists() and not self.folder.is_dir():
+            raise UsageError(f"{self.folder}: output exists and is not a folder")
 
     def shard_options(self) -> dict:
         """The options that decide the output bytes (workers, progress and the job index do not)."""
@@ -169,6 +174,12 @@ class ShardOptions:
     def location(self) -> str:
         """Where the shards go, for messages: OUT, or its s3:// URL."""
         return self.remote or str(self.out)
+
+    @property
+    def temporary_staging(self) -> bool:
+        """Whether `folder` is the default staging folder of an s3:// OUT, removed when the conversion ends or
+        is refused (a --staging folder is kept)."""
+        return self.remote is not None and self.staging is None
 
 
 @dataclass
@@ -207,7 +218,7 @@ class ConvertSummary:
 
 
 def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
-    """Write `plan` into `opts.out`; resumes an interrupted run. Returns the manifest with `summary`
+    """Write `plan` into OUT (`opts.folder`); resumes an interrupted run. Returns the manifest with `summary`
     attached (for one of several jobs, the manifest of this job's part, not saved: see `merge`)."""
     started = time.perf_counter()
     # the format version too: a run of another version must not resume into (or call done) a folder of this one
@@ -215,7 +226,7 @@ def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
     if opts.jobs:
         fingerprint["num_jobs"] = opts.num_jobs
     make_output_folder(opts)
-    with folder_lock(opts.out, command, name=job_lock_name(opts)):
+    with folder_lock(opts.folder, command, name=job_lock_name(opts)):
         status = prepare_remote_output(opts, fingerprint) if opts.remote else prepare_output(opts, fingerprint)
         if status == "done":
             manifest = load_done(opts)
@@ -223,18 +234,18 @@ def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
             try:
                 manifest = write_all(plan, opts, fingerprint)
             except DiskFull as e:
-                written = sum(p.stat().st_size for p in opts.out.glob("*.tar"))
-                raise DiskFull(f"{e} ({mib(free_bytes(opts.out))} free; the images not converted yet need about "
+                written = sum(p.stat().st_size for p in opts.folder.glob("*.tar"))
+                raise DiskFull(f"{e} ({mib(free_bytes(opts.folder))} free; the images not converted yet need about "
                                f"{mib(max(0, plan.source_bytes - written))} more): free space, then run the same "
                                f"command again to resume") from e
     summary = summarize(manifest, time.perf_counter() - started, status if not opts.jobs or status == "done" else "job")
     manifest.summary = summary
     if opts.remote:
         manifest.url = opts.remote
-        if opts._temporary_staging:  # it holds only the manifest and the run log now
-            shutil.rmtree(opts.out, ignore_errors=True)
+        if opts.temporary_staging:  # it holds only the manifest and the run log now
+            shutil.rmtree(opts.folder, ignore_errors=True)
     if opts.jobs and status != "done":
-        merged = merge_if_complete(opts.out)
+        merged = merge_if_complete(opts.folder)
         if merged is not None:  # this was the last job to finish
             merged.summary = summarize(merged, summary.seconds, "merged")
             return merged
@@ -245,10 +256,10 @@ def make_output_folder(opts: ShardOptions) -> None:
     """Create OUT (the local one, or the staging folder of an s3:// OUT), refusing in one line a place no
     folder can be made: under a file, in a missing or read-only location."""
     try:
-        opts.out.mkdir(parents=True, exist_ok=True)
+        opts.folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"{opts.out}: cannot create the output folder ({e.strerror or e}"
-                         f"{f': {e.filename}' if e.filename and str(e.filename) != str(opts.out) else ''})") from None
+        raise UsageError(f"{opts.folder}: cannot create the output folder ({e.strerror or e}"
+                         f"{f': {e.filename}' if e.filename and str(e.filename) != str(opts.folder) else ''})") from None
 
 
 def prepare_remote_output(opts: ShardOptions, fingerprint: dict) -> str:
@@ -256,13 +267,13 @@ def prepare_remote_output(opts: ShardOptions, fingerprint: dict) -> str:
     leaves no default staging folder behind (it would hold nothing of use)."""
     try:
         try:
-            remote.pull_state(opts.remote, opts.out, opts.overwrite)
+            remote.pull_state(opts.remote, opts.folder, opts.overwrite)
         except remote.NotEmpty as e:
             raise UsageError(f"{e}; use --overwrite to replace it or choose another OUT") from None
         return prepare_output(opts, fingerprint)
     except UsageError:
-        if opts._temporary_staging:
-            shutil.rmtree(opts.out, ignore_errors=True)
+        if opts.temporary_staging:
+            shutil.rmtree(opts.folder, ignore_errors=True)
         raise
 
 
@@ -271,20 +282,16 @@ def job_lock_name(opts: ShardOptions) -> str:
 
 
 def progress_store(opts: ShardOptions) -> ProgressStore:
-    folder = opts.out / PROGRESS_DIR
+    folder = opts.folder / PROGRESS_DIR
     if opts.remote:
-        return remote.StoreProgress(folder, opts.remote, opts.out)
+        return remote.StoreProgress(folder, opts.remote, opts.folder)
     return ProgressStore(folder / f"job-{opts.job_index:04d}" if opts.jobs else folder)
-
-
-def job_record_path(out: Path, index: int, count: int) -> Path:
-    return out / JOBS_DIR / f"job-{index:04d}-of-{count:04d}.json"
 
 
 def prepare_output(opts: ShardOptions, fingerprint: dict) -> str:
     """Decide what to do with OUT (locked by this run): 'fresh', 'resume' or 'done'. Refuse a folder made
     from other input or options, saying what differs."""
-    out, store = opts.out, progress_store(opts)
+    out, store = opts.folder, progress_store(opts)
     done_path = job_record_path(out, opts.job_index, opts.num_jobs) if opts.jobs else out / MANIFEST_NAME
     existing = store.fingerprint() if store.exists() else _read_fingerprint(done_path)
     if opts.overwrite:
@@ -318,93 +325,53 @@ def _read_fingerprint(path: Path) -> dict | None:
         return None
 
 
-def describe_difference(old: dict, new: dict) -> str:
-    """What changed between two fingerprints, e.g. "--seed was 1, now 2; source was /a, now /b"."""
-    changes = [f"{name} was {old.get(name)}, now {new.get(name)}" for name in ("kind", "source", "num_jobs")
-               if old.get(name) != new.get(name)]
-    old_format, new_format = old.get("format_version", 1), new.get("format_version", 1)  # 1: written before it was
-    if old_format != new_format:
-        changes.append(f"shard format {old_format}, this dalifeed writes {new_format}")
-    old_options, new_options = old.get("options", {}), new.get("options", {})
-    for name in sorted(set(old_options) | set(new_options)):
-        if old_options.get(name) != new_options.get(name):
-            changes.append(f"--{name.replace('_', '-')} was {old_options.get(name)}, now {new_options.get(name)}")
-    if not changes and old.get("listing_sha256") != new.get("listing_sha256"):
-        changes.append("the source files changed since (added, removed, renamed or modified)")
-    return "; ".join(changes) or "an older dalifeed version"
-
-
-def job_positions(n: int, opts: ShardOptions) -> range:
-    """The plan positions of a split of `n` items that job `opts.job_index` of `opts.num_jobs` converts."""
-    index, count = opts.job_index, opts.num_jobs
-    if opts.max_shard_bytes is None:  # whole shards: a contiguous range of shard numbers
-        shards = -(-n // opts.samples_per_shard)
-        first, last = shards * index // count, shards * (index + 1) // count
-        return range(min(n, first * opts.samples_per_shard), min(n, last * opts.samples_per_shard))
-    return range(n * index // count, n * (index + 1) // count)
-
-
 def write_all(plan: Plan, opts: ShardOptions, fingerprint: dict) -> ShardManifest:
     """Encode and write every split's share of this run; then the manifest, or this job's record."""
     store = progress_store(opts)
     store.start(fingerprint)
-    ranges = {split: job_positions(len(items), opts) if opts.jobs else range(len(items))
-              for split, items in plan.splits.items()}
-    accounted_here = plan.skipped if opts.job_index == 0 else []  # job 0 accounts for the pre-skipped
-    splits, skipped, reencoded, warnings = {}, [], {}, list(plan.warnings) if opts.job_index == 0 else []
-    counts = dict(plan.counts) if opts.job_index == 0 else {}
-    by_split = {}  # this job's skips and warnings per split, for `merge` to list them in a single job's order
-    total = sum(len(r) for r in ranges.values()) + len(accounted_here)
-    bar = tqdm(total=total, unit="img", desc="shard-convert", disable=not opts.progress, dynamic_ncols=True,
-               mininterval=0.5)
+    ranges = {split: job_positions(len(items), opts) for split, items in plan.splits.items()}
+    part = Part({}, plan_share(plan, opts))
+    bar = tqdm(total=sum(len(r) for r in ranges.values()) + len(part.plan.skipped), unit="img", desc="shard-convert",
+               disable=not opts.progress, dynamic_ncols=True, mininterval=0.5)
     with bar:
         for split, items in plan.splits.items():
             bar.set_postfix_str(split)
-            prefix = f"{split}-j{opts.job_index:04d}" if opts.jobs and opts.max_shard_bytes is not None else split
-            result = write_split(
-                opts.out, split, items, plan.encode, describe=plan.describe, workers=opts.workers,
+            part.splits[split] = write_split(
+                opts.folder, split, items, plan.encode, describe=plan.describe, workers=opts.workers,
                 max_shard_bytes=opts.max_shard_bytes, samples_per_shard=opts.samples_per_shard, progress=store,
-                positions=ranges[split], prefix=prefix, on_error=opts.on_error, on_items=bar.update,
+                positions=ranges[split], prefix=shard_prefix(split, opts), on_error=opts.on_error,
+                on_items=bar.update,
             )
             store.flush()  # every shard of the split uploaded (s3:// OUT) before the next split forks workers
-            class_counts = [result.classes.get(str(label), 0) for label in range(len(plan.classes))]
-            splits[split] = SplitInfo(result.shards, class_counts, plan.listings.get(split))
-            skipped += result.skipped
-            warnings += result.warnings
-            by_split[split] = {"skipped": result.skipped, "warnings": result.warnings}
-            for reason, n in result.reencoded.items():
-                reencoded[reason] = reencoded.get(reason, 0) + n
-            for name, n in result.counts.items():
-                counts[name] = counts.get(name, 0) + n
-        skipped += accounted_here
-        bar.update(len(accounted_here))
+        bar.update(len(part.plan.skipped))
 
     extra = {**plan.extra, "fingerprint": fingerprint}
-    if counts:
-        extra["counts"] = dict(sorted(counts.items()))
     if "source" in plan.listings:
         extra["source_listing"] = plan.listings["source"]
-    manifest = ShardManifest(
-        root=opts.out, kind=plan.kind, source=plan.source, options=fingerprint["options"], classes=plan.classes,
-        splits=splits, skipped=skipped, found=plan.found,
-        reencoded={"count": sum(reencoded.values()), "by_reason": dict(sorted(reencoded.items()))},
-        warnings=warnings, extra=extra,
+    template = ShardManifest(
+        root=opts.folder, kind=plan.kind, source=plan.source, options=fingerprint["options"], classes=plan.classes,
+        splits={split: SplitInfo(listing=plan.listings.get(split)) for split in plan.splits}, found=plan.found,
+        extra=extra,
     )
+    manifest = add_up(template, [part])  # a single job is the one part of its conversion
     summary = summarize(manifest, 0.0, "fresh")
     if opts.jobs:
-        job = job_record_path(opts.out, opts.job_index, opts.num_jobs)
-        job.parent.mkdir(exist_ok=True)
-        plan_part = {"skipped": accounted_here, "warnings": list(plan.warnings) if opts.job_index == 0 else []}
-        write_json_atomic(job, {**manifest.to_json(), "job": {"index": opts.job_index, "count": opts.num_jobs,
-                                                               "splits": by_split, "plan": plan_part},
-                                "summary": asdict(summary)})
+        write_job_record(opts, manifest, part, asdict(summary))
     else:
-        write_json_atomic(opts.out / "convert.json", {"config": opts.to_json(), "summary": asdict(summary)})
+        write_json_atomic(opts.folder / "convert.json", {"config": opts.to_json(), "summary": asdict(summary)})
         manifest.save()  # last: its presence means the folder is complete
         if opts.remote:
-            remote.publish(opts.out, opts.remote)  # after every shard's upload (flushed above), manifest last
+            remote.publish(opts.folder, opts.remote)  # after every shard's upload (flushed above), manifest last
     store.remove()
     return manifest
+
+
+def plan_share(plan: Plan, opts: ShardOptions) -> Totals:
+    """What this run accounts for of what the plan found before encoding (files skipped while listing, its
+    warnings and tallies): all of it in job 0 (or a single job), nothing in the others."""
+    if opts.job_index != 0:
+        return Totals()
+    return Totals(skipped=list(plan.skipped), warnings=list(plan.warnings), counts=dict(plan.counts))
 
 
 def skip_reasons(skipped: list[dict]) -> dict[str, int]:
@@ -418,9 +385,9 @@ def skip_reasons(skipped: list[dict]) -> dict[str, int]:
 
 def load_done(opts: ShardOptions) -> ShardManifest:
     if not opts.jobs:
-        return ShardManifest.load(opts.out)
-    doc = json.loads(job_record_path(opts.out, opts.job_index, opts.num_jobs).read_text())
-    return ShardManifest.from_json(opts.out, doc)
+        return ShardManifest.load(opts.folder)
+    doc = json.loads(job_record_path(opts.folder, opts.job_index, opts.num_jobs).read_text())
+    return ShardManifest.from_json(opts.folder, doc)
 
 
 def summarize(manifest: ShardManifest, seconds: float, status: str) -> ConvertSummary:
@@ -431,97 +398,3 @@ def summarize(manifest: ShardManifest, seconds: float, status: str) -> ConvertSu
         skipped=len(manifest.skipped), reencoded=manifest.reencoded.get("count", 0),
         seconds=seconds, status=status,
     )
-
-
-# ----------------------------------------------------------------------------------------------------
-# jobs -> one manifest
-
-
-class MergeError(Exception):
-    """A job is missing or was run differently: one line naming it."""
-
-
-def merge(out: Path) -> ShardManifest:
-    """Combine the records of every job of a conversion into OUT's manifest.json, checking that all N are
-    there and were made with the same options and plan. Idempotent; holds OUT's lock while it writes."""
-    out = Path(out)
-    records = sorted((out / JOBS_DIR).glob("job-*-of-*.json"))
-    if not records:
-        raise MergeError(f"{out}: no job records in {out / JOBS_DIR} (is this the OUT of a --num-jobs conversion?)")
-    docs = [read_job_record(p) for p in records]
-    count = docs[0]["job"]["count"]
-    found = {doc["job"]["index"]: doc for doc in docs if doc["job"]["count"] == count}
-    strays = [p.name for p, doc in zip(records, docs) if doc["job"]["count"] != count]
-    if strays:
-        raise MergeError(f"{out}: job records of different --num-jobs ({', '.join(strays)} against {count})")
-    missing = [i for i in range(count) if i not in found]
-    if missing:
-        running = [i for i in missing if (out / PROGRESS_DIR / f"job-{i:04d}").is_dir()]
-        state = f" ({len(running)} of them started: still running or interrupted)" if running else ""
-        raise MergeError(f"{out}: job {missing[0]} of {count} has not finished (no {job_record_path(out, missing[0], count).name})"
-                         + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") + state)
-    reference = found[0]["fingerprint"]
-    for index in range(count):
-        if found[index]["fingerprint"] != reference:
-            raise MergeError(f"{out}: job {index} was made with other input than job 0: "
-                             f"{describe_difference(reference, found[index]['fingerprint'])}")
-    parts = [ShardManifest.from_json(out, found[i]) for i in range(count)]
-    first = parts[0]
-    splits = {}
-    for split in first.splits:
-        shards = [shard for part in parts for shard in part.splits[split].shards]
-        counts = [sum(part.splits[split].class_counts[c] for part in parts) for c in range(len(first.classes))]
-        splits[split] = SplitInfo(shards, counts, first.splits[split].listing)
-    reasons: dict[str, int] = {}
-    for part in parts:
-        for reason, n in part.reencoded["by_reason"].items():
-            reasons[reason] = reasons.get(reason, 0) + n
-    # the fingerprint of the whole conversion, as a single job would have written it: the folder is the same
-    whole = {k: v for k, v in reference.items() if k != "num_jobs"}
-    counts: dict[str, int] = {}
-    for part in parts:
-        for name, n in part.extra.get("counts", {}).items():
-            counts[name] = counts.get(name, 0) + n
-    extra = {**first.extra, "fingerprint": whole}
-    if counts:
-        extra["counts"] = dict(sorted(counts.items()))
-    skipped, warnings = in_single_job_order([found[i] for i in range(count)], list(first.splits))
-    manifest = ShardManifest(
-        root=out, kind=first.kind, source=first.source, options=first.options, classes=first.classes,
-        splits=splits, skipped=skipped, found=first.found,
-        reencoded={"count": sum(reasons.values()), "by_reason": dict(sorted(reasons.items()))},
-        warnings=warnings, extra=extra,
-    )
-    with folder_lock(out, "shard-convert merge"):
-        manifest.save()
-    return manifest
-
-
-def in_single_job_order(records: list[dict], splits: list[str]) -> tuple[list[dict], list[str]]:
-    """The jobs' skipped files and warnings in the order a single job lists them: the plan's warnings, then
-    split by split (within a split, job by job: plan order), then the files the plan skipped before encoding.
-    Concatenating whole records instead puts job 0's val skips and strays before job 1's train skips."""
-    if any("splits" not in record["job"] for record in records):  # a record of an older version: job order
-        return [e for r in records for e in r["skipped"]], [w for r in records for w in r["warnings"]]
-    parts = [record["job"]["splits"][split] for split in splits for record in records]
-    plan = records[0]["job"]["plan"]  # job 0 accounts for what the plan itself skipped or warned about
-    return ([e for part in parts for e in part["skipped"]] + plan["skipped"],
-            plan["warnings"] + [w for part in parts for w in part["warnings"]])
-
-
-def read_job_record(path: Path) -> dict:
-    try:
-        doc = json.loads(path.read_text())
-        if not isinstance(doc.get("job", {}).get("count"), int) or not isinstance(doc["job"].get("index"), int):
-            raise ValueError("no job index and count")
-    except (OSError, ValueError, AttributeError, KeyError) as e:
-        raise MergeError(f"{path}: unreadable job record ({e}); run that job again") from None
-    return doc
-
-
-def merge_if_complete(out: Path) -> ShardManifest | None:
-    """After a job: merge when every job's record is there (the last job to finish does it), else None."""
-    try:
-        return merge(out)
-    except (MergeError, FolderInUse):
-        return None

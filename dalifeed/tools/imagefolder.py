@@ -56,8 +56,8 @@ class ConvertConfig(ShardOptions):
             raise UsageError(f"{self.src}: source folder does not exist")
         if not self.src.is_dir():
             raise UsageError(f"{self.src}: source is not a folder")
-        if self.out.resolve() == self.src.resolve() or self.src.resolve() in self.out.resolve().parents:
-            raise UsageError(f"{self.out}: output folder must not be inside the source folder {self.src}")
+        if self.folder.resolve() == self.src.resolve() or self.src.resolve() in self.folder.resolve().parents:
+            raise UsageError(f"{self.folder}: output folder must not be inside the source folder {self.src}")
 
     def output_options(self) -> dict:
         """The options that decide the output bytes (workers, progress and the job index do not)."""
@@ -352,9 +352,10 @@ def encode_item(item: Item, src: str, quality: int, max_side: int | None, max_pi
 
 
 def convert_imagefolder(cfg: ConvertConfig) -> ShardManifest:
-    """Convert `cfg.src` to shards in `cfg.out`; resumes an interrupted run. Returns the manifest, with
-    `summary` (a ConvertSummary) attached for the CLI. Holds OUT's lock throughout (FolderInUse if another
-    run does); a full disk raises DiskFull saying how much more is needed."""
+    """Convert `cfg.src` to shards in `cfg.out` (written in `cfg.folder`: OUT, or an s3:// OUT's staging folder);
+    resumes an interrupted run. Returns the manifest, with `summary` (a ConvertSummary) attached for the CLI.
+    Holds OUT's lock throughout (FolderInUse if another run does); a full disk raises DiskFull saying how
+    much more is needed."""
     cfg.validate()
     layout = build_layout(cfg)
     fingerprint, listings, total = layout.survey(cfg)

@@ -23,7 +23,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from ..atomic import temp_name, write_atomic, write_json_atomic
 from ..format import INDEX_VERSION, TAR_BLOCK, ShardInfo, file_sha256
@@ -83,24 +83,67 @@ class Skip:
 
 
 @dataclass
-class ShardRecord:
-    """What a finished shard contributed; written to the progress folder after its tar is renamed."""
+class Totals:
+    """What a part of a conversion adds to the manifest: one shard, a split, a job's share of a split, every
+    job's. Parts are added in the order a single job writes them, so that the lists come out in its order;
+    the tallies are sums. `jobs.add_up` turns them into the manifest."""
 
-    shard: ShardInfo
-    next_position: int  # plan position of the first item not covered by this shard
-    skipped: list[dict] = field(default_factory=list)
-    reencoded: dict[str, int] = field(default_factory=dict)
+    shards: list[ShardInfo] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)  # {"path", "reason"} of each item that gave no sample
+    reencoded: dict[str, int] = field(default_factory=dict)  # why images were re-encoded -> how many
     classes: dict[str, int] = field(default_factory=dict)  # class index (as JSON keys are) -> samples holding it
     warnings: list[str] = field(default_factory=list)
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)  # converter-specific tallies (COCO: boxes, ...)
+
+    def add(self, more: "Totals") -> "Totals":
+        """Add `more` to these totals (its lists after these ones) and return them."""
+        self.shards += more.shards
+        self.skipped += more.skipped
+        self.warnings += more.warnings
+        for mine, theirs in ((self.reencoded, more.reencoded), (self.classes, more.classes), (self.counts, more.counts)):
+            for key, n in theirs.items():
+                mine[key] = mine.get(key, 0) + n
+        return self
+
+    @classmethod
+    def sum(cls, parts: Iterable["Totals"]) -> "Totals":
+        """The parts added up, in order, into new totals (none of the parts changes)."""
+        total = cls()
+        for part in parts:
+            total.add(part)
+        return total
+
+    def add_sample(self, sample: PackedSample) -> None:
+        self.add(Totals(reencoded={sample.reencoded: 1} if sample.reencoded else {},
+                        classes={str(c): 1 for c in set(sample.classes)}, warnings=sample.warnings,
+                        counts=sample.counts))
+
+    def class_counts(self, num_classes: int) -> list[int]:
+        """Samples holding each class, by class index: the manifest's per-split `class_counts`."""
+        return [self.classes.get(str(label), 0) for label in range(num_classes)]
+
+
+@dataclass
+class ShardRecord:
+    """What a finished shard contributed (itself, and the skips, re-encodes, classes, warnings and tallies of
+    the plan positions it covers); written to the progress folder after its tar is renamed."""
+
+    totals: Totals  # totals.shards == [the shard]
+    next_position: int  # plan position of the first item not covered by this shard
+
+    @property
+    def shard(self) -> ShardInfo:
+        return self.totals.shards[0]
 
     def to_json(self) -> dict:
-        return {**asdict(self), "shard": asdict(self.shard)}
+        totals = {k: v for k, v in asdict(self.totals).items() if k != "shards"}
+        return {"shard": asdict(self.shard), "next_position": self.next_position, **totals}
 
     @classmethod
     def from_json(cls, doc: dict) -> "ShardRecord":
-        return cls(ShardInfo.from_json(doc["shard"]), doc["next_position"], doc["skipped"], doc["reencoded"],
-                   doc.get("classes", {}), doc.get("warnings", []), doc.get("counts", {}))
+        totals = Totals([ShardInfo.from_json(doc["shard"])], doc["skipped"], doc["reencoded"], doc.get("classes", {}),
+                        doc.get("warnings", []), doc.get("counts", {}))
+        return cls(totals, doc["next_position"])
 
 
 def shard_name(prefix: str, number: int) -> str:
@@ -304,6 +347,22 @@ class ProgressStore:
             shutil.rmtree(self.dir)
 
 
+def describe_difference(old: dict, new: dict) -> str:
+    """What changed between two fingerprints, e.g. "--seed was 1, now 2; source was /a, now /b"."""
+    changes = [f"{name} was {old.get(name)}, now {new.get(name)}" for name in ("kind", "source", "num_jobs")
+               if old.get(name) != new.get(name)]
+    old_format, new_format = old.get("format_version", 1), new.get("format_version", 1)  # 1: written before it was
+    if old_format != new_format:
+        changes.append(f"shard format {old_format}, this dalifeed writes {new_format}")
+    old_options, new_options = old.get("options", {}), new.get("options", {})
+    for name in sorted(set(old_options) | set(new_options)):
+        if old_options.get(name) != new_options.get(name):
+            changes.append(f"--{name.replace('_', '-')} was {old_options.get(name)}, now {new_options.get(name)}")
+    if not changes and old.get("listing_sha256") != new.get("listing_sha256"):
+        changes.append("the source files changed since (added, removed, renamed or modified)")
+    return "; ".join(changes) or "an older dalifeed version"
+
+
 class ShardWriter:
     """Packs samples, in plan order, into `<prefix>-NNNNNN.tar` shards and records each finished shard in
     `progress` with what it contributed (skips, re-encode reasons, class counts, warnings), so that a re-run
@@ -330,7 +389,7 @@ class ShardWriter:
         self.number, self.sequence = first_number, first_record
         self.records: list[ShardRecord] = []  # the shards finished by this writer
         self.current: ShardFile | None = None
-        self.pending = _empty_record()  # what the open shard will record
+        self.pending = Totals()  # what the open shard will record
 
     def __enter__(self) -> "ShardWriter":
         return self
@@ -353,11 +412,7 @@ class ShardWriter:
             self.pending.warnings.append(f"{self.current.tar_path.name}: sample {sample_key(position)} alone is "
                                          f"{sample.size} bytes, over --max-shard-bytes {self.max_bytes}")
         self.current.add(sample)
-        if sample.reencoded:
-            _add_counts(self.pending.reencoded, {sample.reencoded: 1})
-        _add_counts(self.pending.classes, {str(c): 1 for c in set(sample.classes)})
-        _add_counts(self.pending.counts, sample.counts)
-        self.pending.warnings += sample.warnings
+        self.pending.add_sample(sample)
 
     def skip(self, entry: dict) -> None:
         """A source item that produced no sample; recorded with the next finished shard."""
@@ -377,29 +432,14 @@ class ShardWriter:
         return self.max_bytes is not None and shard.bytes_so_far + next_size + 2 * TAR_BLOCK > self.max_bytes
 
     def _close(self, next_position: int) -> None:
-        record = self.pending
-        record.shard, record.next_position = self.current.finish(), next_position
+        self.pending.shards.append(self.current.finish())
+        record = ShardRecord(self.pending, next_position)
         self.progress.save(self.progress_key, self.sequence, record)
         self.records.append(record)
         self.current, self.sequence = None, self.sequence + 1
         if not self.aligned:
             self.number += 1
-        self.pending = _empty_record()
-
-
-def _empty_record() -> ShardRecord:
-    return ShardRecord(ShardInfo("", "", 0, 0, ""), 0)
-
-
-@dataclass
-class SplitResult:
-    shards: list[ShardInfo]
-    skipped: list[dict]
-    reencoded: dict[str, int]
-    classes: dict[str, int]  # class index (as a string) -> samples holding that class
-    warnings: list[str]
-    resumed_shards: int
-    counts: dict[str, int] = field(default_factory=dict)
+        self.pending = Totals()
 
 
 def write_split(
@@ -417,10 +457,10 @@ def write_split(
     prefix: str | None = None,
     on_error: str = "skip",
     on_items: Callable[[int], None] = lambda n: None,
-) -> SplitResult:
+) -> Totals:
     """Encode `plan[positions]` (all of it by default) in order and pack it into `out_dir/<prefix>-NNNNNN.tar`
     shards (prefix: the split's name), resuming after the shards `progress` already records. `describe(item)`
-    names an item in skip lists and errors."""
+    names an item in skip lists and errors. Returns what the split's shards (resumed ones too) add up to."""
     positions = positions if positions is not None else range(len(plan))
     prefix = prefix or split
     done = progress.finished(prefix, out_dir)
@@ -439,27 +479,13 @@ def write_split(
             else:
                 writer.write(result, position)
         trailing_skips = writer.finish(positions.stop)
-    records = done + writer.records
-    totals = _empty_record()
-    for r in records:
-        totals.skipped += r.skipped
-        _add_counts(totals.reencoded, r.reencoded)
-        _add_counts(totals.classes, r.classes)
-        totals.warnings += r.warnings
-        _add_counts(totals.counts, r.counts)
-    return SplitResult([r.shard for r in records], totals.skipped + trailing_skips, totals.reencoded,
-                       totals.classes, totals.warnings, len(done), totals.counts)
+    return Totals.sum([*(record.totals for record in done + writer.records), Totals(skipped=trailing_skips)])
 
 
 def _encode_and_pack(encode: Callable, work: tuple[int, object]) -> PackedSample | Skip:
     position, item = work
     result = encode(item)
     return result if isinstance(result, Skip) else pack_sample(sample_key(position), result)
-
-
-def _add_counts(total: dict[str, int], more: dict[str, int]) -> None:
-    for k, v in more.items():
-        total[k] = total.get(k, 0) + v
 
 
 _SHARD_FILE = re.compile(r"^\.?[A-Za-z0-9_]+(-j\d{4})?-\d{6}\.(tar|idx)(\.tmp(-\d+)?)?$")

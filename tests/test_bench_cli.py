@@ -1,0 +1,67 @@
+"""`dali-bench` as a user runs it: it refuses to measure nothing (a split smaller than a batch, instead of
+hanging) or to race loaders on different data unless allowed, and its model timing is said and plotted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dalifeed.bench.cli import main as bench_cli
+from dalifeed.bench.report import LOADER_COLOURS, figure
+
+from helpers import write_imagefolder
+
+PY = sys.executable
+
+
+@pytest.fixture(scope="module")
+def bench_data(make_shards) -> tuple[Path, Path]:
+    return make_shards({"a": 11, "b": 9}, size=(40, 52), samples_per_shard=8)
+
+
+def run_bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "dalifeed.bench.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_bench_refuses_a_split_smaller_than_a_batch_instead_of_hanging(bench_data, tmp_path):
+    src, shards = bench_data
+    result = run_bench("--imagefolder", str(src), "--shards", str(shards), "--batch-size", "64", "--out",
+                       str(tmp_path / "b"))
+    assert result.returncode == 2 and "holds 20 images, fewer than one batch of --batch-size 64" in result.stderr
+
+
+def test_bench_refuses_different_data_unless_allowed(bench_data, tmp_path):
+    src, shards = bench_data
+    other = write_imagefolder(tmp_path / "other", {"a": 11, "b": 9}, size=(80, 96), seed=5)
+    result = CliRunner().invoke(bench_cli, ["--imagefolder", str(other), "--shards", str(shards), "--batch-size", "4"])
+    assert result.exit_code == 2 and "not the same data" in result.output
+    assert "the same number of files, but other names or sizes" in result.output
+    allowed = CliRunner().invoke(bench_cli, ["--imagefolder", str(other), "--shards", str(shards), "--batch-size", "4",
+                                             "--loaders", "dali-cpu", "--seconds", "0.2", "--repeats", "1",
+                                             "--allow-different-data", "--out", str(tmp_path / "b")])
+    assert allowed.exit_code == 0, allowed.output
+
+
+def test_bench_model_timing_says_how_long_and_plots_both_panels(bench_data, tmp_path):
+    src, shards = bench_data
+    result = CliRunner().invoke(bench_cli, ["--imagefolder", str(src), "--shards", str(shards), "--batch-size", "4",
+                                            "--image-size", "32", "--loaders", "dali-cpu", "--seconds", "0.2",
+                                            "--repeats", "1", "--model", "resnet18", "--model-steps", "2",
+                                            "--out", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    assert "resnet18 on synthetic data: 5 steps, about" in result.output and "s a step" in result.output
+    report = json.loads((tmp_path / "b" / "bench.json").read_text())
+    fig = figure(report)
+    data, model = fig.axes
+    assert data.patches[0].get_facecolor()[:3] == pytest.approx(_rgb(LOADER_COLOURS["dali-cpu"]))
+    assert "src (train, 20 images), 32 px" in fig._suptitle.get_text()
+    assert "resnet18 training" in model.get_title() and len(model.patches) == 1
+
+
+def _rgb(hex_colour: str) -> tuple[float, float, float]:
+    return tuple(int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
