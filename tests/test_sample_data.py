@@ -38,3 +38,16 @@ def test_photos_are_imagenet_like_jpegs(tmp_path):
     assert [f.read_bytes() for f in files] == [(again / f.relative_to(root)).read_bytes() for f in files]
     other = make_photos_imagefolder(tmp_path / "other", per_class=5, seed=1)
     assert (other / files[0].relative_to(root)).read_bytes() != files[0].read_bytes()
+
+
+def test_digits_are_framed_by_a_black_margin(tmp_path):
+    """The 8x8 digits touch their top and bottom rows; framed by 2 black pixels (of 12) each side, no crop of
+    the outer eighth cuts a stroke, and the strokes are still there inside."""
+    root = make_digits_imagefolder(tmp_path / "digits", size=32, seed=0)
+    grey = np.stack([np.asarray(Image.open(f).convert("L")) for f in sorted(root.rglob("*.jpg"))]).astype(int)
+    border = np.concatenate([grey[:, :4, :].ravel(), grey[:, -4:, :].ravel(), grey[:, :, :4].ravel(),
+                             grey[:, :, -4:].ravel()])
+    assert border.max() <= 10  # black, but for JPEG's ringing
+    assert (grey[:, 6:26, 6:26].max(axis=(1, 2)) > 200).all()  # every digit has strokes inside the frame
+    bare = make_digits_imagefolder(tmp_path / "bare", size=32, seed=0, margin=0)
+    assert np.asarray(Image.open(next((bare / "val" / "0").glob("*.jpg"))).convert("L"))[:4].max() > 100

@@ -1,5 +1,6 @@
 """Models by torchvision name, built for the image size they train on (`check_input_size` refuses a size a
-model cannot take before any data is read), and the one knob torchvision lacks for small images: ResNet width."""
+model cannot take before any data is read), and the two knobs torchvision lacks for small images: ResNet width
+and a stem that does not shrink the image 4x at once (`resnet18_cifar`)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,16 @@ class WidthResNet(ResNet):
                 nn.init.constant_(m.bias, 0)
 
 
+def cifar_stem(model: ResNet) -> ResNet:
+    """Replace ResNet's ImageNet stem (7x7 stride-2 convolution, then a stride-2 max-pool: 4x smaller at once)
+    with a 3x3 stride-1 convolution and no pooling, as ResNets for CIFAR do: on images of 8-32 px the first
+    stage then sees every pixel instead of a quarter of them in each direction."""
+    model.conv1 = nn.Conv2d(3, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")
+    model.maxpool = nn.Identity()
+    return model
+
+
 class ModelError(ValueError):
     """An unknown model name, or an option the model does not have."""
 
@@ -57,9 +68,19 @@ def builder_options(name: str, image_size: int) -> dict:
     return {}
 
 
+CIFAR_SUFFIX = "_cifar"  # resnet18_cifar: resnet18 with `cifar_stem`
+
+
 def build_model(name: str, num_classes: int, width: int | None = None, image_size: int = 224) -> nn.Module:
     """`torchvision.models.get_model(name)` with fresh weights, built for `image_size` where the model's
-    shape depends on it (ViT, MaxViT); `width` rebuilds a ResNet at that width."""
+    shape depends on it (ViT, MaxViT); `width` rebuilds a ResNet at that width. A ResNet's name with the
+    suffix `_cifar` (resnet18_cifar) gives it `cifar_stem`, for images of 8-32 px."""
+    if name.endswith(CIFAR_SUFFIX):
+        model = build_model(name.removesuffix(CIFAR_SUFFIX), num_classes, width, image_size)
+        if not isinstance(model, ResNet):
+            raise ModelError(f"--model {name}: the {CIFAR_SUFFIX} stem is for torchvision's ResNets "
+                             f"(e.g. resnet18{CIFAR_SUFFIX}), not {name.removesuffix(CIFAR_SUFFIX)}")
+        return cifar_stem(model)
     classifiers = torchvision.models.list_models(torchvision.models)  # not detection, video, ... models
     if name not in classifiers:
         names = ", ".join(n for n in classifiers if n.startswith("resnet"))
