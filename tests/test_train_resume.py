@@ -21,7 +21,7 @@ def save_run(run: Path, data: Path, world_size: int = 1, midway_ranks: int = 0, 
     """RUN/last.pt of a run of SAVED trained by `world_size` processes, saved mid-epoch by `midway_ranks`."""
     cfg = TrainConfig(data=str(data), out=str(run), **SAVED)
     cfg.validate()  # as saved: the defaults that depend on other options filled in
-    payload = {"config": cfg.to_json(), "world_size": world_size,
+    payload = {"config": cfg.to_json(), "world_size": world_size, "classes": ["blue", "green", "red"],
                "state": {"epoch": 1, "step": 5, "best_score": 0.5, "bad_streak": 0}}
     if midway_ranks:
         payload["midway"] = {"stats": {}, "loaders": [{"batches_done": 2}] * midway_ranks}
