@@ -80,14 +80,7 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
         # the first steps and keeps the fastest (gpu-check leaves the first epoch out for it)
         torch.backends.cudnn.benchmark = True
 
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model, replaced = build_model(cfg, manifest.num_classes)
-    if replaced:
-        log(f"--pretrained: re-initialised {', '.join(replaced)} (class count differs)")
-    model = model.to(dist.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
-    ema = torch.optim.swa_utils.AveragedModel(
-        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True) if cfg.ema else None
-
+    model, ema = make_model(cfg, dist, manifest.num_classes)
     check_batch_fits(cfg, dist, manifest)
     train_loader, val_loader = make_loaders(cfg, dist, threads=cfg.workers or budget.threads)
     steps_per_epoch = len(train_loader) // cfg.accum_steps
@@ -130,6 +123,19 @@ def log_start(cfg: TrainConfig, dist: Dist, manifest: ShardManifest, dtype: torc
     if dtype == torch.float16 and dist.device.type == "cpu":
         log("warning: --amp fp16 on the CPU runs about 10x slower than fp32 (PyTorch has few fp16 CPU kernels); "
             "use --amp off, or bf16 on a CPU with AVX-512 BF16 or AMX")
+
+
+def make_model(cfg: TrainConfig, dist: Dist, num_classes: int) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The model on this rank's device, and its --ema average (None without)."""
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model, replaced = build_model(cfg, num_classes)
+    if replaced:
+        log(f"--pretrained: re-initialised {', '.join(replaced)} (class count differs)")
+    model = model.to(dist.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
+    if not cfg.ema:
+        return model, None
+    return model, torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
 
 
 def make_loaders(cfg: TrainConfig, dist: Dist, threads: int) -> tuple[object, object | None]:
