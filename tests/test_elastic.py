@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dalifeed.runtime import Stopped
-from dalifeed.train.trainer import Stop
+from dalifeed.train.stop import Stop
 
 PY = sys.executable
 # 405 train samples, batch 4 on each of 2 ranks: 50 steps an epoch, a mid-epoch checkpoint every 3
@@ -181,6 +181,38 @@ def test_a_repeated_sigterm_is_the_same_request_and_a_second_ctrl_c_stops_at_onc
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)
         assert stopped.value.signum == signal.SIGINT
+
+
+# what each of two ranks brings to three optimizer steps: (its step was finite, the signal it got)
+VOTES = [[(1.0, 0), (1.0, 0)],  # all well: every rank steps, no stop
+         [(1.0, 0), (0.0, 0)],  # rank 1 saw a NaN: every rank skips
+         [(1.0, signal.SIGTERM), (1.0, 0)]]  # rank 0 got SIGTERM: every rank stops
+
+
+def _agree_on_rank(rank: int, port: int, results: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    stop, answers = Stop(), []
+    for step in VOTES:
+        finite, stop.requested = step[rank]
+        answers.append((stop.agree(torch.tensor([finite])), stop.agreed))
+    torch.save(answers, results / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_the_ranks_agree_on_a_non_finite_step_and_on_a_stop_any_of_them_saw(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_agree_on_rank, args=(rank, port, tmp_path)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    expected = [(True, 0), (False, 0), (True, signal.SIGTERM)]
+    assert [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)] == [expected, expected]
 
 
 SBATCH = Path(__file__).parent.parent / "examples" / "slurm" / "train.sbatch"

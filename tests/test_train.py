@@ -17,27 +17,22 @@ from click.testing import CliRunner
 
 from dalifeed.pipelines import make_loader
 from dalifeed.tools import ConvertConfig, convert_imagefolder
-from dalifeed.train import TrainConfig, checkpoint, main as train
+from dalifeed.train import TrainConfig, checkpoint, main as train, train_one_epoch
 from dalifeed.train.cli import main as train_cli
-from dalifeed.train.trainer import RunLog, TrainState, amp_dtype, train_one_epoch, warmup_cosine
 from dalifeed.train.distributed import Dist
+from dalifeed.train.loop import epoch_score
 from dalifeed.train.models import build_model
+from dalifeed.train.parts import amp_dtype, build_model as build_run_model, warmup_cosine
+from dalifeed.train.progress import RunLog
+from dalifeed.train.trainer import Run
 
+from fast_recipe import fast_args, fast_config
 from helpers import write_imagefolder
-
-# A recipe stable on any x86-64 CPU's kernels: batch 8 of ResNet-18 with BatchNorm on 45 images is too
-# small and too short for SGD at a classic learning rate (it diverged on AVX2 kernels and not on AVX-512),
-# while AdamW at 1e-3 (0.032 per 256 images) with a one-epoch warm-up learns it the same way everywhere.
-FAST = dict(model="resnet18", image_size=16, batch_size=8, optimizer="adamw", lr=0.032, warmup_epochs=1.0,
-            weight_decay=5e-4, crop_scale=(0.5, 1.0), workers=2)
 
 
 def fast_cli_args(shards: Path, epochs: int, **overrides) -> list[str]:
-    """FAST as a dali-train command line (without --out), for the tests that run the CLI."""
-    args = ["--data", str(shards), "--epochs", str(epochs)]
-    for name, value in {**FAST, **overrides}.items():
-        args += [f"--{name.replace('_', '-')}", ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
-    return args
+    """The fast recipe as a dali-train command line (without --out), for the tests that run the CLI."""
+    return ["--data", str(shards), *fast_args(epochs=epochs, **overrides)]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +67,7 @@ def test_short_training_learns_and_writes_its_outputs(shards, tmp_path, seed):
     # 40 steps at 32 px, measured for seeds 0-4 under AVX-512, AVX2 and SSE4.1 kernels: top-1 1.0 (chance is
     # 0.33), validation loss <= 0.24 (ln 3 = 1.1 for a model that learnt nothing), the last epoch's mean train
     # loss 0.39-0.59 x the first epoch's
-    result = train(TrainConfig(data=str(shards), out=str(run), epochs=8, seed=seed, **{**FAST, "image_size": 32}))
+    result = train(fast_config(shards, run, epochs=8, seed=seed, image_size=32))
     records = metrics(run)
     assert [r["epoch"] for r in records] == list(range(8))
     assert records[-1]["train_loss"] < 0.8 * records[0]["train_loss"]  # each the mean over 5 steps
@@ -194,7 +189,7 @@ def test_two_rank_gloo_ddp_keeps_ranks_identical_and_counts_val_once(shards, tmp
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # per-rank batch 8 on 2 ranks: global batch 16; 45 samples -> 22 a rank -> 2 steps an epoch
-    cfg = TrainConfig(data=str(shards), out=str(tmp_path / "ddp"), epochs=3, **{**FAST, "workers": 1})
+    cfg = fast_config(shards, tmp_path / "ddp", epochs=3, workers=1)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_ddp_rank, args=(r, 2, port, cfg, tmp_path)) for r in range(2)]
     for p in procs:
@@ -237,15 +232,20 @@ class Linear(torch.nn.Module):
         return self.fc(x.flatten(1))
 
 
-def one_epoch(batches, accum_steps: int, clip: float | None = None, lr: float = 0.5) -> torch.nn.Module:
+def linear_run(batches, accum_steps: int = 1, clip: float | None = None, lr: float = 0.5, nesterov: bool = True) -> Run:
+    """A Run of `Linear` on `batches` (a list stands in for the loader), SGD at a constant `lr`, on the CPU."""
     model = Linear()
     cfg = TrainConfig(data=".", out=".", accum_steps=accum_steps, clip_grad=clip, label_smoothing=0.0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=nesterov)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    dist = Dist(0, 1, 0, torch.device("cpu"))
-    train_one_epoch(model, None, batches, optimizer, scheduler, scaler, cfg, dist, None, TrainState())
-    return model
+    return Run(cfg, Dist(0, 1, 0, torch.device("cpu")), model, optimizer, scheduler,
+               torch.amp.GradScaler("cpu", enabled=False), train_loader=batches)
+
+
+def one_epoch(batches, accum_steps: int, clip: float | None = None, lr: float = 0.5) -> torch.nn.Module:
+    run = linear_run(batches, accum_steps, clip, lr)
+    train_one_epoch(run)
+    return run.model
 
 
 @pytest.mark.kernels
@@ -272,15 +272,12 @@ def test_clip_grad_bounds_the_update(shards):
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # the skipped first step
 def test_a_finite_loss_with_a_non_finite_gradient_is_not_applied(shards):
     batches = real_batches(shards, 8)[:1]
-    model = Linear()
-    start = model.fc.weight.detach().clone()
-    model.fc.weight.register_hook(lambda grad: grad * float("inf"))  # the loss stays finite, the gradient not
-    cfg = TrainConfig(data=".", out=".", label_smoothing=0.0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    stats = train_one_epoch(model, None, batches, optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False),
-                            cfg, Dist(0, 1, 0, torch.device("cpu")), None, TrainState())
-    assert stats.bad_steps == 1 and torch.equal(model.fc.weight, start)
+    run = linear_run(batches, nesterov=False)
+    start = run.model.fc.weight.detach().clone()
+    run.model.fc.weight.register_hook(lambda grad: grad * float("inf"))  # the loss stays finite, the gradient not
+    stats = train_one_epoch(run)
+    assert stats.bad_steps == 1 and torch.equal(run.model.fc.weight, start)
+    assert run.state.step == 1 and run.state.bad_streak == 1  # the schedule still counts the step
 
 
 def test_amp_modes():
@@ -328,18 +325,18 @@ def test_non_finite_loss_skips_then_aborts(shards, tmp_path):
     assert "training diverged: loss or gradients were not finite for 2 steps in a row" in result.output
 
 
-def test_pretrained_weights_load_and_a_different_head_is_replaced(shards, tmp_path):
+def test_pretrained_weights_load_and_a_different_head_is_replaced(tmp_path):
     import torchvision
 
     path = tmp_path / "r18-5classes.pt"
     torch.manual_seed(1)
     source = torchvision.models.resnet18(num_classes=5)
     torch.save(source.state_dict(), path)
-    result = train(TrainConfig(data=str(shards), out=str(tmp_path / "ft"), epochs=1, pretrained=str(path),
-                               **{**FAST, "lr": 1e-9}))
-    trained = result.model.state_dict()
-    assert trained["fc.weight"].shape == (3, 512)
-    assert torch.allclose(trained["layer1.0.conv1.weight"], source.state_dict()["layer1.0.conv1.weight"], atol=1e-6)
+    model, replaced = build_run_model(TrainConfig(data=".", out=".", model="resnet18", pretrained=str(path)), 3)
+    assert replaced == ["fc.weight", "fc.bias"]  # what the run then says it re-initialised
+    weights = model.state_dict()
+    assert weights["fc.weight"].shape == (3, 512)
+    assert all(torch.equal(weights[k], v) for k, v in source.state_dict().items() if not k.startswith("fc."))
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -394,8 +391,34 @@ def test_width_narrows_a_resnet_and_is_refused_for_other_models(shards, tmp_path
     assert build_model("resnet50", 3, width=16).fc.in_features == 16 * 8 * 4  # bottlenecks expand by 4
     with pytest.raises(ModelError, match="plain ResNets"):
         build_model("resnext50_32x4d", 3, width=16)
-    result = train(TrainConfig(data=str(shards), out=str(tmp_path / "narrow"), epochs=1, **{**FAST, "width": 16}))
-    assert result.model.layer4[0].conv1.out_channels == 128
+    model, _ = build_run_model(fast_config(shards, tmp_path / "narrow", width=16), 3)  # what dali-train builds
+    assert model.layer4[0].conv1.out_channels == 128
     refused = CliRunner().invoke(train_cli, fast_cli_args(shards, 1, model="mobilenet_v3_small", width=16)
                                  + ["--out", str(tmp_path / "mobile")])
     assert refused.exit_code == 2 and "--width applies to torchvision's plain ResNets" in refused.output
+
+
+def test_a_checkpoint_that_calls_its_best_score_best_top1_resumes_and_keeps_it(shards, tmp_path):
+    """Checkpoints written before the score best.pt keeps was named best_score held it as best_top1."""
+    run = tmp_path / "run"
+    train(fast_config(shards, run, epochs=1))
+    saved = torch.load(run / "last.pt", weights_only=False)
+    saved["state"] = {"epoch": 1, "step": saved["state"]["step"], "best_top1": 2.0, "bad_streak": 0}  # 2: unbeatable
+    torch.save(saved, run / "last.pt")
+    best = (run / "best.pt").read_bytes()
+    resumed = CliRunner().invoke(train_cli, ["--resume", str(run), "--epochs", "2"])
+    assert resumed.exit_code == 0, resumed.output
+    assert [r["epoch"] for r in metrics(run)] == [0, 1]
+    assert torch.load(run / "last.pt", weights_only=False)["state"]["best_score"] == 2.0
+    assert (run / "best.pt").read_bytes() == best  # epoch 1 did not beat the saved best
+
+
+@pytest.mark.parametrize("task, val_split, score", [("classify", "val", 0.75), ("multilabel", "val", 0.5),
+                                                    ("classify", None, -1.25), ("multilabel", None, -1.25)])
+def test_the_score_best_pt_keeps_is_top1_map_or_minus_the_train_loss(task, val_split, score):
+    record = {"train_loss": 1.25, "top1": 0.75, "map": 0.5} if val_split else {"train_loss": 1.25}
+    if task == "classify" and val_split:
+        del record["map"]
+    if task == "multilabel" and val_split:
+        del record["top1"]
+    assert epoch_score(TrainConfig(data=".", out=".", task=task, val_split=val_split), record) == score

@@ -17,9 +17,9 @@ from dalifeed.train.cli import main as train_cli
 from dalifeed.train.config import ConfigError
 from dalifeed.train.models import ModelError, build_model, check_input_size
 
-# test_train.py's FAST recipe as a command line: ResNet-18 on 16 px images, one epoch
-FAST = ["--model", "resnet18", "--image-size", "16", "--batch-size", "8", "--optimizer", "adamw",
-        "--lr", "0.032", "--warmup-epochs", "0", "--workers", "2", "--epochs", "1"]
+from fast_recipe import fast_args
+
+FAST = fast_args(epochs=1)  # the training tests' recipe, one epoch
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,11 @@ import pytest
 from click.testing import CliRunner
 
 from dalifeed.train.cli import main as train_cli
-from dalifeed.train.trainer import RunLog
+from dalifeed.train.progress import RunLog
 
-# test_train.py's FAST recipe: ResNet-18 at width 8 on 16 px images, 45 train images in 5 steps of 8
-FAST = ["--model", "resnet18", "--width", "8", "--image-size", "16", "--batch-size", "8", "--optimizer", "adamw",
-        "--lr", "0.032", "--warmup-epochs", "1", "--workers", "2"]
+from fast_recipe import fast_args
+
+FAST = fast_args(width=8)  # the training tests' recipe at width 8: 45 train images in 5 steps of 8
 PROGRESS = re.compile(r"epoch (?P<epoch>\d+) step (?P<step>\d+)/(?P<steps>\d+): (?P<rate>\d+) images/s, "
                       r"loss (?P<loss>\S+), data wait (?P<wait>\d+)%, "
                       r"left: epoch (?P<left>[\d:]+), run (?P<run>[\d:]+)")

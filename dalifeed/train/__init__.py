@@ -1,6 +1,13 @@
-"""dali-train: DDP + AMP classification training fed by `dalifeed.pipelines.make_loader`."""
+"""dali-train: DDP + AMP classification training fed by `dalifeed.pipelines.make_loader`.
+
+Read in this order: `cli.py` (options) -> `resume.resolve_run` (a fresh run, the run in --out continued, or a
+refusal) -> `trainer.main` (build the run, fit its epochs) -> `loop.train_one_epoch` / `optimizer_step` /
+`evaluate`. Beside them: `config.py` (TrainConfig), `parts.py` (model, optimiser, schedule, data checks),
+`progress.py` (what rank 0 shows and writes), `stop.py` (SIGINT/SIGTERM), `checkpoint.py`, `distributed.py`.
+"""
 
 from .config import ConfigError, TrainConfig
-from .trainer import TrainingDiverged, TrainResult, evaluate, main, train_one_epoch
+from .loop import TrainingDiverged, evaluate, train_one_epoch
+from .trainer import TrainResult, main
 
 __all__ = ["ConfigError", "TrainConfig", "TrainingDiverged", "TrainResult", "evaluate", "main", "train_one_epoch"]

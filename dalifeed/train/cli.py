@@ -1,9 +1,8 @@
-"""`dali-train`: the command line over `dalifeed.train.trainer.main`."""
+"""`dali-train`: the command line over `resume.resolve_run` and `trainer.main`."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import fields
 from pathlib import Path
 
 import click
@@ -16,13 +15,11 @@ from dalifeed.pipelines.mixing import MixError
 from dalifeed.runtime import DiskFull, FolderInUse
 from dalifeed.s3 import StorageError
 
-from . import checkpoint
 from .config import NO_SPLIT, ConfigError, TrainConfig
-from .trainer import TrainingDiverged, TrainingStopped, main as train
-
-# Options that may differ from the checkpoint's config when resuming: they do not change the maths.
-RESUMABLE_OVERRIDES = {"epochs", "workers", "profile", "compile", "checkpoint_every", "check_shards", "progress_every",
-                       "tensorboard_every", "cache_dir", "cache_limit"}
+from .loop import TrainingDiverged
+from .resume import resolve_run
+from .stop import TrainingStopped
+from .trainer import main as train
 
 
 def d(name: str):
@@ -182,17 +179,19 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
     options["crop_scale"] = tuple(options["crop_scale"])
     if options["pretrained"] is not None:
         options["pretrained"] = str(options["pretrained"])
+    asked = TrainConfig(**options)
+    typed = {name for name in options if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
+    resume_from = None if resume == "auto" else Path(resume)
+    run_folder = resume_from or (Path(asked.out) if asked.out else None)  # where a traceback goes
     rank0 = os.environ.get("RANK", "0") == "0"
 
-    def run():
-        cfg, state = choose_config(ctx, resume, options)
-        run_dir.append(Path(cfg.out))
-        train(cfg, resume=state)
+    def run() -> None:
+        cfg, saved = resolve_run(asked, typed, resume_from, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        train(cfg, resume=saved)
 
-    run_dir: list[Path] = []
     run_command(run, debug=debug, usage_errors=(ConfigError, FolderInUse, MixError),
                 runtime_errors=(ShardDataError, TrainingDiverged, DiskFull, StorageError), prefix=rank_prefix(),
-                log=lambda: error_log(run_dir[0]) if run_dir else None,
+                log=lambda: error_log(run_folder) if run_folder else None,
                 stopped=lambda e: (e.detail if isinstance(e, TrainingStopped) else
                                    "stopped before training began; run the same command again") if rank0 else None)
 
@@ -205,53 +204,6 @@ def error_log(run: Path) -> Path:
     """Where the traceback of a failure goes: RUN/error.log, one per rank under torchrun."""
     rank = os.environ.get("RANK", "0")
     return run / ("error.log" if int(os.environ.get("WORLD_SIZE", 1)) == 1 else f"error-rank{rank}.log")
-
-
-def choose_config(ctx: click.Context, resume: str, options: dict) -> tuple[TrainConfig, dict | None]:
-    """A new run, or the continuation of one: `--resume RUN` explicitly, or --out's own run (auto)."""
-    if resume != "auto":
-        return resume_config(ctx, Path(resume), options)
-    if not options["data"] or not options["out"]:
-        raise ConfigError("--data and --out are required (or --resume RUN)")
-    wanted = TrainConfig(**options)
-    last = Path(options["out"]) / checkpoint.LAST
-    if not last.exists():
-        return wanted, None
-    state = checkpoint.load(last)
-    saved = TrainConfig.from_json(state["config"])
-    wanted.validate()  # fills the defaults that depend on other options, as they were filled when saved
-    differ = [f.name for f in fields(TrainConfig)
-              if f.name not in RESUMABLE_OVERRIDES | {"batch_size"} and getattr(saved, f.name) != getattr(wanted, f.name)]
-    world = int(os.environ.get("WORLD_SIZE", 1))  # a resume on another world size rebalances the per-process batch
-    if saved.batch_size * state.get("world_size", world) != wanted.batch_size * world:
-        differ.append("batch_size")
-    if differ:
-        changes = "; ".join(f"--{n.replace('_', '-')} was {getattr(saved, n)!r}, now {getattr(wanted, n)!r}"
-                            for n in differ)
-        raise ConfigError(f"--out {options['out']} holds a run made with other options ({changes}): continue it "
-                          f"as it was with --resume {options['out']}, or choose another --out")
-    for name in RESUMABLE_OVERRIDES:
-        setattr(saved, name, getattr(wanted, name))
-    if os.environ.get("RANK", "0") == "0":
-        print(f"--out {options['out']} holds this run: continuing it from last.pt", flush=True)
-    return saved, state
-
-
-def resume_config(ctx: click.Context, run: Path, options: dict) -> tuple[TrainConfig, dict]:
-    """The saved config, plus the few options that may change on resume; any other explicit option that
-    differs from the saved run is an error rather than a silently different experiment."""
-    state = checkpoint.load(run / checkpoint.LAST)
-    cfg = TrainConfig.from_json(state["config"])
-    for name, value in options.items():
-        if ctx.get_parameter_source(name) != ParameterSource.COMMANDLINE:
-            continue
-        if name in RESUMABLE_OVERRIDES or (name == "out" and Path(value) == run):
-            setattr(cfg, name, value)
-        elif getattr(cfg, name) != value:
-            raise ConfigError(f"--{name.replace('_', '-')} {value} differs from the resumed run's "
-                              f"{getattr(cfg, name)!r}; start a new --out instead")
-    cfg.out = str(run)
-    return cfg, state
 
 
 if __name__ == "__main__":

@@ -85,3 +85,16 @@ def all_reduce_min(values: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.MIN)
     return values
+
+
+def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values
+
+
+def log(message: str) -> None:
+    """Print `message` on rank 0 only, flushed (a log file under Slurm or nohup shows it at once). The rank is
+    torchrun's RANK, as `setup` reads it, so a run can say what it decided before its process group exists."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(message, flush=True)

@@ -1,0 +1,244 @@
+"""The training loop, in the order it runs: `train_one_epoch(run, stats)` -> `optimizer_step` for each
+accumulation window, then `evaluate` on the validation split. `trainer.fit` calls both once an epoch; `Run`
+(trainer.py) holds what they use."""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .config import TrainConfig
+from .distributed import Dist, all_reduce_sum, gather_objects, log
+from .mixdata import evaluate_each
+from .progress import EpochProgress
+
+if TYPE_CHECKING:
+    from .trainer import Run
+
+
+class TrainingDiverged(Exception):
+    """The loss stayed non-finite for `max_bad_steps` optimizer steps in a row."""
+
+
+@dataclass
+class EpochStats:
+    loss: float = 0.0  # the sum over the steps taken while the epoch runs, their mean once it ends
+    images: int = 0
+    seconds: float = 0.0
+    data_wait: float = 0.0
+    bad_steps: int = 0
+    steps: int = 0  # optimizer steps (taken or skipped)
+
+
+@dataclass
+class TrainState:
+    """What moves between epochs and into checkpoints besides the modules."""
+
+    epoch: int = 0  # the next epoch to run
+    step: int = 0  # optimizer steps taken
+    best_score: float = -1.0  # the best `epoch_score` so far: what best.pt holds
+    bad_streak: int = 0
+
+    @classmethod
+    def from_checkpoint(cls, saved: dict) -> TrainState:
+        """A checkpoint's "state"; checkpoints written before the score had its name called it best_top1."""
+        saved = dict(saved)
+        if "best_top1" in saved:
+            saved["best_score"] = saved.pop("best_top1")
+        return cls(**saved)
+
+
+def train_one_epoch(run: Run, stats: EpochStats | None = None) -> EpochStats:
+    """One epoch, or the rest of one: resuming mid-epoch, `stats` are those of the part already run and the
+    loader yields the rest. A mid-epoch checkpoint (`run.save_midway`) every `cfg.checkpoint_every` optimizer
+    steps, and when the ranks agree to stop (then the epoch ends early, `run.stop.agreed` set)."""
+    cfg, dist, model = run.cfg, run.dist, run.train_model
+    model.train()
+    stats = stats or EpochStats()
+    steps = run.steps_per_epoch
+    progress = EpochProgress(run, steps, stats)
+    losses = torch.zeros(2, device=dist.device)  # this step's (sum of micro-step losses, count), on the device
+    finite = torch.ones(1, device=dist.device)  # 0 once a micro-step's loss is not finite
+    wait_start = time.perf_counter()
+    for i, (images, labels) in enumerate(run.train_loader, start=stats.steps * cfg.accum_steps):
+        if i >= steps * cfg.accum_steps:
+            break  # an incomplete accumulation window at the end of the epoch is dropped
+        stats.data_wait += time.perf_counter() - wait_start
+        if cfg.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        last_micro = (i + 1) % cfg.accum_steps == 0
+        # DDP all-reduces gradients on every backward unless told not to: only the last micro-step syncs
+        with nullcontext() if last_micro or not dist.enabled else model.no_sync():
+            with autocast(dist, run.dtype):
+                loss = task_loss(cfg, model(images), labels)
+            run.scaler.scale(loss / cfg.accum_steps).backward()
+        finite *= torch.isfinite(loss.detach()).float()
+        losses += torch.stack([loss.detach().float().nan_to_num(0.0), torch.ones((), device=dist.device)])
+        stats.images += labels.shape[0]
+        if last_micro:
+            taken = optimizer_step(run, finite, stats)
+            stats.steps += 1
+            progress.step_done(stats, losses, taken, run.optimizer.param_groups[0]["lr"])
+            losses.zero_()
+            finite.fill_(1.0)
+            if run.profiler is not None:
+                run.profiler.step()
+            periodic = cfg.checkpoint_every and run.state.step % cfg.checkpoint_every == 0
+            if (run.stop.agreed or periodic) and stats.steps < steps:
+                run.save_midway(progress.snapshot(stats))
+            if run.stop.agreed:
+                break
+        wait_start = time.perf_counter()
+    if dist.device.type == "cuda":
+        torch.cuda.synchronize(dist.device)
+    progress.close(stats)
+    stats.loss /= max(1, stats.steps - stats.bad_steps)  # mean over the steps that were taken
+    return stats
+
+
+def autocast(dist: Dist, dtype: torch.dtype | None):
+    """Mixed precision in `dtype`; None: full precision."""
+    return torch.autocast(dist.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
+
+
+def task_loss(cfg: TrainConfig, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """classify: cross-entropy against class indices; multilabel: binary cross-entropy per class against
+    multi-hot targets (each class present or not, independently)."""
+    if cfg.task == "multilabel":
+        return F.binary_cross_entropy_with_logits(logits.float(), targets.float())
+    return F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
+
+
+def optimizer_step(run: Run, finite: torch.Tensor, stats: EpochStats) -> bool:
+    """Apply the window's gradients, unless some rank saw a non-finite loss or gradient in it: then every rank
+    skips (so weights stay equal). Returns whether it stepped."""
+    if not run.scaler.is_enabled():  # fp16's GradScaler skips non-finite gradients itself and lowers its scale
+        # a finite loss can still back-propagate inf/NaN gradients, and one such update poisons the weights
+        finite = finite * torch.isfinite(grad_norm(run.model)).float().to(finite.device)
+    if not run.stop.agree(finite):  # every rank finite? (and did any rank get a stop signal?)
+        skip_step(run, stats)
+        return False
+    run.state.bad_streak = 0
+    if run.cfg.clip_grad:
+        run.scaler.unscale_(run.optimizer)  # clip the true gradients, not the fp16-scaled ones
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.clip_grad)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    run.state.step += 1
+    if run.ema is not None:
+        run.ema.update_parameters(run.model)
+    return True
+
+
+def skip_step(run: Run, stats: EpochStats) -> None:
+    """A window with a non-finite loss or gradient: its gradients are dropped and it is counted; after
+    `--max-bad-steps` in a row the run stops. The schedule steps anyway: it follows steps taken or not, so
+    that a resumed run lines up."""
+    state = run.state
+    run.optimizer.zero_grad(set_to_none=True)
+    stats.bad_steps += 1
+    state.bad_streak += 1
+    log(f"warning: non-finite loss or gradient at epoch {state.epoch} step {state.step}: step skipped "
+        f"({state.bad_streak} in a row)")
+    if state.bad_streak >= run.cfg.max_bad_steps:
+        raise TrainingDiverged(f"training diverged: loss or gradients were not finite for {state.bad_streak} steps "
+                               f"in a row (epoch {state.epoch}, step {state.step}); lower --lr, add --clip-grad, or "
+                               f"use --amp bf16/off")
+    state.step += 1
+    run.scheduler.step()
+
+
+def grad_norm(model: torch.nn.Module) -> torch.Tensor:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# after each epoch
+
+
+def validation_record(run: Run) -> dict:
+    """The validation split's metrics for the epoch's metrics line (none with --val-split none): the model's,
+    and with --ema the averaged weights' too, prefixed ema_."""
+    if run.val_loader is None:
+        return {}
+    if run.cfg.task == "multilabel":
+        def measure(model):
+            return evaluate_multilabel(model, run.val_loader, run.dist, run.dtype)
+    else:
+        def measure(model):
+            if hasattr(run.val_loader, "per_dataset"):  # several datasets (--data A --data B): each apart
+                return evaluate_each(lambda part: evaluate(model, part, run.dist, run.dtype, len(run.classes)),
+                                     run.val_loader)
+            return evaluate(model, run.val_loader, run.dist, run.dtype, len(run.classes))
+    record = measure(run.train_model)
+    if run.ema is not None:
+        ema = measure(run.ema.module)
+        record.update({f"ema_{name}": v for name, v in ema.items() if name != "val_samples"})
+    return record
+
+
+def epoch_score(cfg: TrainConfig, record: dict) -> float:
+    """What best.pt keeps the best of, higher being better: top-1 for classification, mAP for multilabel, and
+    minus the train loss when there is no evaluation (--val-split none)."""
+    if cfg.val_split is None:
+        return -record["train_loss"]
+    return record["map"] if cfg.task == "multilabel" else record["top1"]
+
+
+@torch.no_grad()
+def evaluate(model, loader, dist: Dist, dtype: torch.dtype | None, num_classes: int) -> dict:
+    """Loss, top-1 and top-5 over exactly the whole split: every rank counts its own samples, the sums are
+    all-reduced, and the loader never yields padding."""
+    model.eval()
+    k = min(5, num_classes)
+    totals = torch.zeros(4, device=dist.device, dtype=torch.float64)  # loss sum, top1, topk, count
+    for images, labels in loader:
+        with autocast(dist, dtype):
+            logits = model(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        topk = logits.topk(k, dim=1).indices
+        totals[1] += (topk[:, 0] == labels).sum()
+        totals[2] += (topk == labels[:, None]).any(dim=1).sum()
+        totals[3] += labels.shape[0]
+    loss, top1, top5, count = all_reduce_sum(totals).tolist()
+    return {"val_loss": loss / count, "top1": top1 / count, "top5": top5 / count, "val_samples": int(count)}
+
+
+@torch.no_grad()
+def evaluate_multilabel(model, loader, dist: Dist, dtype: torch.dtype | None) -> dict:
+    """BCE loss and mean average precision over the classes present in the split (`map`), over exactly the
+    whole split: AP needs every score at once, so each rank's scores are gathered (small: N x classes)."""
+    model.eval()
+    scores, targets = [], []
+    for images, labels in loader:
+        with autocast(dist, dtype):
+            logits = model(images)
+        scores.append(logits.float().cpu())
+        targets.append(labels.float().cpu())
+    parts = gather_objects((torch.cat(scores), torch.cat(targets)))
+    scores, targets = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    loss = F.binary_cross_entropy_with_logits(scores, targets).item()
+    ap = average_precision(scores, targets)
+    present = ~ap.isnan()
+    return {"val_loss": loss, "map": float(ap[present].mean()) if present.any() else float("nan"),
+            "map_classes": int(present.sum()), "val_samples": len(scores)}
+
+
+def average_precision(scores: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per class (columns), the mean of the precisions at the rank of each positive when samples are sorted by
+    score (sklearn's average_precision_score, no interpolation); NaN for a class with no positive."""
+    order = scores.argsort(dim=0, descending=True, stable=True)
+    hits = targets.gather(0, order).double()
+    precision = hits.cumsum(0) / torch.arange(1, len(scores) + 1, dtype=torch.float64, device=scores.device)[:, None]
+    positives = hits.sum(0)
+    return torch.where(positives > 0, (precision * hits).sum(0) / positives.clamp(min=1), torch.nan)

@@ -1,0 +1,118 @@
+"""The parts `trainer.build_run` assembles, each from the config alone: the data's manifest and its checks, the
+model, the optimiser, the learning-rate schedule, the precision, the profiler."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from dalifeed.format import ManifestError, ShardManifest
+from dalifeed.shardfolder import open_shard_folder
+
+from . import checkpoint, models
+from .config import ConfigError, TrainConfig
+from .distributed import Dist
+from .mixdata import open_datasets
+
+
+def load_manifest(cfg: TrainConfig) -> ShardManifest:
+    if isinstance(cfg.data, list):  # several datasets: their union stands for the manifest
+        datasets = open_datasets(cfg)
+        check_splits(cfg, datasets)
+        return datasets
+    try:
+        manifest = open_shard_folder(cfg.data)  # a folder, or s3://bucket/prefix
+    except ManifestError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.task == "multilabel" and manifest.kind != "coco":
+        raise ConfigError(f"--task multilabel needs COCO shards (shard-convert coco); {cfg.data} holds {manifest.kind}")
+    if cfg.task == "classify" and manifest.kind == "coco":  # their samples hold label lists, not one class
+        raise ConfigError(f"--data {cfg.data} holds COCO shards: use --task multilabel (--task classify needs "
+                          f"ImageFolder shards)")
+    check_splits(cfg, manifest)
+    return manifest
+
+
+def check_splits(cfg: TrainConfig, manifest: ShardManifest) -> None:
+    """Both splits exist and hold samples: a typo in a split name (--val-split validation) is refused before
+    training, not trained through without evaluation. No evaluation is asked for with --val-split none."""
+    for option, split in (("--train-split", cfg.train_split), ("--val-split", cfg.val_split)):
+        if split is None:
+            continue
+        hint = "; --val-split none trains without evaluation" if option == "--val-split" else ""
+        if split not in manifest.splits:
+            raise ConfigError(f"{option} {split}: --data {cfg.data} has no such split (has: "
+                              f"{', '.join(manifest.splits)}){hint}")
+        if not manifest.num_samples(split):
+            raise ConfigError(f"{option} {split}: that split of --data {cfg.data} holds no samples{hint}")
+
+
+def check_batch_fits(cfg: TrainConfig, dist: Dist, manifest: ShardManifest) -> None:
+    per_rank = manifest.num_samples(cfg.train_split) // dist.world_size
+    if per_rank < cfg.batch_size * cfg.accum_steps:
+        raise ConfigError(f"--batch-size {cfg.batch_size} (x --accum-steps {cfg.accum_steps}) is more than the "
+                          f"{per_rank} training samples each of {dist.world_size} process(es) gets "
+                          f"({manifest.num_samples(cfg.train_split)} in {cfg.data}); lower it")
+
+
+def loader_device(cfg: TrainConfig, dist: Dist) -> str:
+    """Where the pipeline decodes: on the training device, except that --device hybrid decodes on the CPU."""
+    if dist.device.type != "cuda":
+        return "cpu"
+    return "hybrid" if cfg.device == "hybrid" else "gpu"
+
+
+def build_model(cfg: TrainConfig, num_classes: int) -> tuple[torch.nn.Module, list[str]]:
+    """The model, with --pretrained weights loaded; also the names of the tensors those could not fill (a head
+    of another class count), which keep their fresh initialisation."""
+    try:
+        model = models.build_model(cfg.model, num_classes, cfg.width, cfg.image_size)
+    except models.ModelError as e:
+        raise ConfigError(str(e)) from None
+    replaced = checkpoint.load_pretrained(model, cfg.pretrained) if cfg.pretrained else []
+    return model, replaced
+
+
+def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """None means full precision."""
+    if cfg.amp == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[cfg.amp]
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and normalisation weights (every parameter with fewer than 2 dims)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=lr)
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
+    """LR multiplier per optimizer step: linear warm-up from ~0, then cosine down to `min_ratio`."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def make_profiler(cfg: TrainConfig, out: Path, dist: Dist):
+    if not cfg.profile or not dist.is_main:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if dist.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities, schedule=torch.profiler.schedule(wait=1, warmup=1, active=cfg.profile, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(out / "profile_trace.json")),
+    )

@@ -1,0 +1,168 @@
+"""What rank 0 shows and writes as a run goes: `EpochProgress` between the epoch lines (a bar, progress lines,
+per-step TensorBoard scalars), `RunLog` for every epoch (metrics.jsonl, TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from dalifeed.atomic import write_atomic
+from dalifeed.runtime import DiskFull, is_disk_full
+
+from .distributed import log
+
+if TYPE_CHECKING:
+    from .loop import EpochStats
+    from .trainer import Run
+
+
+class EpochProgress:
+    """What rank 0 shows while an epoch runs, between the lines `Run.finish_epoch` prints: a tqdm bar where a
+    person watches (stderr is a terminal); where stdout is not a terminal (Slurm, nohup, `> log`) a line every
+    `cfg.progress_every` seconds; and every `cfg.tensorboard_every` optimizer steps, per-step TensorBoard
+    scalars. The loss is summed on the device and read only when one of these shows it, so they add no host
+    sync to a step. That sum, in float64 and in step order, is also the epoch's `stats.loss` (written back by
+    `snapshot` and `close`): a run resumed mid-epoch goes on from the checkpoint's sum and adds exactly what an
+    uninterrupted run adds, however often its sum was read."""
+
+    def __init__(self, run: Run, steps: int, stats: EpochStats):
+        cfg, dist = run.cfg, run.dist
+        self.cfg, self.dist, self.state, self.steps = cfg, dist, run.state, steps
+        self.loss_total = torch.tensor(stats.loss, dtype=torch.float64, device=dist.device)  # of steps taken
+        self.start, self.seconds_before, self.steps_before = time.perf_counter(), stats.seconds, stats.steps
+        self.bar = tqdm(total=steps, initial=stats.steps, desc=f"epoch {run.state.epoch}", unit="step",
+                        dynamic_ncols=True, leave=False, disable=not (dist.is_main and sys.stderr.isatty()))
+        self.lines = dist.is_main and cfg.progress_every > 0 and not sys.stdout.isatty()
+        self.next_line = self.start + cfg.progress_every
+        tensorboard = dist.is_main and cfg.tensorboard_every and run.run_log and run.run_log.tb
+        self.run_log = run.run_log if tensorboard else None
+        # where the last TensorBoard point was: time, images, data wait, loss sum, steps taken
+        self.mark = (self.start, stats.images, stats.data_wait, stats.loss, stats.steps - stats.bad_steps)
+
+    def step_done(self, stats: EpochStats, loss_sum: torch.Tensor, taken: bool, lr: float) -> None:
+        """After each optimizer step (`taken`: applied; `loss_sum`: its micro-steps' (loss sum, count))."""
+        if taken:
+            self.loss_total += (loss_sum[0] / loss_sum[1]).double()
+        self.bar.update(1)
+        now = time.perf_counter()
+        if not self.bar.disable and stats.steps % 10 == 0:
+            self.bar.set_postfix(loss=f"{self.mean_loss(stats):.3f}", lr=f"{lr:.3g}",
+                                 img_s=f"{self.images_per_s(stats, now):.0f}")
+        if self.lines and now >= self.next_line:
+            self.next_line = now + self.cfg.progress_every
+            log(self.line(stats, now))
+        if self.run_log is not None and self.state.step % self.cfg.tensorboard_every == 0:
+            self.write_scalars(stats, now, lr)
+
+    def mean_loss(self, stats: EpochStats) -> float:
+        return float(self.loss_total) / max(1, stats.steps - stats.bad_steps)  # the one device read
+
+    def images_per_s(self, stats: EpochStats, now: float) -> float:
+        return stats.images * self.dist.world_size / max(1e-9, self.seconds_before + now - self.start)
+
+    def line(self, stats: EpochStats, now: float) -> str:
+        """`epoch 3 step 412/1251: 2519 images/s, loss 2.871, data wait 4%, left: epoch 05:31, run 7:42:10`;
+        the rates over the epoch so far, the time left at this process's pace of steps (not counting
+        evaluation)."""
+        elapsed = self.seconds_before + now - self.start
+        seconds_per_step = (now - self.start) / max(1, stats.steps - self.steps_before)
+        epoch_left = (self.steps - stats.steps) * seconds_per_step
+        run_left = epoch_left + (self.cfg.epochs - self.state.epoch - 1) * self.steps * seconds_per_step
+        return (f"epoch {self.state.epoch} step {stats.steps}/{self.steps}: {self.images_per_s(stats, now):.0f} "
+                f"images/s, loss {self.mean_loss(stats):.4g}, data wait {stats.data_wait / max(1e-9, elapsed):.0%}, "
+                f"left: epoch {tqdm.format_interval(epoch_left)}, run {tqdm.format_interval(run_left)}")
+
+    def write_scalars(self, stats: EpochStats, now: float, lr: float) -> None:
+        """TensorBoard's step/ scalars, as means over the steps since the previous point."""
+        start, images, data_wait, loss, taken = self.mark
+        loss_now, taken_now = float(self.loss_total), stats.steps - stats.bad_steps
+        seconds = max(1e-9, now - start)
+        scalars = {"step/lr": lr, "step/images_per_s": (stats.images - images) * self.dist.world_size / seconds,
+                   "step/data_wait_share": (stats.data_wait - data_wait) / seconds}
+        if taken_now > taken:
+            scalars["step/train_loss"] = (loss_now - loss) / (taken_now - taken)
+        self.run_log.write_step(self.state.step, scalars)
+        self.mark = (now, stats.images, stats.data_wait, loss_now, taken_now)
+
+    def elapsed(self) -> float:
+        """Seconds of this epoch so far, counting those of the part a mid-epoch checkpoint ran."""
+        return self.seconds_before + time.perf_counter() - self.start
+
+    def snapshot(self, stats: EpochStats) -> EpochStats:
+        """The epoch's statistics so far, as a mid-epoch checkpoint keeps them: the device's loss sum read."""
+        return replace(stats, loss=float(self.loss_total), seconds=self.elapsed())
+
+    def close(self, stats: EpochStats) -> None:
+        """The epoch's end: `stats` get the loss sum and the time."""
+        self.bar.close()
+        stats.loss, stats.seconds = float(self.loss_total), self.elapsed()
+
+
+class RunLog:
+    """Rank 0's outputs: config.json, metrics.jsonl, TensorBoard events when tensorboard is installed: per
+    epoch in RUN/tensorboard, per optimizer step (`write_step`) in RUN/tensorboard/steps. A writer each,
+    because TensorBoard hides a resumed run's replayed events by step number, which counts epochs in one and
+    optimizer steps in the other."""
+
+    def __init__(self, out: Path, enabled: bool, resume_epoch: int | None, resume_step: int | None = None):
+        self.out, self.enabled, self.tb, self.steps_tb = out, enabled, None, None
+        self.resume_step = resume_step
+        if not enabled:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        self.metrics = out / "metrics.jsonl"
+        if resume_epoch is not None and self.metrics.exists():
+            # epochs after the checkpoint are replayed: drop their lines so none is written twice
+            kept = [line for line in self.metrics.read_text().splitlines()
+                    if line.strip() and json.loads(line)["epoch"] < resume_epoch]
+            write_atomic(self.metrics, "".join(line + "\n" for line in kept).encode())
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides the replayed epochs' events, as the metrics lines above are dropped
+            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=resume_epoch)
+        except ImportError:
+            pass
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        try:
+            with open(self.metrics, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            if is_disk_full(e):
+                raise DiskFull(f"{self.metrics}: {e.strerror}; free space, then dali-train --resume {self.out}") from e
+            raise
+        if self.tb:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "epoch":
+                    self.tb.add_scalar(key, value, record["epoch"])
+            self.tb.flush()
+
+    def write_step(self, step: int, scalars: dict) -> None:
+        """Per-step scalars at optimizer step `step` (the writer is made on first use)."""
+        if not self.tb:
+            return
+        if self.steps_tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # the steps after the checkpoint a resumed run started from are replayed: hide their old events
+            purge = None if self.resume_step is None else self.resume_step + 1
+            self.steps_tb = SummaryWriter(str(self.out / "tensorboard" / "steps"), purge_step=purge)
+        for key, value in scalars.items():
+            self.steps_tb.add_scalar(key, value, step)
+        self.steps_tb.flush()
+
+    def close(self) -> None:
+        for writer in (self.tb, self.steps_tb):
+            if writer:
+                writer.close()
+

@@ -1,0 +1,104 @@
+"""`resolve_run`: whether a dali-train command starts a run, continues the one in its folder, or is refused."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import fields
+from pathlib import Path
+
+from . import checkpoint
+from .config import ConfigError, TrainConfig
+from .distributed import log
+
+# Options that may differ from the checkpoint's config when resuming: they do not change the maths.
+RESUMABLE_OVERRIDES = {"epochs", "workers", "profile", "compile", "checkpoint_every", "check_shards", "progress_every",
+                       "tensorboard_every", "cache_dir", "cache_limit"}
+
+
+def resolve_run(asked: TrainConfig, typed: Collection[str] = (), resume: Path | None = None,
+                world_size: int = 1) -> tuple[TrainConfig, dict | None]:
+    """The config to run and the checkpoint it continues from (None: a fresh run), or ConfigError in one line.
+
+    `asked` holds every option's value, `typed` names those typed on the command line; `world_size` is the
+    number of processes that will train.
+    - `resume` RUN (--resume RUN): RUN/last.pt's run, with RUN as its --out. An option typed may repeat the
+      saved value; one of RESUMABLE_OVERRIDES replaces it; any other value is refused.
+    - `resume` None (--resume auto): --data and --out are needed. --out without last.pt: a fresh run of
+      `asked`. With one: that run, if every option but RESUMABLE_OVERRIDES (which replace the saved ones) is
+      the same, the batch counted as the global batch (per-process batch x processes); refused otherwise,
+      naming each option that differs.
+    - Either way, on another number of processes than the checkpoint's: a mid-epoch checkpoint is refused;
+      an epoch-end one keeps the saved global batch, and so the learning rate and schedule, by changing the
+      per-process batch (refused when the processes cannot share it evenly).
+    """
+    if resume is not None:
+        saved = checkpoint.load(resume / checkpoint.LAST)
+        cfg = saved_config_with_typed_options(resume, saved, asked, typed)
+    else:
+        if not asked.data or not asked.out:
+            raise ConfigError("--data and --out are required (or --resume RUN)")
+        last = Path(asked.out) / checkpoint.LAST
+        if not last.exists():
+            return asked, None
+        saved = checkpoint.load(last)
+        cfg = saved_config_if_same_options(saved, asked, world_size)
+        log(f"--out {asked.out} holds this run: continuing it from last.pt")
+    check_world_size(cfg, saved, world_size)
+    return cfg, saved
+
+
+def saved_config_with_typed_options(run: Path, saved: dict, asked: TrainConfig, typed: Collection[str]) -> TrainConfig:
+    """--resume RUN: the saved config, plus the few options that may change on resume; any other typed option
+    that differs from the saved run is an error rather than a silently different experiment."""
+    cfg = TrainConfig.from_json(saved["config"])
+    for name in typed:
+        value = getattr(asked, name)
+        if name in RESUMABLE_OVERRIDES or (name == "out" and Path(value) == run):
+            setattr(cfg, name, value)
+        elif getattr(cfg, name) != value:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} differs from the resumed run's "
+                              f"{getattr(cfg, name)!r}; start a new --out instead")
+    cfg.out = str(run)
+    return cfg
+
+
+def saved_config_if_same_options(saved: dict, asked: TrainConfig, world_size: int) -> TrainConfig:
+    """--resume auto on a folder holding a run: the saved config, with RESUMABLE_OVERRIDES as asked, when the
+    other options are the ones it was made with."""
+    cfg = TrainConfig.from_json(saved["config"])
+    asked.validate()  # fills the defaults that depend on other options, as they were filled when saved
+    changes = [f"--{f.name.replace('_', '-')} was {getattr(cfg, f.name)!r}, now {getattr(asked, f.name)!r}"
+               for f in fields(TrainConfig) if f.name not in RESUMABLE_OVERRIDES | {"batch_size"}
+               and getattr(cfg, f.name) != getattr(asked, f.name)]
+    saved_world = saved.get("world_size", world_size)
+    if cfg.batch_size * saved_world != asked.batch_size * world_size:  # the global batch: see check_world_size
+        changes.append(f"--batch-size was {cfg.batch_size}, now {asked.batch_size}" if saved_world == world_size else
+                       f"--batch-size was {cfg.batch_size} on {saved_world} processes, now {asked.batch_size} on "
+                       f"{world_size}")
+    if changes:
+        raise ConfigError(f"--out {asked.out} holds a run made with other options ({'; '.join(changes)}): continue it "
+                          f"as it was with --resume {asked.out}, or choose another --out")
+    for name in RESUMABLE_OVERRIDES:
+        setattr(cfg, name, getattr(asked, name))
+    return cfg
+
+
+def check_world_size(cfg: TrainConfig, saved: dict, world_size: int) -> None:
+    """A checkpoint saved by another number of processes: refused mid-epoch; at an epoch's end, `cfg`'s
+    per-process batch becomes the saved global batch shared by `world_size`, or refused if it cannot be."""
+    midway = saved.get("midway")
+    if midway is not None and len(midway["loaders"]) != world_size:
+        raise ConfigError(f"{cfg.out}: last.pt was saved mid-epoch by {len(midway['loaders'])} processes; "
+                          f"resume it with as many (not {world_size})")
+    saved_world = saved.get("world_size", world_size)
+    if saved_world == world_size:
+        return
+    global_batch = cfg.batch_size * saved_world
+    if global_batch % world_size:
+        raise ConfigError(f"{cfg.out}: trained on {saved_world} processes with global batch {global_batch} "
+                          f"({cfg.batch_size} each x {cfg.accum_steps} steps); {world_size} processes cannot "
+                          f"share it evenly: resume on a number of processes that divides {global_batch}")
+    old, cfg.batch_size = cfg.batch_size, global_batch // world_size
+    log(f"resuming on {world_size} processes (trained on {saved_world}): --batch-size {old} -> "
+        f"{cfg.batch_size} per process keeps the global batch {global_batch * cfg.accum_steps}, the "
+        f"learning rate and the schedule; the order of samples differs from an uninterrupted run")
