@@ -22,8 +22,11 @@ def fast_config(data: Path | str, out: Path | str, **overrides) -> TrainConfig:
 
 
 def fast_args(**overrides) -> list[str]:
-    """FAST as dali-train options (without --data and --out); `overrides` by TrainConfig field name."""
+    """FAST as dali-train options (without --data and --out); `overrides` by TrainConfig field name, None
+    leaving that option to its default."""
     args = []
     for name, value in {**FAST, **overrides}.items():
+        if value is None:
+            continue
         args += [f"--{name.replace('_', '-')}", ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
     return args

@@ -96,7 +96,7 @@ def test_training_usage_errors_are_one_line(shards, tmp_path, extra, message):
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # fp16's scaler skips its first step
 def test_one_epoch_with_default_warm_up_runs_and_fp16_on_the_cpu_warns(shards, tmp_path):
     result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(tmp_path / "run"), "--epochs", "1",
-                                            "--amp", "fp16", *FAST])
+                                            "--amp", "fp16", *fast_args(width=16, warmup_epochs=None)])
     assert result.exit_code == 0, result.output
     assert "warning: --amp fp16 on the CPU runs about 10x slower" in result.output
     assert json.loads((tmp_path / "run" / "config.json").read_text())["warmup_epochs"] == 0.1
