@@ -28,6 +28,7 @@ Epoch semantics (what a trainer may rely on):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from pathlib import Path
@@ -268,7 +269,7 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
                 dtype: torch.dtype = torch.float32, channels_last: bool = False, num_threads: int | None = None,
                 prefetch_queue_depth: int = 2, initial_fill: int = 1024, device_id: int | None = None,
                 checkpointing: bool = False, check: str = "size", multilabel: bool = False,
-                hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> DaliLoader:
+                hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, augment: AugmentConfig | None = None) -> DaliLoader:
     """Batches of split `split` of the shard folder `shards_dir` (a path, or s3://bucket/prefix: DALI then reads
     the tars from the store, docs/storage.md) for this rank; see the module docstring.
 
@@ -283,7 +284,9 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     module docstring). `check`: what is compared with the manifest before reading, 'size' (sizes and
     indexes: two stats and two small reads per shard) or 'sha256' (also hashes every byte of the split).
     `multilabel` (COCO shards): labels are float multi-hot (B, num_classes) vectors of the categories each
-    image holds, built in the DALI graph.
+    image holds, built in the DALI graph. `augment`: the whole AugmentConfig (policies, random erasing;
+    docs/pipelines.md) instead of image_size, crop_scale, flip and hw_decoder_load; dtype and channels_last
+    still decide the output.
     """
     if dtype not in (torch.float32, torch.float16):
         raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
@@ -297,8 +300,10 @@ def make_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, r
     resolved = resolve_device(device)
     if uses_gpu(resolved) and device_id is None:
         device_id = torch.cuda.current_device()
-    augment = AugmentConfig(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
-                            fp16=dtype == torch.float16, channels_last=channels_last, hw_decoder_load=hw_decoder_load)
+    augment = dataclasses.replace(
+        augment or AugmentConfig(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
+                                 hw_decoder_load=hw_decoder_load),
+        fp16=dtype == torch.float16, channels_last=channels_last)
     threads = num_threads or thread_budget(resolved).threads
     return DaliLoader(manifest, split, batch_size, train=split == "train" if train is None else train, rank=rank,
                       world_size=world_size, seed=seed, device=resolved, augment=augment, num_threads=threads,
