@@ -27,6 +27,7 @@ from dalifeed.cliutil import folder_not_created
 from dalifeed.format import ManifestError, ShardManifest
 from dalifeed.nvml import gpu_stats
 from dalifeed.pipelines import make_loader, thread_budget
+from dalifeed.train.mixing import BatchMixer, soft_cross_entropy
 from dalifeed.runtime import DiskFull, Stopped, folder_lock, free_bytes, is_disk_full, mib
 from dalifeed.shardfolder import open_shard_folder
 
@@ -156,6 +157,7 @@ def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: Train
     loss_sum = torch.zeros(2, device=dist.device)  # (sum of losses, count) for this step, kept on device
     finite = torch.ones(1, device=dist.device)
     seconds_before = stats.seconds
+    mixer = BatchMixer(cfg.mixup_alpha, cfg.cutmix_alpha, seed=cfg.seed, rank=dist.rank)
     start = wait_start = time.perf_counter()
     for i, (images, labels) in enumerate(loader, start=stats.steps * cfg.accum_steps):
         if i >= steps * cfg.accum_steps:
@@ -167,8 +169,15 @@ def train_one_epoch(model, ema, loader, optimizer, scheduler, scaler, cfg: Train
         # DDP all-reduces gradients on every backward unless told not to: only the last micro-step syncs
         sync = nullcontext() if last_micro or not dist.enabled else model.no_sync()
         with sync:
+            # mixup/cutmix: drawn from (seed, rank, epoch, batch) alone, so a resumed batch mixes as before
+            mixed = mixer.mix_images(images, state.epoch, i) if mixer.enabled else None
             with torch.autocast(dist.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                loss = task_loss(cfg, model(images), labels)
+                if mixed is None:
+                    loss = task_loss(cfg, model(images), labels)
+                else:
+                    logits = model(mixed[0])
+                    targets = mixer.mix_targets(labels, mixed[1], logits.shape[1])
+                    loss = soft_cross_entropy(logits, targets, cfg.label_smoothing)
             scaler.scale(loss / cfg.accum_steps).backward()
         finite *= torch.isfinite(loss.detach()).float()
         loss_sum += torch.stack([loss.detach().float().nan_to_num(0.0), torch.ones((), device=dist.device)])
@@ -588,8 +597,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     # DALI's checkpointing costs nothing measurable (docs; 575-625 images/s either way here) and lets any
     # step become a mid-epoch checkpoint: when --checkpoint-every says, and when a signal stops the run
     loader_args["multilabel"] = cfg.task == "multilabel"
-    train_loader = make_loader(cfg.data, cfg.train_split, cfg.batch_size, seed=cfg.seed, crop_scale=cfg.crop_scale,
-                               flip=cfg.flip, checkpointing=True, train=True, **loader_args)
+    train_loader = make_loader(cfg.data, cfg.train_split, cfg.batch_size, seed=cfg.seed, augment=cfg.train_augment(),
+                               checkpointing=True, train=True, **loader_args)
     val_loader = make_loader(cfg.data, cfg.val_split, cfg.batch_size, seed=cfg.seed, train=False, **loader_args) \
         if cfg.val_split is not None else None
     if cfg.synthetic:
