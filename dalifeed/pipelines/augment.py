@@ -9,7 +9,7 @@ distribution of images.
 
 The operations are DALI's (`nvidia.dali.auto_aug.augmentations`, which run on the CPU and the GPU); what each
 policy does with them is torchvision's, not DALI's own suites: DALI's `auto_augment_image_net` is the paper's
-(TensorFlow's) ImageNet policy with `solarize_add`, torchvision's is a different list of 25 sub-policies;
+(TensorFlow's) ImageNet policy with `solarize_add`, torchvision's is a different list of 25 sub-policies (no translations, no solarize_add);
 DALI's suites translate by fixed pixel counts (RandAugment: 100 px, torchvision: 150/331 of the image side),
 start the enhance ranges of TrivialAugmentWide at 0.01 (torchvision: 0) and fill with grey 128 (torchvision:
 0). `torchvision_space` below writes torchvision's magnitude bins out (tests/test_recipes.py compares them with
@@ -26,6 +26,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 
@@ -41,12 +42,14 @@ DEFAULT_BINS = 31  # RandAugment's and TrivialAugmentWide's num_magnitude_bins
 
 
 def _linspace(lo: float, hi: float, bins: int) -> np.ndarray:
-    return np.linspace(lo, hi, bins, dtype=np.float64)
+    """torch.linspace in float32, as torchvision computes its bins: float64 puts TrivialAugment's 15 * 32 / 30
+    at exactly 16 pixels where torchvision's 15.999999 translates by int() = 15."""
+    return torch.linspace(lo, hi, bins).double().numpy()
 
 
 def _posterize_bits(bins: int, span: int, top: int = 8) -> np.ndarray:
     """torchvision's `(top - arange(bins) / ((bins - 1) / span)).round().int()`: bits kept per bin."""
-    return np.round(top - np.arange(bins) / ((bins - 1) / span))
+    return (top - (torch.arange(bins) / ((bins - 1) / span))).round().double().numpy()
 
 
 def torchvision_space(policy: str, size: int, bins: int | None = None) -> dict[str, tuple[np.ndarray | None, bool]]:
@@ -102,11 +105,14 @@ TORCHVISION_IMAGENET_POLICY = [
     (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
     (("Rotate", 0.8, 8), ("Color", 1.0, 2)),
     (("Color", 0.8, 8), ("Solarize", 0.8, 7)),
-    (("Solarize", 0.7, 2), ("TranslateY", 0.6, 7)),
-    (("ShearY", 0.8, 4), ("Invert", 0.8, None)),
-    (("ShearX", 0.7, 9), ("TranslateY", 0.8, 3)),
-    (("ShearY", 0.8, 5), ("AutoContrast", 0.7, None)),
-    (("ShearX", 0.7, 2), ("Invert", 0.1, None)),
+    (("Sharpness", 0.4, 7), ("Invert", 0.6, None)),
+    (("ShearX", 0.6, 5), ("Equalize", 1.0, None)),
+    (("Color", 0.4, 0), ("Equalize", 0.6, None)),
+    (("Equalize", 0.4, None), ("Solarize", 0.2, 4)),
+    (("Solarize", 0.6, 5), ("AutoContrast", 0.6, None)),
+    (("Invert", 0.6, None), ("Equalize", 1.0, None)),
+    (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
+    (("Equalize", 0.8, None), ("Equalize", 0.6, None)),
 ]
 
 
