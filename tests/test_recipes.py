@@ -376,3 +376,34 @@ def test_mixing_flags_are_refused_for_multilabel(shards, tmp_path):
     result = CliRunner().invoke(train_cli, fast_cli_args(shards, epochs=1) + [
         "--task", "multilabel", "--mixup-alpha", "0.2", "--out", str(tmp_path / "r")])
     assert result.exit_code == 2 and "--mixup-alpha / --cutmix-alpha mix one-label targets" in result.output
+
+
+# -- dali-bench --------------------------------------------------------------------------------------------
+
+def test_bench_races_a_policy_through_every_loader_and_records_it(photo_shards, tmp_path):
+    from dalifeed.bench.cli import main as bench_cli
+
+    out = tmp_path / "bench"
+    result = CliRunner().invoke(bench_cli, [
+        "--imagefolder", str(photo_shards.parent / "src" / "train"), "--shards", str(photo_shards),
+        "--loaders", "baseline,dali-cpu", "--batch-size", "4", "--image-size", "32", "--workers", "1",
+        "--seconds", "1", "--repeats", "1", "--warmup", "1", "--auto-augment", "ta_wide", "--random-erase", "0.25",
+        "--preview", "3", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "bench.json").read_text())
+    assert report["config"]["auto_augment"] == "ta_wide" and report["config"]["random_erase"] == 0.25
+    assert [r["loader"] for r in report["results"]] == ["baseline", "dali-cpu"]
+    assert all(r["images_per_s"] > 0 for r in report["results"])
+    preview = Image.open(out / "preview.png")
+    assert preview.size == (3 * (32 + 4) + 4, 3 * (32 + 4) + 4)  # 3 rows: stored, DALI, torchvision
+
+
+def test_baseline_transform_applies_torchvisions_policy_and_erasing():
+    from dalifeed.bench.loaders import ERASE_UINT8, train_transform
+
+    transform = train_transform(32, AugmentConfig(image_size=32, auto_augment="ra", random_erase=1.0))
+    names = [type(t).__name__ for t in transform.transforms]
+    assert names == ["RandomResizedCrop", "RandomHorizontalFlip", "RandAugment", "PILToTensor", "RandomErasing"]
+    photo = Image.fromarray(np.full((40, 50, 3), 200, np.uint8))
+    erased = (transform(photo) == torch.tensor(ERASE_UINT8).view(3, 1, 1)).all(0)
+    assert 0.02 * 0.8 <= erased.float().mean() <= 0.33 * 1.2

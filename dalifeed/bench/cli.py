@@ -20,7 +20,8 @@ from dalifeed.shardfolder import open_shard_folder
 from dalifeed.atomic import write_json_atomic
 from dalifeed.cliutil import LOCATION, default, folder_not_created, output_folder_problem, run_command
 from dalifeed.pipelines.checks import ShardDataError
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+from dalifeed.pipelines.augment import POLICIES
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig
 from dalifeed.runtime import usable_cores
 
 from .detection import DETECTION_LOADERS, build_detection_loader, same_coco_data_problem
@@ -56,6 +57,16 @@ class BenchConfig:
     fp16: bool = False  # every loader hands out float16 batches (what an AMP model consumes)
     hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # dali-gpu (both tasks): share of JPEGs for the hardware decoder
     allow_different_data: bool = False
+    auto_augment: str | None = None  # a policy for every loader (torchvision's transforms.v2 in the torch ones)
+    random_erase: float = 0.0  # RandomErasing's probability, every loader
+    preview: int = 0  # also write OUT/preview.png: this many samples, DALI's output beside torchvision's
+
+    def augment(self) -> AugmentConfig | None:
+        """The policy and erasing every loader applies (None: the plain RandomResizedCrop + flip)."""
+        if not self.auto_augment and not self.random_erase:
+            return None
+        return AugmentConfig(image_size=self.image_size, auto_augment=self.auto_augment,
+                             random_erase=self.random_erase)
 
     def validate(self) -> None:
         if self.task not in ("classify", "detection"):
@@ -103,6 +114,12 @@ class BenchConfig:
             self.check_model()
         if not 0 <= self.hw_decoder_load <= 1:
             raise BenchUsageError(f"--hw-decoder-load must be in [0, 1], got {self.hw_decoder_load}")
+        if not 0 <= self.random_erase <= 1:
+            raise BenchUsageError(f"--random-erase must be in [0, 1], got {self.random_erase}")
+        if self.task == "detection" and (self.auto_augment or self.random_erase or self.preview):
+            raise BenchUsageError("--auto-augment, --random-erase and --preview apply to --task classify")
+        if self.preview < 0:
+            raise BenchUsageError(f"--preview must be >= 0, got {self.preview}")
         if self.task == "detection" and self.fp16:
             raise BenchUsageError("--fp16 applies to --task classify (the detection loaders hand out float32 lists)")
         images = manifest.num_samples(self.split)
@@ -180,7 +197,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
             loader = on_device(build_loader(name, imagefolder=cfg.imagefolder, shards=cfg.shards, split=cfg.split,
                                             batch_size=cfg.batch_size, image_size=cfg.image_size,
                                             workers=cfg.workers, device=device, fp16=cfg.fp16,
-                                            hw_decoder_load=cfg.hw_decoder_load), device)
+                                            hw_decoder_load=cfg.hw_decoder_load, augment=cfg.augment()), device)
         timing = time_loader(loader, device, warmup_batches=cfg.warmup_batches, seconds=None if batches else cfg.seconds,
                              batches=batches, repeats=cfg.repeats, cores=usable_cores())
         record = {"loader": name, "images_per_s": timing.median, "images_per_s_runs": timing.images_per_s,
@@ -378,6 +395,14 @@ def d(name: str):
 @click.option("--model", default=d("model"), help="Also time training steps of this torchvision model per loader, "
                                                   "against synthetic on-device data (e.g. resnet50).")
 @click.option("--model-steps", type=int, default=d("model_steps"), show_default=True)
+@click.option("--auto-augment", type=click.Choice(POLICIES), default=d("auto_augment"),
+              help="Race with this policy in every loader: the DALI graph's, torchvision's transforms.v2 in the torch "
+                   "ones (imagenet = AutoAugment, ra = RandAugment, ta_wide = TrivialAugmentWide).")
+@click.option("--random-erase", type=float, default=d("random_erase"), show_default=True, metavar="P",
+              help="Race with random erasing (probability P) in every loader.")
+@click.option("--preview", type=int, default=d("preview"), show_default=True, metavar="N",
+              help="Also write OUT/preview.png: N training samples of the shards, DALI's output beside "
+                   "torchvision's for the same augmentation.")
 @click.option("--allow-different-data", is_flag=True,
               help="Race even when --imagefolder and --shards do not hold the same files (the numbers then "
                    "compare different work).")
@@ -422,6 +447,12 @@ def main(debug: bool, **options):
         except OSError as e:
             raise BenchUsageError(folder_not_created("--out", cfg.out, e)) from None
         write_json_atomic(cfg.out / "config.json", cfg.to_json())
+        if cfg.preview:
+            from dalifeed.pipelines.preview import write_preview
+
+            write_preview(cfg.shards, cfg.out / "preview.png", cfg.preview, cfg.augment() or
+                          AugmentConfig(image_size=cfg.image_size), split=cfg.split)
+            click.echo(f"wrote {cfg.out / 'preview.png'}", err=True)
         report = run_bench(cfg, log=lambda msg: click.echo(msg, err=True))
         write_json_atomic(cfg.out / "bench.json", report)
         plot(report, cfg.out / "bench.png")

@@ -9,13 +9,14 @@ one, persistent workers, prefetching.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD, make_loader
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig
 from dalifeed.shardfolder import open_shard_folder
 
 LOADERS = ("baseline", "webdataset", "dali-cpu", "dali-hybrid", "dali-gpu")
@@ -23,10 +24,36 @@ GPU_LOADERS = ("dali-hybrid", "dali-gpu")  # skipped where there is no GPU
 DALI_DEVICES = {"dali-cpu": "cpu", "dali-hybrid": "hybrid", "dali-gpu": "gpu"}
 
 
-def train_transform(image_size: int):
+# RandomErasing on the baseline's uint8 images (it normalises on the device): the ImageNet mean in grey levels,
+# which normalises to within 0.01 of the 0 the DALI graph erases to after normalising; the same work per image
+ERASE_UINT8 = tuple(round(m * 255) for m in IMAGENET_MEAN)
+
+
+def train_transform(image_size: int, augment: AugmentConfig | None = None):
+    """RandomResizedCrop + flip (+ augment's policy and random erasing, torchvision's transforms.v2 on the PIL
+    image, as torchvision's reference ClassificationPresetTrain applies them) -> uint8 CHW tensor."""
     import torchvision.transforms as T
 
-    return T.Compose([T.RandomResizedCrop(image_size, antialias=True), T.RandomHorizontalFlip(), T.PILToTensor()])
+    steps = [T.RandomResizedCrop(image_size, antialias=True), T.RandomHorizontalFlip()]
+    if augment is not None and augment.auto_augment:
+        steps.append(torchvision_policy(augment))
+    steps.append(T.PILToTensor())
+    if augment is not None and augment.random_erase:
+        import torchvision.transforms.v2 as v2
+
+        steps.append(v2.RandomErasing(p=augment.random_erase, value=list(ERASE_UINT8)))
+    return T.Compose(steps)
+
+
+def torchvision_policy(augment: AugmentConfig):
+    """torchvision's transform for augment.auto_augment (nearest-neighbour sampling, fill 0: its defaults)."""
+    import torchvision.transforms.v2 as v2
+
+    if augment.auto_augment == "imagenet":
+        return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)
+    if augment.auto_augment == "ra":
+        return v2.RandAugment(num_ops=augment.ra_num_ops, magnitude=augment.ra_magnitude)
+    return v2.TrivialAugmentWide()
 
 
 class Normalize:
@@ -72,24 +99,24 @@ def upright_rgb(path: str):
 
 
 def baseline_loader(imagefolder: Path, batch_size: int, image_size: int, workers: int, device: torch.device,
-                    fp16: bool = False) -> TorchLoader:
+                    fp16: bool = False, augment: AugmentConfig | None = None) -> TorchLoader:
     """torchvision ImageFolder + DataLoader: PIL decodes every JPEG in full on the CPU."""
     from torchvision.datasets import ImageFolder
 
-    dataset = ImageFolder(str(imagefolder), transform=train_transform(image_size), loader=upright_rgb)
+    dataset = ImageFolder(str(imagefolder), transform=train_transform(image_size, augment), loader=upright_rgb)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
                                          **dataloader_options(workers, device))
     return TorchLoader(loader, device, fp16)
 
 
 def webdataset_loader(shards: Path, split: str, batch_size: int, image_size: int, workers: int,
-                      device: torch.device, fp16: bool = False) -> TorchLoader:
+                      device: torch.device, fp16: bool = False, augment: AugmentConfig | None = None) -> TorchLoader:
     """Plain webdataset over the same shards: sequential tar reads, PIL decode, same transform."""
     import webdataset as wds
 
     manifest = open_shard_folder(shards)
     urls = [manifest.shard_location(s) for s in manifest.split_info(split).shards]  # run_bench skips s3:// ones
-    transform = train_transform(image_size)
+    transform = train_transform(image_size, augment)
     dataset = (
         wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False, nodesplitter=wds.split_by_node)
         .shuffle(1000)
@@ -103,19 +130,24 @@ def webdataset_loader(shards: Path, split: str, batch_size: int, image_size: int
 
 
 def dali_loader(shards: Path, split: str, batch_size: int, image_size: int, threads: int, device: str,
-                fp16: bool = False, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> Iterable:
+                fp16: bool = False, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD,
+                augment: AugmentConfig | None = None) -> Iterable:
+    if augment is not None:
+        augment = replace(augment, image_size=image_size, hw_decoder_load=hw_decoder_load)
     return make_loader(shards, split, batch_size, device=device, image_size=image_size, num_threads=threads,
                        train=True, prefetch_queue_depth=2, dtype=torch.float16 if fp16 else torch.float32,
-                       hw_decoder_load=hw_decoder_load)
+                       hw_decoder_load=hw_decoder_load, augment=augment)
 
 
 def build_loader(name: str, *, imagefolder: Path, shards: Path, split: str, batch_size: int, image_size: int,
                  workers: int, device: torch.device, fp16: bool = False,
-                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> Iterable:
+                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, augment: AugmentConfig | None = None) -> Iterable:
+    """`augment`: a policy and random erasing for every loader (its image_size and hw_decoder_load are these)."""
     if name == "baseline":
-        return baseline_loader(imagefolder, batch_size, image_size, workers, device, fp16)
+        return baseline_loader(imagefolder, batch_size, image_size, workers, device, fp16, augment)
     if name == "webdataset":
-        return webdataset_loader(shards, split, batch_size, image_size, workers, device, fp16)
+        return webdataset_loader(shards, split, batch_size, image_size, workers, device, fp16, augment)
     if name in DALI_DEVICES:
-        return dali_loader(shards, split, batch_size, image_size, workers, DALI_DEVICES[name], fp16, hw_decoder_load)
+        return dali_loader(shards, split, batch_size, image_size, workers, DALI_DEVICES[name], fp16, hw_decoder_load,
+                           augment)
     raise ValueError(f"unknown loader {name!r} (choose from {', '.join(LOADERS)})")
