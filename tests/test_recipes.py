@@ -118,7 +118,7 @@ def torchvision_op_outputs(policy: str, name: str, magnitude: float, photos) -> 
     t = TORCHVISION[policy]()
     outs = []
     for photo in photos:
-        x = torch.from_numpy(photo).permute(2, 0, 1).contiguous()
+        x = torch.from_numpy(photo.copy()).permute(2, 0, 1).contiguous()
         y = t._apply_image_or_video_transform(x, name, magnitude, interpolation=t.interpolation, fill=t._fill)
         outs.append(y.permute(1, 2, 0).numpy())
     return outs
