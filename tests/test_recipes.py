@@ -147,11 +147,11 @@ def test_single_operation_matches_torchvision(photos, policy, name):
 
 # -- random erasing ----------------------------------------------------------------------------------
 
-def erase_boxes(cfg: AugmentConfig, batches: int, batch_size: int = 256) -> np.ndarray:
+def erase_boxes(side: int, probability: float, batches: int, batch_size: int = 256) -> np.ndarray:
     """(N, 4) rows (top, left, height, width) that random_erase_box drew."""
     @pipeline_def(batch_size=batch_size, num_threads=1, device_id=None, seed=7)
     def pipe():
-        return augment.random_erase_box(cfg)
+        return augment.random_erase_box(side, probability)
 
     p = pipe()
     p.build()
@@ -176,7 +176,7 @@ def torchvision_erase_boxes(side: int, n: int) -> np.ndarray:
 
 def test_random_erase_boxes_follow_torchvisions_distribution():
     side = 224
-    ours = erase_boxes(AugmentConfig(image_size=side, random_erase=1.0), batches=8)  # 2048 boxes
+    ours = erase_boxes(side, 1.0, batches=8)  # 2048 boxes
     theirs = torchvision_erase_boxes(side, 2048)
     top, left, h, w = ours.T
     assert (h > 0).all() and (w > 0).all()  # 10 draws: one fits, every time, as in torchvision
@@ -196,8 +196,21 @@ def test_random_erase_boxes_follow_torchvisions_distribution():
     assert stats.ks_2samp(centre, (theirs[:, 0] + theirs[:, 2] / 2) / side).pvalue > 0.001
 
 
+def test_random_erase_takes_the_first_draw_that_fits_as_torchvision():
+    """On a 4 px image many draws do not fit (h or w >= 4), and some images get none in 10 draws: the sizes
+    chosen, and how often nothing is erased, follow torchvision's loop."""
+    ours = erase_boxes(4, 1.0, batches=8)
+    theirs = torchvision_erase_boxes(4, 2048)
+    nothing = [(boxes[:, 2] * boxes[:, 3] == 0).mean() for boxes in (ours, theirs)]
+    assert nothing[1] > 0.01  # torchvision's loop runs out of draws on such images
+    sizes = sorted({(h, w) for h, w in np.concatenate([ours[:, 2:], theirs[:, 2:]]).tolist()})
+    counts = np.array([[sum(1 for h, w in boxes[:, 2:].tolist() if (h, w) == hw) for hw in sizes]
+                       for boxes in (ours, theirs)])
+    assert stats.chi2_contingency(counts[:, counts.sum(0) >= 10]).pvalue > 0.001, (sizes, counts)
+
+
 def test_random_erase_probability():
-    boxes = erase_boxes(AugmentConfig(image_size=64, random_erase=0.25), batches=4)  # 1024 images
+    boxes = erase_boxes(64, 0.25, batches=4)  # 1024 images
     erased = (boxes[:, 2] * boxes[:, 3] > 0).mean()
     assert abs(erased - 0.25) < 4 * math.sqrt(0.25 * 0.75 / len(boxes)), erased
 

@@ -229,11 +229,10 @@ def _round(x):
     return dmath.floor(x + 0.5)  # Python's round() differs only at exact halves, which a float draw never hits
 
 
-def random_erase_box(cfg: "AugmentConfig"):
-    """torchvision's `RandomErasing.get_params` for a cfg.image_size square image, per sample, as CPU nodes:
+def random_erase_box(side: int, probability: float):
+    """torchvision's `RandomErasing.get_params` for a `side` x `side` image, per sample, as CPU nodes:
     (anchor (y, x), shape (h, w)) as floats; shape (0, 0) when the image is not erased (probability
-    1 - cfg.random_erase, or no draw of 10 fitted the image)."""
-    side = cfg.image_size
+    1 - `probability`, or no draw of 10 fitted the image)."""
     area = float(side * side)
     n = RANDOM_ERASE_ATTEMPTS
     scale = fn.random.uniform(range=list(RANDOM_ERASE_SCALE), shape=[n])
@@ -241,14 +240,14 @@ def random_erase_box(cfg: "AugmentConfig"):
     ratio = dmath.exp(log_ratio)
     heights = _round(dmath.sqrt(area * scale * ratio))
     widths = _round(dmath.sqrt(area * scale / ratio))
-    # the first of the n draws with h < side and w < side, as torchvision's loop takes it
-    height, width, searching = 0.0, 0.0, 1.0
-    for k in range(n):
-        fits = fn.cast((heights[k] < side) & (widths[k] < side), dtype=types.FLOAT)
-        take = searching * fits
-        height, width = height + take * heights[k], width + take * widths[k]
-        searching = searching * (1.0 - fits)
-    erase = fn.cast(fn.random.coin_flip(probability=cfg.random_erase), dtype=types.FLOAT) * (1.0 - searching)
+    # the first of the n draws with h < side and w < side, as torchvision's loop takes it: the smallest of
+    # (k if draw k fits else n); a handful of vector operators where a loop over the draws made ~100
+    fits = fn.cast((heights < side) & (widths < side), dtype=types.FLOAT)
+    first = fn.reductions.min(types.Constant(np.arange(n, dtype=np.float32)) + n * (1.0 - fits))
+    searching = fn.cast(first >= n, dtype=types.FLOAT)  # no draw fitted: torchvision leaves the image as it is
+    pick = fn.cast(dmath.min(first, n - 1), dtype=types.INT32)
+    height, width = heights[pick], widths[pick]
+    erase = fn.cast(fn.random.coin_flip(probability=probability), dtype=types.FLOAT) * (1.0 - searching)
     height, width = height * erase, width * erase
     # torchvision: i = randint(0, side - h + 1), j = randint(0, side - w + 1)
     position = fn.random.uniform(range=[0.0, 1.0], shape=[2])
@@ -261,5 +260,5 @@ def random_erase_box(cfg: "AugmentConfig"):
 
 def random_erase(images, cfg: "AugmentConfig"):
     """torchvision's RandomErasing(p=cfg.random_erase, value=0) on normalised images (CHW or HWC)."""
-    anchor, shape = random_erase_box(cfg)
+    anchor, shape = random_erase_box(cfg.image_size, cfg.random_erase)
     return fn.erase(images, anchor=anchor, shape=shape, axis_names="HW", fill_value=0.0)
