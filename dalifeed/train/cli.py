@@ -135,7 +135,7 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 @click.option("--ra-num-ops", type=int, default=d("ra_num_ops"), show_default=True,
               help="RandAugment: operations per image.")
 @click.option("--random-erase", type=float, default=d("random_erase"), show_default=True, metavar="P",
-              help="Erase a random rectangle (2-33%% of the image) to 0 after normalising, with probability P.")
+              help="Erase a random rectangle (2-33% of the image) to 0 after normalising, with probability P.")
 @click.option("--mixup-alpha", type=float, default=d("mixup_alpha"), show_default=True, metavar="A",
               help="Mixup on each batch, lambda ~ Beta(A, A); the loss takes the soft targets.")
 @click.option("--cutmix-alpha", type=float, default=d("cutmix_alpha"), show_default=True, metavar="A",
