@@ -277,6 +277,9 @@ GRAPHS = {
     "val-channels_last": (lambda s, c: classification(s, False, channels_last=True), BOTH),
     "train-hw_decoder_load_0.99": (lambda s, c: classification(s, True, hw_decoder_load=0.99), BOTH),
     "train-no_flip": (lambda s, c: classification(s, True, flip=False), BOTH),
+    **{f"train-{policy}-random_erase": (lambda s, c, policy=policy: classification(
+        s, True, augment=AugmentConfig(image_size=32, auto_augment=policy, random_erase=0.5)), BOTH)
+       for policy in ("imagenet", "ra", "ta_wide")},
     "multilabel-train": (lambda s, c: classification(c, True, "mini", multilabel=True), BOTH),
     "multilabel-val": (lambda s, c: classification(c, False, "mini", multilabel=True), BOTH),
     "detection-train-size": (lambda s, c: detection(c, True, size=64), BOTH),

@@ -13,7 +13,9 @@ import click
 
 from dalifeed.atomic import write_json_atomic
 from dalifeed.cliutil import LOCATION, default, folder_not_created, run_command
+from dalifeed.pipelines.augment import POLICIES
 from dalifeed.pipelines.checks import ShardDataError
+from dalifeed.pipelines.graphs import AugmentConfig
 from dalifeed.s3 import StorageError
 
 from .config import BenchConfig, BenchUsageError
@@ -67,6 +69,14 @@ def d(name: str):
                    "compare different work).")
 @click.option("--out", type=click.Path(path_type=Path), default=d("out"), show_default=True,
               help="Folder for bench.json, bench.png and config.json.")
+@click.option("--auto-augment", type=click.Choice(POLICIES), default=d("auto_augment"),
+              help="Race with this policy in every loader: the DALI graph's, torchvision's transforms.v2 in the torch "
+                   "ones (imagenet = AutoAugment, ra = RandAugment, ta_wide = TrivialAugmentWide).")
+@click.option("--random-erase", type=float, default=d("random_erase"), show_default=True, metavar="P",
+              help="Race with random erasing (probability P) in every loader.")
+@click.option("--preview", type=int, default=d("preview"), show_default=True, metavar="N",
+              help="Also write OUT/preview.png: N training samples of the shards, DALI's output beside "
+                   "torchvision's for the same augmentation.")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="--shards s3://...: the shard cache the DALI loaders fetch whole tars into [default: shards/ in "
                    "dalifeed's cache folder].")
@@ -111,6 +121,12 @@ def main(debug: bool, **options):
         except OSError as e:
             raise BenchUsageError(folder_not_created("--out", cfg.out, e)) from None
         write_json_atomic(cfg.out / "config.json", cfg.to_json())
+        if cfg.preview:
+            from dalifeed.pipelines.preview import write_preview
+
+            write_preview(cfg.shards, cfg.out / "preview.png", cfg.preview, cfg.augment() or
+                          AugmentConfig(image_size=cfg.image_size), split=cfg.split)
+            click.echo(f"wrote {cfg.out / 'preview.png'}", err=True)
         report = run_bench(cfg, log=lambda msg: click.echo(msg, err=True))
         write_report(report, cfg.out)
         return report

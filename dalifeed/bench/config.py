@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dalifeed.cliutil import output_folder_problem
 from dalifeed.format import ManifestError
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig
 from dalifeed.runtime import usable_cores
 from dalifeed.shardcache import parse_size
 from dalifeed.shardfolder import open_shard_folder
@@ -46,6 +46,16 @@ class BenchConfig:
     allow_different_data: bool = False
     cache_dir: Path | None = None  # s3:// shards: the shard cache (dalifeed/shardcache.py)
     cache_limit: str | None = None
+    auto_augment: str | None = None  # a policy for every loader (torchvision's transforms.v2 in the torch ones)
+    random_erase: float = 0.0  # RandomErasing's probability, every loader
+    preview: int = 0  # also write OUT/preview.png: this many samples, DALI's output beside torchvision's
+
+    def augment(self) -> AugmentConfig | None:
+        """The policy and erasing every loader applies (None: the plain RandomResizedCrop + flip)."""
+        if not self.auto_augment and not self.random_erase:
+            return None
+        return AugmentConfig(image_size=self.image_size, auto_augment=self.auto_augment,
+                             random_erase=self.random_erase)
 
     def validate(self) -> None:
         if self.task not in ("classify", "detection"):
@@ -93,6 +103,12 @@ class BenchConfig:
             self.check_model()
         if not 0 <= self.hw_decoder_load <= 1:
             raise BenchUsageError(f"--hw-decoder-load must be in [0, 1], got {self.hw_decoder_load}")
+        if not 0 <= self.random_erase <= 1:
+            raise BenchUsageError(f"--random-erase must be in [0, 1], got {self.random_erase}")
+        if self.task == "detection" and (self.auto_augment or self.random_erase or self.preview):
+            raise BenchUsageError("--auto-augment, --random-erase and --preview apply to --task classify")
+        if self.preview < 0:
+            raise BenchUsageError(f"--preview must be >= 0, got {self.preview}")
         if self.cache_limit is not None:
             try:
                 parse_size(self.cache_limit)

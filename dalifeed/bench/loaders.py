@@ -13,13 +13,14 @@ augmentation goes into both, next to each other below.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
 from dalifeed.pipelines import make_loader
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, AugmentConfig
 from dalifeed.shardfolder import open_shard_folder
 
 LOADERS = ("baseline", "webdataset", "dali-cpu", "dali-hybrid", "dali-gpu")
@@ -29,24 +30,47 @@ DALI_DEVICES = {"dali-cpu": "cpu", "dali-hybrid": "hybrid", "dali-gpu": "gpu"}
 
 # -- the augmentation: torchvision's and DALI's from the same AugmentConfig -----------------------------
 
+# RandomErasing on the baseline's uint8 images (it normalises on the device): the ImageNet mean in grey levels,
+# which normalises to within 0.01 of the 0 the DALI graph erases to after normalising; the same work per image
+ERASE_UINT8 = tuple(round(m * 255) for m in IMAGENET_MEAN)
+
+
 def train_transform(augment: AugmentConfig):
-    """What graphs.train_augment does, in torchvision, up to uint8 (TorchLoader normalises on the device)."""
+    """What graphs.train_augment does, in torchvision, up to uint8 (TorchLoader normalises on the device):
+    RandomResizedCrop + flip, then augment's policy and random erasing (torchvision's transforms.v2 on the PIL
+    image, as torchvision's reference ClassificationPresetTrain applies them)."""
     import torchvision.transforms as T
 
     steps = [T.RandomResizedCrop(augment.image_size, scale=augment.crop_scale, ratio=augment.crop_ratio,
                                  antialias=True)]
     if augment.flip:
         steps.append(T.RandomHorizontalFlip())
-    return T.Compose(steps + [T.PILToTensor()])
+    if augment.auto_augment:
+        steps.append(torchvision_policy(augment))
+    steps.append(T.PILToTensor())
+    if augment.random_erase:
+        import torchvision.transforms.v2 as v2
+
+        steps.append(v2.RandomErasing(p=augment.random_erase, value=list(ERASE_UINT8)))
+    return T.Compose(steps)
+
+
+def torchvision_policy(augment: AugmentConfig):
+    """torchvision's transform for augment.auto_augment (nearest-neighbour sampling, fill 0: its defaults)."""
+    import torchvision.transforms.v2 as v2
+
+    if augment.auto_augment == "imagenet":
+        return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)
+    if augment.auto_augment == "ra":
+        return v2.RandAugment(num_ops=augment.ra_num_ops, magnitude=augment.ra_magnitude)
+    return v2.TrivialAugmentWide()
 
 
 def dali_loader(shards: Path, split: str, batch_size: int, threads: int, device: str,
                 augment: AugmentConfig, cache_dir=None, cache_limit=None) -> Iterable:
-    # make_loader takes no crop_ratio, mean or std: its graph uses AugmentConfig's defaults, as `augment` does
-    return make_loader(shards, split, batch_size, device=device, image_size=augment.image_size,
-                       crop_scale=augment.crop_scale, flip=augment.flip, num_threads=threads, train=True,
+    return make_loader(shards, split, batch_size, device=device, augment=augment, num_threads=threads, train=True,
                        prefetch_queue_depth=2, dtype=torch.float16 if augment.fp16 else torch.float32,
-                       hw_decoder_load=augment.hw_decoder_load, cache_dir=cache_dir, cache_limit=cache_limit)
+                       cache_dir=cache_dir, cache_limit=cache_limit)
 
 
 # -- the torch side ------------------------------------------------------------------------------------
@@ -126,10 +150,12 @@ def webdataset_loader(shards: Path, split: str, batch_size: int, workers: int, d
 
 def build_loader(name: str, *, imagefolder: Path, shards: Path, split: str, batch_size: int, image_size: int,
                  workers: int, device: torch.device, fp16: bool = False,
-                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, cache_dir=None, cache_limit=None) -> Iterable:
-    """Loader `name`: RandomResizedCrop(image_size) + flip + normalise (AugmentConfig's ImageNet recipe);
+                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, cache_dir=None, cache_limit=None,
+                 augment: AugmentConfig | None = None) -> Iterable:
+    """Loader `name`: RandomResizedCrop(image_size) + flip + normalise (AugmentConfig's ImageNet recipe), plus
+    `augment`'s policy and random erasing when given (its image_size, fp16 and hw_decoder_load are these);
     `cache_dir`, `cache_limit`: the DALI loaders' shard cache for s3:// shards (make_loader)."""
-    augment = AugmentConfig(image_size=image_size, fp16=fp16, hw_decoder_load=hw_decoder_load)
+    augment = replace(augment or AugmentConfig(), image_size=image_size, fp16=fp16, hw_decoder_load=hw_decoder_load)
     if name == "baseline":
         return baseline_loader(imagefolder, batch_size, workers, device, augment)
     if name == "webdataset":

@@ -89,7 +89,7 @@ def bench_loader(cfg: BenchConfig, name: str, device: torch.device):
     return on_device(build_loader(name, imagefolder=cfg.imagefolder, shards=cfg.shards, split=cfg.split,
                                   batch_size=cfg.batch_size, image_size=cfg.image_size, workers=cfg.workers,
                                   device=device, fp16=cfg.fp16, hw_decoder_load=cfg.hw_decoder_load,
-                                  cache_dir=cfg.cache_dir, cache_limit=cfg.cache_limit), device)
+                                  cache_dir=cfg.cache_dir, cache_limit=cfg.cache_limit, augment=cfg.augment()), device)
 
 
 def dataset_of(cfg: BenchConfig, images: int) -> dict:

@@ -18,6 +18,8 @@ from nvidia.dali import math as dmath
 
 from dalifeed.format import CLASS_I64_MEMBER, COCO_LABELS_MEMBER, IMAGE_MEMBER
 
+from . import augment
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -60,6 +62,11 @@ class AugmentConfig:
     fp16: bool = False
     channels_last: bool = False
     hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD
+    # torchvision's ClassificationPresetTrain options (augment.py); their presets have no colour jitter
+    auto_augment: str | None = None  # None | "imagenet" (AutoAugment) | "ra" (RandAugment) | "ta_wide"
+    ra_magnitude: int = 9  # RandAugment: magnitude bin of every operation (0..30)
+    ra_num_ops: int = 2  # RandAugment: operations per image
+    random_erase: float = 0.0  # RandomErasing probability (scale (0.02, 0.33), ratio (0.3, 3.3), value 0)
 
     def __post_init__(self) -> None:
         lo, hi = self.crop_scale
@@ -69,6 +76,15 @@ class AugmentConfig:
             raise ValueError(f"image_size must be >= 8, got {self.image_size}")
         if not 0 <= self.hw_decoder_load <= 1:
             raise ValueError(f"hw_decoder_load must be in [0, 1], got {self.hw_decoder_load}")
+        if self.auto_augment not in (None, *augment.POLICIES):
+            raise ValueError(f"auto_augment must be one of {', '.join(augment.POLICIES)} or None, "
+                             f"got {self.auto_augment!r}")
+        if not 0 <= self.ra_magnitude < augment.DEFAULT_BINS:
+            raise ValueError(f"ra_magnitude must be in [0, {augment.DEFAULT_BINS - 1}], got {self.ra_magnitude}")
+        if self.ra_num_ops < 1:
+            raise ValueError(f"ra_num_ops must be >= 1, got {self.ra_num_ops}")
+        if not 0 <= self.random_erase <= 1:
+            raise ValueError(f"random_erase must be in [0, 1], got {self.random_erase}")
 
     @property
     def val_resize(self) -> int:
@@ -178,10 +194,19 @@ def read_shards(paths: list[str], index_paths: list[str], *, shard_id: int, num_
 
 
 def train_augment(jpegs, cfg: AugmentConfig, device: str):
-    """RandomResizedCrop + RandomHorizontalFlip + Normalize."""
+    """RandomResizedCrop + RandomHorizontalFlip + Normalize, with cfg.auto_augment's policy on the uint8
+    images before the (fused) flip and normalisation and cfg.random_erase's erasing after it (augment.py)."""
     images = resize_square(after_decode(decode_random_crop(jpegs, cfg, device), device), cfg)
+    if cfg.auto_augment:
+        images = augment.apply_policy(images, cfg)
     mirror = fn.random.coin_flip(probability=0.5) if cfg.flip else 0
-    return normalize(images, cfg, mirror=mirror)
+    images = normalize(images, cfg, mirror=mirror)
+    return augment.random_erase(images, cfg) if cfg.random_erase else images
+
+
+def needs_conditionals(cfg: AugmentConfig, train: bool) -> bool:
+    """DALI's policies branch per sample (`if` in the graph): only their graphs pay for conditionals."""
+    return train and cfg.auto_augment is not None
 
 
 def decode_random_crop(jpegs, cfg: AugmentConfig, device: str):
@@ -265,12 +290,20 @@ def multi_hot(labels, num_classes: int):
     return fn.cast(fn.reductions.sum(one_hot, axes=[0]) > 0, dtype=types.FLOAT)
 
 
-@pipeline_def(enable_conditionals=False)
 def shard_pipeline(paths: list[str], index_paths: list[str], cfg: AugmentConfig, train: bool, device: str,
-                   shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024, multilabel_classes: int = 0,
-                   text_label: dict | None = None):
+                   **kwargs):
     """Reader -> train_augment or val_transform. Returns (images, labels): labels int64 (1,) per image, or
-    with `multilabel_classes=K` (COCO shards) a float multi-hot (K,) built from the `.labels.i32` member."""
+    with `multilabel_classes=K` (COCO shards) a float multi-hot (K,) built from the `.labels.i32` member.
+    `kwargs`: `shard_graph`'s and the Pipeline's (batch_size, num_threads, device_id, seed, ...)."""
+    return shard_graph(paths, index_paths, cfg, train, device, enable_conditionals=needs_conditionals(cfg, train),
+                       **kwargs)
+
+
+@pipeline_def(enable_conditionals=False)
+def shard_graph(paths: list[str], index_paths: list[str], cfg: AugmentConfig, train: bool, device: str,
+                shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024, multilabel_classes: int = 0,
+                text_label: dict | None = None):
+    """`shard_pipeline`'s graph (enable_conditionals is decided per call there)."""
     jpegs, labels = read_shards(paths, index_paths, shard_id=shard_id, num_shards=num_shards, shuffle=train,
                                 initial_fill=initial_fill, multilabel=bool(multilabel_classes), text_label=text_label)
     if multilabel_classes:

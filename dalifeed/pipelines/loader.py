@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -340,7 +340,8 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
                 prefetch_queue_depth: int = 2, initial_fill: int = 1024, device_id: int | None = None,
                 checkpointing: bool = False, check: str = "size", multilabel: bool = False,
                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, weights: list[float] | None = None,
-                cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None) -> DaliLoader:
+                cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
+                augment: AugmentConfig | None = None) -> DaliLoader:
     """Batches of split `split` of the shard folder `shards_dir` (a path, or s3://bucket/prefix: the tars are then
     fetched whole into the node's shard cache and DALI reads them there, docs/storage.md) for this rank; see the module docstring (`train=None`: the
     split trains if its name starts with "train").
@@ -356,7 +357,9 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
     module docstring). `check`: what is compared with the manifest before reading, 'size' (sizes and
     indexes: two stats and two small reads per shard) or 'sha256' (also hashes every byte of the split).
     `multilabel` (COCO shards): labels are float multi-hot (B, num_classes) vectors of the categories each
-    image holds, built in the DALI graph.
+    image holds, built in the DALI graph. `augment`: the whole AugmentConfig (policies, random erasing;
+    docs/pipelines.md) instead of image_size, crop_scale, flip and hw_decoder_load; dtype and channels_last
+    still decide the output.
     A list of shard folders mixes them (`weights`: their proportions in every batch, default equal;
     `dalifeed.pipelines.mixing` says how epochs, classes and resume work then).
     `cache_dir`, `cache_limit` (s3:// only): the node's shard cache the tars are fetched into, whole, before
@@ -384,8 +387,10 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
                              num_threads=num_threads, rank=rank, world_size=world_size, seed=seed,
                              prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
                              checkpointing=checkpointing, check=check)
-    augment = AugmentConfig(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
-                            fp16=dtype == torch.float16, channels_last=channels_last, hw_decoder_load=hw_decoder_load)
+    augment = replace(
+        augment or AugmentConfig(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
+                                 hw_decoder_load=hw_decoder_load),
+        fp16=dtype == torch.float16, channels_last=channels_last)
     loader = classification_loader(manifest, split, options, augment, multilabel)
     cache = shard_cache_of(manifest, cache_dir, cache_limit, sha256=check == "sha256")
     if cache is not None:  # the first epoch's tars start coming while the caller gets ready

@@ -9,13 +9,14 @@ import click
 from click.core import ParameterSource
 
 from dalifeed.cliutil import default, run_command
+from dalifeed.pipelines.augment import POLICIES
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.pipelines.graphs import DEVICES
 from dalifeed.pipelines.mixing import MixError
 from dalifeed.runtime import DiskFull, FolderInUse
 from dalifeed.s3 import StorageError
 
-from .config import NO_SPLIT, ConfigError, TrainConfig
+from .config import NO_SPLIT, RECIPES, ConfigError, TrainConfig
 from .loop import TrainingDiverged
 from .resume import resolve_run
 from .stop import TrainingStopped
@@ -152,6 +153,23 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 @click.option("--tensorboard-every", type=int, default=d("tensorboard_every"), show_default=True, metavar="STEPS",
               help="Per-step TensorBoard scalars (step/train_loss, step/lr, step/images_per_s, "
                    "step/data_wait_share) every STEPS optimizer steps, in RUN/tensorboard/steps (0: none).")
+@click.option("--auto-augment", type=click.Choice(POLICIES), default=d("auto_augment"),
+              help="Augmentation policy in the DALI graph, torchvision's: imagenet (AutoAugment), ra (RandAugment), "
+                   "ta_wide (TrivialAugmentWide).")
+@click.option("--ra-magnitude", type=int, default=d("ra_magnitude"), show_default=True,
+              help="RandAugment: magnitude bin of each operation (0-30).")
+@click.option("--ra-num-ops", type=int, default=d("ra_num_ops"), show_default=True,
+              help="RandAugment: operations per image.")
+@click.option("--random-erase", type=float, default=d("random_erase"), show_default=True, metavar="P",
+              help="Erase a random rectangle (2-33% of the image) to 0 after normalising, with probability P.")
+@click.option("--mixup-alpha", type=float, default=d("mixup_alpha"), show_default=True, metavar="A",
+              help="Mixup on each batch, lambda ~ Beta(A, A); the loss takes the soft targets.")
+@click.option("--cutmix-alpha", type=float, default=d("cutmix_alpha"), show_default=True, metavar="A",
+              help="CutMix on each batch, lambda ~ Beta(A, A). With --mixup-alpha: one of the two per batch.")
+@click.option("--recipe", type=click.Choice(sorted(RECIPES)), default=None,
+              help="Set torchvision's current ResNet-50 recipe (TrivialAugmentWide, random erase 0.1, mixup 0.2, "
+                   "cutmix 1.0, label smoothing 0.1, EMA, cosine, 600 epochs, ...: printed at start); options given "
+                   "explicitly override it.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 @click.pass_context
 def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
@@ -177,6 +195,7 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
     to RUN/error.log (or the terminal with --debug); last.pt is left as it was.
     """
     options["crop_scale"] = tuple(options["crop_scale"])
+    apply_recipe(ctx, options)
     if options["pretrained"] is not None:
         options["pretrained"] = str(options["pretrained"])
     asked = TrainConfig(**options)
@@ -194,6 +213,21 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
                 log=lambda: error_log(run_folder) if run_folder else None,
                 stopped=lambda e: (e.detail if isinstance(e, TrainingStopped) else
                                    "stopped before training began; run the same command again") if rank0 else None)
+
+
+def apply_recipe(ctx: click.Context, options: dict) -> None:
+    """--recipe NAME: its values for every option not given on the command line (printed, and saved in
+    config.json as the options themselves)."""
+    name = options.get("recipe")
+    if not name:
+        return
+    taken = {k: v for k, v in RECIPES[name].items() if ctx.get_parameter_source(k) != ParameterSource.COMMANDLINE}
+    options.update(taken)
+    if os.environ.get("RANK", "0") == "0":
+        kept = sorted(set(RECIPES[name]) - set(taken))
+        print(f"--recipe {name}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items())
+              + (f" (given explicitly, kept: {', '.join('--' + k.replace('_', '-') for k in kept)})" if kept else ""),
+              flush=True)
 
 
 def rank_prefix() -> str:

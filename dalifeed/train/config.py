@@ -6,10 +6,29 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from dalifeed.cliutil import output_folder_problem
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, uses_gpu
+from dalifeed.pipelines.augment import POLICIES
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, AugmentConfig, uses_gpu
 from dalifeed.s3 import is_s3_url
 
 NO_SPLIT = ("none", "")  # --val-split values that mean: train without evaluation
+
+# --recipe: torchvision's current ResNet-50 recipe (80.858% top-1; docs/training.md), from the command in
+# torchvision's classification README: --batch-size 128 (x 8 GPUs) --lr 0.5 --lr-scheduler cosineannealinglr
+# --lr-warmup-epochs 5 --auto-augment ta_wide --epochs 600 --random-erase 0.1 --weight-decay 0.00002
+# --norm-weight-decay 0.0 --label-smoothing 0.1 --mixup-alpha 0.2 --cutmix-alpha 1.0 --train-crop-size 176
+# --model-ema --val-resize-size 232 --ra-sampler --ra-reps 4. Not taken over: the crop sizes (dali-train trains
+# and evaluates at one --image-size) and the repeated-augmentation sampler (dalifeed has none).
+RECIPES = {
+    "torchvision-resnet50": {
+        "auto_augment": "ta_wide", "random_erase": 0.1, "mixup_alpha": 0.2, "cutmix_alpha": 1.0,
+        "label_smoothing": 0.1, "epochs": 600, "optimizer": "sgd", "momentum": 0.9, "nesterov": False,
+        "lr": 0.125,  # 0.5 for a global batch of 1024; dali-train's --lr is per 256 images and scaled linearly
+        "weight_decay": 2e-5, "warmup_epochs": 5.0, "min_lr_ratio": 0.0,  # cosine to 0 after a linear warm-up
+        # torchvision: decay 0.99998 every 32 steps, adjusted to 1 - 2e-5 * 1024 * 32 / 600 = 0.998908 per 32
+        # steps of its 1024-image batch, i.e. 0.999966 per step; dali-train updates the EMA every step
+        "ema": 0.999966,
+    },
+}
 
 
 class ConfigError(Exception):
@@ -59,6 +78,13 @@ class TrainConfig:
     progress_every: float = 30.0  # seconds between progress lines when stdout is not a terminal (0: none)
     tensorboard_every: int = 50  # optimizer steps between per-step TensorBoard scalars (0: none)
     data_weights: list[float] | None = None  # with several --data: their shares of every batch (default equal)
+    recipe: str | None = None  # a RECIPES preset; the values it set are the fields themselves
+    auto_augment: str | None = None  # None | imagenet | ra | ta_wide (torchvision's names; in the DALI graph)
+    ra_magnitude: int = 9  # RandAugment's magnitude bin (0..30)
+    ra_num_ops: int = 2  # RandAugment's operations per image
+    random_erase: float = 0.0  # RandomErasing's probability
+    mixup_alpha: float = 0.0  # mixup on the batch with lambda ~ Beta(alpha, alpha) (0: off)
+    cutmix_alpha: float = 0.0  # cutmix likewise; both on: one of the two per batch, each with probability 0.5
 
     def validate(self) -> None:
         """Check every option, naming the bad value; fills in the defaults that depend on others."""
@@ -97,6 +123,15 @@ class TrainConfig:
             (self.check_shards in ("size", "sha256"), f"--check-shards must be size or sha256, got {self.check_shards!r}"),
             (self.progress_every >= 0, f"--progress-every must be >= 0 seconds, got {self.progress_every}"),
             (self.tensorboard_every >= 0, f"--tensorboard-every must be >= 0 steps, got {self.tensorboard_every}"),
+            (self.auto_augment in (None, *POLICIES),
+             f"--auto-augment must be one of {', '.join(POLICIES)}, got {self.auto_augment!r}"),
+            (0 <= self.ra_magnitude <= 30, f"--ra-magnitude must be in [0, 30], got {self.ra_magnitude}"),
+            (self.ra_num_ops >= 1, f"--ra-num-ops must be >= 1, got {self.ra_num_ops}"),
+            (0 <= self.random_erase <= 1, f"--random-erase must be in [0, 1], got {self.random_erase}"),
+            (self.mixup_alpha >= 0, f"--mixup-alpha must be >= 0, got {self.mixup_alpha}"),
+            (self.cutmix_alpha >= 0, f"--cutmix-alpha must be >= 0, got {self.cutmix_alpha}"),
+            (self.task == "classify" or self.mixup_alpha == self.cutmix_alpha == 0,
+             "--mixup-alpha / --cutmix-alpha mix one-label targets: --task classify only"),
         ]
         for ok, message in checks:
             if not ok:
@@ -143,6 +178,13 @@ class TrainConfig:
             models.check_input_size(self.model, self.image_size, self.width, batch_size=self.batch_size)
         except models.ModelError as e:
             raise ConfigError(str(e)) from None
+
+    def train_augment(self) -> AugmentConfig:
+        """What the training graph does to each image (the loader's dtype and layout aside)."""
+        return AugmentConfig(image_size=self.image_size, crop_scale=tuple(self.crop_scale), flip=self.flip,
+                             hw_decoder_load=self.hw_decoder_load, auto_augment=self.auto_augment,
+                             ra_magnitude=self.ra_magnitude, ra_num_ops=self.ra_num_ops,
+                             random_erase=self.random_erase)
 
     def to_json(self) -> dict:
         return asdict(self)

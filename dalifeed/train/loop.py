@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from .config import TrainConfig
 from .distributed import Dist, all_reduce_sum, gather_objects, log
 from .mixdata import evaluate_each
+from .mixing import BatchMixer, soft_cross_entropy
 from .progress import EpochProgress
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ def train_one_epoch(run: Run, stats: EpochStats | None = None) -> EpochStats:
     progress = EpochProgress(run, steps, stats)
     losses = torch.zeros(2, device=dist.device)  # this step's (sum of micro-step losses, count), on the device
     finite = torch.ones(1, device=dist.device)  # 0 once a micro-step's loss is not finite
+    mixer = BatchMixer(cfg.mixup_alpha, cfg.cutmix_alpha, seed=cfg.seed, rank=dist.rank)
     wait_start = time.perf_counter()
     for i, (images, labels) in enumerate(run.train_loader, start=stats.steps * cfg.accum_steps):
         if i >= steps * cfg.accum_steps:
@@ -74,8 +76,15 @@ def train_one_epoch(run: Run, stats: EpochStats | None = None) -> EpochStats:
         last_micro = (i + 1) % cfg.accum_steps == 0
         # DDP all-reduces gradients on every backward unless told not to: only the last micro-step syncs
         with nullcontext() if last_micro or not dist.enabled else model.no_sync():
+            # mixup/cutmix: drawn from (seed, rank, epoch, batch) alone, so a resumed batch mixes as before
+            images, mixing = mixer.mix_images(images, run.state.epoch, i) if mixer.enabled else (images, None)
             with autocast(dist, run.dtype):
-                loss = task_loss(cfg, model(images), labels)
+                logits = model(images)
+                if mixing is None:
+                    loss = task_loss(cfg, logits, labels)
+                else:  # soft targets: the two classes in the mixed shares, label smoothing on top
+                    loss = soft_cross_entropy(logits, mixer.mix_targets(labels, mixing, logits.shape[1]),
+                                              cfg.label_smoothing)
             run.scaler.scale(loss / cfg.accum_steps).backward()
         finite *= torch.isfinite(loss.detach()).float()
         losses += torch.stack([loss.detach().float().nan_to_num(0.0), torch.ones((), device=dist.device)])

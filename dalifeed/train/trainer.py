@@ -151,8 +151,8 @@ def make_loaders(cfg: TrainConfig, dist: Dist, threads: int) -> tuple[object, ob
         common["weights"] = cfg.data_weights
     # DALI's checkpointing costs nothing measurable (docs; 575-625 images/s either way here) and lets any
     # step become a mid-epoch checkpoint: when --checkpoint-every says, and when a signal stops the run
-    train = make_loader(cfg.data, cfg.train_split, cfg.batch_size, crop_scale=cfg.crop_scale, flip=cfg.flip,
-                        checkpointing=True, train=True, **common)
+    train = make_loader(cfg.data, cfg.train_split, cfg.batch_size, augment=cfg.train_augment(), checkpointing=True,
+                        train=True, **common)
     val = make_loader(cfg.data, cfg.val_split, cfg.batch_size, train=False, **common) \
         if cfg.val_split is not None else None
     return (SyntheticLoader(train) if cfg.synthetic else train), val

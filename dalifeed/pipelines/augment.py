@@ -1,0 +1,264 @@
+"""Automatic augmentation policies and random erasing in the DALI graph, with torchvision's semantics.
+
+`train_augment` (graphs.py) calls `apply_policy` on the uint8 HWC images after RandomResizedCrop (before the
+fused flip + normalise) and `random_erase` on the normalised output, which is where torchvision's
+ClassificationPresetTrain puts `AutoAugment` / `RandAugment` / `TrivialAugmentWide` and `RandomErasing`. The one
+difference in order: torchvision flips before the policy, we flip after it (in crop_mirror_normalize, fused with
+the normalisation); every policy draws its signed magnitudes with random sign, so the two orders give the same
+distribution of images.
+
+The operations are DALI's (`nvidia.dali.auto_aug.augmentations`, which run on the CPU and the GPU); what each
+policy does with them is torchvision's, not DALI's own suites: DALI's `auto_augment_image_net` is the paper's
+(TensorFlow's) ImageNet policy with `solarize_add`, torchvision's is a different list of 25 sub-policies (no translations, no solarize_add);
+DALI's suites translate by fixed pixel counts (RandAugment: 100 px, torchvision: 150/331 of the image side),
+start the enhance ranges of TrivialAugmentWide at 0.01 (torchvision: 0) and fill with grey 128 (torchvision:
+0). `torchvision_space` below writes torchvision's magnitude bins out (tests/test_recipes.py compares them with
+torchvision's own tables) and `dali_op` maps each of its operations to DALI's.
+
+DALI's policies choose an operation per sample with `if` in the graph: the pipeline needs
+`enable_conditionals=True`, which `graphs.shard_pipeline` turns on only when a policy is set.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from nvidia.dali import fn, types
+from nvidia.dali import math as dmath
+
+if TYPE_CHECKING:
+    from .graphs import AugmentConfig
+
+POLICIES = ("imagenet", "ra", "ta_wide")  # torchvision's reference names (--auto-augment)
+RANDOM_ERASE_SCALE = (0.02, 0.33)  # torchvision's RandomErasing defaults: the erased area as a fraction
+RANDOM_ERASE_RATIO = (0.3, 3.3)  # and its aspect ratio (h / w), drawn log-uniform
+RANDOM_ERASE_ATTEMPTS = 10  # torchvision's: an image whose 10 draws all fall outside it is left as it is
+AUTO_AUGMENT_BINS = 10  # torchvision's AutoAugment indexes magnitude bins 0..9 of 10
+DEFAULT_BINS = 31  # RandAugment's and TrivialAugmentWide's num_magnitude_bins
+
+
+def _linspace(lo: float, hi: float, bins: int) -> np.ndarray:
+    """torch.linspace in float32, as torchvision computes its bins: float64 puts TrivialAugment's 15 * 32 / 30
+    at exactly 16 pixels where torchvision's 15.999999 translates by int() = 15."""
+    return torch.linspace(lo, hi, bins).double().numpy()
+
+
+def _posterize_bits(bins: int, span: int, top: int = 8) -> np.ndarray:
+    """torchvision's `(top - arange(bins) / ((bins - 1) / span)).round().int()`: bits kept per bin."""
+    return (top - (torch.arange(bins) / ((bins - 1) / span))).round().double().numpy()
+
+
+def torchvision_space(policy: str, size: int, bins: int | None = None) -> dict[str, tuple[np.ndarray | None, bool]]:
+    """Operation name -> (magnitude of each bin, or None; whether the sign is drawn at random), as torchvision's
+    `_AUGMENTATION_SPACE` of the policy's class gives them for a `size` x `size` image: magnitudes in
+    torchvision's units (shears as tangents, translations in pixels before `int()`, angles in degrees, enhance
+    factors minus 1, bits kept, solarize thresholds as fractions of 255)."""
+    bins = bins or (AUTO_AUGMENT_BINS if policy == "imagenet" else DEFAULT_BINS)
+    if policy == "ta_wide":
+        shear, translate, rotate, enhance, poster_span = 0.99, 32.0, 135.0, 0.99, 6
+    else:  # RandAugment and AutoAugment share one table (AutoAugment adds Invert and has no Identity)
+        shear, translate, rotate, enhance, poster_span = 0.3, 150.0 / 331.0 * size, 30.0, 0.9, 4
+    space = {
+        "Identity": (None, False),
+        "ShearX": (_linspace(0.0, shear, bins), True),
+        "ShearY": (_linspace(0.0, shear, bins), True),
+        "TranslateX": (_linspace(0.0, translate, bins), True),
+        "TranslateY": (_linspace(0.0, translate, bins), True),
+        "Rotate": (_linspace(0.0, rotate, bins), True),
+        "Brightness": (_linspace(0.0, enhance, bins), True),
+        "Color": (_linspace(0.0, enhance, bins), True),
+        "Contrast": (_linspace(0.0, enhance, bins), True),
+        "Sharpness": (_linspace(0.0, enhance, bins), True),
+        "Posterize": (_posterize_bits(bins, poster_span), False),
+        "Solarize": (_linspace(1.0, 0.0, bins), False),
+        "AutoContrast": (None, False),
+        "Equalize": (None, False),
+    }
+    if policy == "imagenet":
+        del space["Identity"]
+        space["Invert"] = (None, False)
+    elif policy not in POLICIES:
+        raise ValueError(f"auto_augment must be one of {', '.join(POLICIES)}, got {policy!r}")
+    return space
+
+
+# torchvision's AutoAugmentPolicy.IMAGENET: (operation, probability, magnitude bin) pairs, one chosen per image
+TORCHVISION_IMAGENET_POLICY = [
+    (("Posterize", 0.4, 8), ("Rotate", 0.6, 9)),
+    (("Solarize", 0.6, 5), ("AutoContrast", 0.6, None)),
+    (("Equalize", 0.8, None), ("Equalize", 0.6, None)),
+    (("Posterize", 0.6, 7), ("Posterize", 0.6, 6)),
+    (("Equalize", 0.4, None), ("Solarize", 0.2, 4)),
+    (("Equalize", 0.4, None), ("Rotate", 0.8, 8)),
+    (("Solarize", 0.6, 3), ("Equalize", 0.6, None)),
+    (("Posterize", 0.8, 5), ("Equalize", 1.0, None)),
+    (("Rotate", 0.2, 3), ("Solarize", 0.6, 8)),
+    (("Equalize", 0.6, None), ("Posterize", 0.4, 6)),
+    (("Rotate", 0.8, 8), ("Color", 0.4, 0)),
+    (("Rotate", 0.4, 9), ("Equalize", 0.6, None)),
+    (("Equalize", 0.0, None), ("Equalize", 0.8, None)),
+    (("Invert", 0.6, None), ("Equalize", 1.0, None)),
+    (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
+    (("Rotate", 0.8, 8), ("Color", 1.0, 2)),
+    (("Color", 0.8, 8), ("Solarize", 0.8, 7)),
+    (("Sharpness", 0.4, 7), ("Invert", 0.6, None)),
+    (("ShearX", 0.6, 5), ("Equalize", 1.0, None)),
+    (("Color", 0.4, 0), ("Equalize", 0.6, None)),
+    (("Equalize", 0.4, None), ("Solarize", 0.2, 4)),
+    (("Solarize", 0.6, 5), ("AutoContrast", 0.6, None)),
+    (("Invert", 0.6, None), ("Equalize", 1.0, None)),
+    (("Color", 0.6, 4), ("Contrast", 1.0, 8)),
+    (("Equalize", 0.8, None), ("Equalize", 0.6, None)),
+]
+
+
+# torchvision's shear by tangent m (about the top-left corner) is DALI's fn.transforms.shear by -m: measured on
+# photos, the same images with -m, 60-90 grey levels apart on average with +m (tests/test_recipes.py)
+def _shear_x(m):
+    return [-m, 0.0]
+
+
+def _shear_y(m):
+    return [0.0, -m]
+
+
+def _translate_x(m):
+    return [float(math.trunc(m)), 0.0]  # torchvision shifts by int(magnitude) pixels
+
+
+def _translate_y(m):
+    return [0.0, float(math.trunc(m))]
+
+
+def _solarize_threshold(m):
+    return np.float32(255.0 * m)  # torchvision: threshold = 255 * magnitude for uint8 images
+
+
+def _enhance_factor(m):
+    return 1.0 + m  # torchvision: factor 1 + magnitude (the sign drawn at random)
+
+
+def _current_ops():
+    """DALI 2.4's `equalize` and `sharpness` augmentations call fn.experimental.equalize / filter, deprecated
+    aliases of fn.equalize / fn.filter (tests/test_gpu_graphs.py refuses deprecated operators): the same
+    augmentations on the current operators."""
+    from nvidia.dali.auto_aug import augmentations as a
+    from nvidia.dali.auto_aug.core import augmentation
+
+    @augmentation
+    def equalize(data, _):
+        return fn.equalize(data)  # OpenCV's histogram equalisation (PIL's lookup table rounds differently)
+
+    @augmentation(mag_range=(0, 0.9), randomly_negate=True, mag_to_param=a.sharpness_kernel, param_device="auto")
+    def sharpness(data, kernel):
+        return fn.filter(data, kernel)  # PIL's smoothing kernel; PIL also leaves the 1 px border as it was
+
+    return equalize, sharpness
+
+
+def dali_op(name: str, magnitudes: np.ndarray | None, signed: bool):
+    """DALI's augmentation for torchvision's operation `name` with torchvision's magnitude bins."""
+    from nvidia.dali.auto_aug import augmentations as a  # imports numpy-heavy helpers: only when a policy is used
+
+    equalize, sharpness = _current_ops()
+    if magnitudes is None:
+        return {"Identity": a.identity, "AutoContrast": a.auto_contrast, "Equalize": equalize,
+                "Invert": a.invert}[name]
+    base, to_param = {
+        "ShearX": (a.shear_x, _shear_x), "ShearY": (a.shear_y, _shear_y),
+        "TranslateX": (a.translate_x_no_shape, _translate_x), "TranslateY": (a.translate_y_no_shape, _translate_y),
+        "Rotate": (a.rotate, None), "Brightness": (a.brightness, _enhance_factor),
+        "Color": (a.color, _enhance_factor), "Contrast": (a.contrast, _enhance_factor),
+        "Sharpness": (sharpness, a.sharpness_kernel), "Posterize": (a.posterize, a.poster_mask_uint8),
+        "Solarize": (a.solarize, _solarize_threshold),
+    }[name]
+    kwargs = {"mag_to_param": to_param} if to_param is not None else {}
+    return base.augmentation(mag_range=np.asarray(magnitudes), randomly_negate=signed, **kwargs)
+
+
+def dali_suite(policy: str, size: int, bins: int | None = None) -> list:
+    return [dali_op(name, mags, signed) for name, (mags, signed) in torchvision_space(policy, size, bins).items()]
+
+
+def dali_imagenet_policy(size: int):
+    """torchvision's AutoAugment ImageNet policy as a DALI `Policy`."""
+    from nvidia.dali.auto_aug.core import Policy
+
+    space = torchvision_space("imagenet", size)
+    ops = {name: dali_op(name, mags, signed) for name, (mags, signed) in space.items()}
+    sub_policies = [[(ops[name], p, mag) for name, p, mag in sub] for sub in TORCHVISION_IMAGENET_POLICY]
+    return Policy(name="TorchvisionImageNetPolicy", num_magnitude_bins=AUTO_AUGMENT_BINS, sub_policies=sub_policies)
+
+
+# torchvision's policies default to nearest-neighbour sampling and fill with 0 where a shear, translation or
+# rotation uncovers the canvas
+POLICY_WARP_ARGS = {"fill_value": 0, "interp_type": types.INTERP_NN}
+
+
+def apply_policy(images, cfg: "AugmentConfig"):
+    """`cfg.auto_augment` on uint8 HWC images of cfg.image_size squared (needs enable_conditionals)."""
+    with warnings.catch_warnings():
+        # torchvision's policy has ("Equalize", 0.0, None) on purpose, which DALI's Policy warns about (DALI
+        # 2.4's own augmentations also warn that fn.experimental.equalize / filter are deprecated aliases)
+        warnings.filterwarnings("ignore", message=".*is used with probability 0.*")
+        return _apply_policy(images, cfg)
+
+
+def _apply_policy(images, cfg: "AugmentConfig"):
+    from nvidia.dali.auto_aug.auto_augment import apply_auto_augment
+    from nvidia.dali.auto_aug.rand_augment import apply_rand_augment
+    from nvidia.dali.auto_aug.trivial_augment import apply_trivial_augment
+
+    size = cfg.image_size
+    if cfg.auto_augment == "imagenet":
+        return apply_auto_augment(dali_imagenet_policy(size), images, **POLICY_WARP_ARGS)
+    if cfg.auto_augment == "ra":
+        return apply_rand_augment(dali_suite("ra", size), images, n=cfg.ra_num_ops, m=cfg.ra_magnitude,
+                                  num_magnitude_bins=DEFAULT_BINS, **POLICY_WARP_ARGS)
+    if cfg.auto_augment == "ta_wide":
+        return apply_trivial_augment(dali_suite("ta_wide", size), images, num_magnitude_bins=DEFAULT_BINS,
+                                     **POLICY_WARP_ARGS)
+    raise ValueError(f"auto_augment must be one of {', '.join(POLICIES)}, got {cfg.auto_augment!r}")
+
+
+def _round(x):
+    return dmath.floor(x + 0.5)  # Python's round() differs only at exact halves, which a float draw never hits
+
+
+def random_erase_box(side: int, probability: float):
+    """torchvision's `RandomErasing.get_params` for a `side` x `side` image, per sample, as CPU nodes:
+    (anchor (y, x), shape (h, w)) as floats; shape (0, 0) when the image is not erased (probability
+    1 - `probability`, or no draw of 10 fitted the image)."""
+    area = float(side * side)
+    n = RANDOM_ERASE_ATTEMPTS
+    scale = fn.random.uniform(range=list(RANDOM_ERASE_SCALE), shape=[n])
+    log_ratio = fn.random.uniform(range=[math.log(r) for r in RANDOM_ERASE_RATIO], shape=[n])
+    ratio = dmath.exp(log_ratio)
+    heights = _round(dmath.sqrt(area * scale * ratio))
+    widths = _round(dmath.sqrt(area * scale / ratio))
+    # the first of the n draws with h < side and w < side, as torchvision's loop takes it: the smallest of
+    # (k if draw k fits else n); a handful of vector operators where a loop over the draws made ~100
+    fits = fn.cast((heights < side) & (widths < side), dtype=types.FLOAT)
+    first = fn.reductions.min(types.Constant(np.arange(n, dtype=np.float32)) + n * (1.0 - fits))
+    searching = fn.cast(first >= n, dtype=types.FLOAT)  # no draw fitted: torchvision leaves the image as it is
+    pick = fn.cast(dmath.min(first, n - 1), dtype=types.INT32)
+    height, width = heights[pick], widths[pick]
+    erase = fn.cast(fn.random.coin_flip(probability=probability), dtype=types.FLOAT) * (1.0 - searching)
+    height, width = height * erase, width * erase
+    # torchvision: i = randint(0, side - h + 1), j = randint(0, side - w + 1)
+    position = fn.random.uniform(range=[0.0, 1.0], shape=[2])
+    top = dmath.min(dmath.floor(position[0] * (side - height + 1)), side - height)
+    left = dmath.min(dmath.floor(position[1] * (side - width + 1)), side - width)
+    anchor = fn.stack(top, left)
+    shape = fn.stack(height, width)
+    return fn.cast(anchor, dtype=types.FLOAT), fn.cast(shape, dtype=types.FLOAT)
+
+
+def random_erase(images, cfg: "AugmentConfig"):
+    """torchvision's RandomErasing(p=cfg.random_erase, value=0) on normalised images (CHW or HWC)."""
+    anchor, shape = random_erase_box(cfg.image_size, cfg.random_erase)
+    return fn.erase(images, anchor=anchor, shape=shape, axis_names="HW", fill_value=0.0)

@@ -1,0 +1,138 @@
+"""A picture of what a training recipe does to the data: N samples of a shard folder, each as stored, as the
+DALI training graph augments it, and as torchvision's transforms do for the same AugmentConfig.
+
+    python -m dalifeed.pipelines.preview SHARDS OUT.png --n 8 --auto-augment ta_wide --random-erase 0.25
+
+(`dali-bench --preview N` writes the same next to bench.json.) The two augmented columns are independent
+draws of the same recipe, not the same draw: they show that both do the same kind of thing to the image.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from nvidia.dali import fn, pipeline_def, types
+from PIL import Image
+
+from dalifeed.format import IMAGE_MEMBER
+from dalifeed.shardfolder import open_shard_folder
+
+from .graphs import AugmentConfig, train_augment
+
+CELL_GAP = 4
+
+
+def first_jpegs(shards: str | Path, split: str, n: int) -> list[bytes]:
+    """The first `n` images of `split` (shard order), as stored."""
+    manifest = open_shard_folder(shards)
+    found: list[bytes] = []
+    for path in manifest.shard_paths(split):
+        with tarfile.open(path) as tar:
+            for member in tar:
+                if member.name.endswith("." + IMAGE_MEMBER):
+                    found.append(tar.extractfile(member).read())
+                    if len(found) == n:
+                        return found
+    return found
+
+
+def dali_augmented(jpegs: list[bytes], cfg: AugmentConfig, seed: int = 0) -> list[np.ndarray]:
+    """The training graph (cpu) on these JPEGs -> uint8 HWC images (normalisation undone for display)."""
+    @pipeline_def(batch_size=len(jpegs), num_threads=1, device_id=None, seed=seed,
+                  enable_conditionals=cfg.auto_augment is not None)
+    def pipe():
+        data = fn.external_source(source=lambda: [np.frombuffer(j, dtype=np.uint8) for j in jpegs], batch=True,
+                                  dtype=types.UINT8)
+        return train_augment(data, cfg, "cpu")
+
+    p = pipe()
+    p.build()
+    (images,) = p.run()
+    return [to_uint8(torch.from_numpy(np.asarray(image)).float(), cfg) for image in images]
+
+
+def torchvision_augmented(jpegs: list[bytes], cfg: AugmentConfig, seed: int = 0) -> list[np.ndarray]:
+    """torchvision's ClassificationPresetTrain for the same AugmentConfig (RandomResizedCrop, flip, policy,
+    normalise, RandomErasing) -> uint8 HWC images."""
+    import torchvision.transforms.v2 as v2
+
+    from dalifeed.bench.loaders import torchvision_policy
+
+    steps = [v2.RandomResizedCrop(cfg.image_size, scale=cfg.crop_scale, ratio=cfg.crop_ratio, antialias=True)]
+    if cfg.flip:
+        steps.append(v2.RandomHorizontalFlip())
+    if cfg.auto_augment:
+        steps.append(torchvision_policy(cfg))
+    steps += [v2.PILToTensor(), v2.ToDtype(torch.float32, scale=True), v2.Normalize(cfg.mean, cfg.std)]
+    if cfg.random_erase:
+        steps.append(v2.RandomErasing(p=cfg.random_erase, value=0))
+    transform = v2.Compose(steps)
+    torch.manual_seed(seed)
+    out = []
+    for jpeg in jpegs:
+        image = transform(Image.open(io.BytesIO(jpeg)).convert("RGB"))
+        out.append(to_uint8(image, cfg))  # (x / 255 - mean) / std: the graph's (x - 255 mean) / (255 std)
+    return out
+
+
+def to_uint8(image: torch.Tensor, cfg: AugmentConfig) -> np.ndarray:
+    """A normalised CHW (or HWC with cfg.channels_last) image in the graph's scale -> uint8 HWC."""
+    if not cfg.channels_last:
+        image = image.permute(1, 2, 0)
+    mean, std = torch.tensor(cfg.mean) * 255, torch.tensor(cfg.std) * 255
+    return (image.float() * std + mean).round().clamp(0, 255).to(torch.uint8).numpy()
+
+
+def grid(rows: list[list[np.ndarray]], size: int) -> Image.Image:
+    """Rows of equal-length lists of images, each shown in a size x size cell."""
+    columns = max(len(r) for r in rows)
+    canvas = Image.new("RGB", (columns * (size + CELL_GAP) + CELL_GAP, len(rows) * (size + CELL_GAP) + CELL_GAP),
+                       (255, 255, 255))
+    for i, row in enumerate(rows):
+        for j, image in enumerate(row):
+            cell = Image.fromarray(image)
+            cell.thumbnail((size, size))
+            canvas.paste(cell, (CELL_GAP + j * (size + CELL_GAP), CELL_GAP + i * (size + CELL_GAP)))
+    return canvas
+
+
+def write_preview(shards: str | Path, out: str | Path, n: int, cfg: AugmentConfig, split: str = "train",
+                  seed: int = 0) -> Path:
+    """OUT.png: one row per sample: the stored image, DALI's augmentation, torchvision's."""
+    jpegs = first_jpegs(shards, split, n)
+    if not jpegs:
+        raise ValueError(f"{shards}: split {split!r} holds no images")
+    dali = dali_augmented(jpegs, cfg, seed)
+    reference = torchvision_augmented(jpegs, cfg, seed)
+    originals = [np.asarray(Image.open(io.BytesIO(j)).convert("RGB")) for j in jpegs]
+    image = grid([[o, d, t] for o, d, t in zip(originals, dali, reference)], size=cfg.image_size)
+    out = Path(out)
+    image.save(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from .augment import POLICIES
+
+    parser = argparse.ArgumentParser(prog="python -m dalifeed.pipelines.preview", description=__doc__.split("\n\n")[0])
+    parser.add_argument("shards")
+    parser.add_argument("out")
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--split", default="train")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--auto-augment", choices=POLICIES, default=None)
+    parser.add_argument("--random-erase", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    cfg = AugmentConfig(image_size=args.image_size, auto_augment=args.auto_augment, random_erase=args.random_erase)
+    print(f"wrote {write_preview(args.shards, args.out, args.n, cfg, args.split, args.seed)}")
+
+
+if __name__ == "__main__":
+    main()
