@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -99,12 +100,17 @@ def test_environment_counts_the_cores_this_process_may_use(monkeypatch):
     assert environment()["cores"] == 1
 
 
+BUSY_WORK = bytes(1 << 20)
+
+
 def test_resource_sampler_reads_its_probes_until_the_block_ends():
     readings = iter([None, 1.0, 3.0] + [5.0] * 10_000)  # None: no reading this time
     with ResourceSampler({"probe": lambda: next(readings)}, period=0.01) as sampler:
         start, started = time.process_time(), time.perf_counter()
         while time.process_time() - start < 0.2:  # CPU time, whatever else the machine runs
-            pass
+            # hashing a large buffer releases the GIL, as a loader's C++ work does; a pure-Python busy loop
+            # would hand the sampler the GIL only every 5 ms, and psutil's scan of /proc needs it per process
+            hashlib.sha256(BUSY_WORK).digest()
         busy = time.perf_counter() - started
     values = sampler.samples["probe"]
     assert values[:2] == [1.0, 3.0] and sampler.mean("probe") == pytest.approx(sum(values) / len(values))

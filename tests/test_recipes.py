@@ -414,7 +414,7 @@ def test_bench_races_a_policy_through_every_loader_and_records_it(photo_shards, 
 def test_baseline_transform_applies_torchvisions_policy_and_erasing():
     from dalifeed.bench.loaders import ERASE_UINT8, train_transform
 
-    transform = train_transform(32, AugmentConfig(image_size=32, auto_augment="ra", random_erase=1.0))
+    transform = train_transform(AugmentConfig(image_size=32, auto_augment="ra", random_erase=1.0))
     names = [type(t).__name__ for t in transform.transforms]
     assert names == ["RandomResizedCrop", "RandomHorizontalFlip", "RandAugment", "PILToTensor", "RandomErasing"]
     photo = Image.fromarray(np.full((40, 50, 3), 200, np.uint8))
