@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from dalifeed.tools.sample_data import make_digits_imagefolder, make_photos_imagefolder
+from dalifeed.sample_data import make_digits_imagefolder, make_photos_imagefolder
 
 BIN = Path(sys.executable).parent  # the console scripts installed beside this Python
 

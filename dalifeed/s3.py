@@ -1,6 +1,6 @@
 """An S3 client for object storage (AWS S3, MinIO, ...): URLs, a boto3 client from the standard AWS
 configuration, GET / PUT / HEAD / list / delete / multipart upload, and every failure as one line that
-says what to do. Nothing here knows about shard folders: `shardfolder` reads them, `tools/remote` writes
+says what to do. Nothing here knows about shard folders: `shardfolder` reads them, `convert/remote` writes
 them.
 
 DALI reads the tars straight from the store (`fn.readers.webdataset(paths=["s3://..."])`, with its own

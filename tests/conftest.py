@@ -119,7 +119,7 @@ def s3_bucket(s3_endpoint, request) -> str:
 @pytest.fixture(scope="session")
 def mini_coco_shards(tmp_path_factory) -> Path:
     """tests/helpers.write_coco's set converted by shard-convert coco: one split, 'mini' (8 images). Read only."""
-    from dalifeed.tools.coco import CocoConfig, convert_coco
+    from dalifeed.convert.coco import CocoConfig, convert_coco
     from helpers import write_coco
 
     tmp = tmp_path_factory.mktemp("coco")
@@ -134,7 +134,7 @@ def make_shards(tmp_path_factory):
     writes an ImageFolder tree of generated JPEGs (`write_imagefolder`; `{"train": {...}, "val": {...}}`
     for a tree with both splits) and converts it with the given ConvertConfig options. Returns (tree, shards).
     Tests that only read the shards share one copy; a test that damages them must build its own."""
-    from dalifeed.tools import ConvertConfig, convert_imagefolder
+    from dalifeed.convert import ConvertConfig, convert_imagefolder
 
     built: dict[str, tuple[Path, Path]] = {}
 

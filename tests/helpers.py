@@ -63,7 +63,7 @@ def convert(src: Path, out: Path | str, **options):
     """Convert through the library, without a progress bar: the ImageFolder tree `src` (ConvertConfig
     options), or with `annotations=` that COCO instances file over the images in `src` (CocoConfig options).
     Returns the manifest. For shards a test only reads, the `make_shards` fixture builds them once."""
-    from dalifeed.tools import CocoConfig, ConvertConfig, convert_coco, convert_imagefolder
+    from dalifeed.convert import CocoConfig, ConvertConfig, convert_coco, convert_imagefolder
 
     if "annotations" in options:
         annotations = options.pop("annotations")
@@ -74,7 +74,7 @@ def convert(src: Path, out: Path | str, **options):
 def shard_convert(*args, timeout: float = 120, **run) -> subprocess.CompletedProcess:
     """`shard-convert ARGS` as a real child process (signals, exit codes, stdout and stderr as a user sees
     them), its output captured as text; `run`: more subprocess.run arguments (env, preexec_fn, ...)."""
-    return subprocess.run([sys.executable, "-m", "dalifeed.tools.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dalifeed.convert.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, **run)
 
 

@@ -20,7 +20,7 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from dalifeed.tools.coco import CocoConfig, convert_coco
+from dalifeed.convert.coco import CocoConfig, convert_coco
 
 import helpers
 from helpers import jpeg_bytes, random_image, write_coco, write_shapes_coco
@@ -167,7 +167,7 @@ def test_export_coco_round_trips_through_pycocotools(coco, tmp_path):
 
 
 def test_verify_checks_coco_members_against_the_json(coco, tmp_path):
-    from dalifeed.tools.verify import verify_shards
+    from dalifeed.convert.verify import verify_shards
 
     images, annotations = coco
     out = tmp_path / "out"
@@ -516,7 +516,7 @@ def test_kill_9_mid_conversion_then_rerun_gives_the_same_bytes(tmp_path):
     images, annotations = write_many_coco(tmp_path / "many", 600)
     convert(images, annotations, tmp_path / "ref", workers=1, samples_per_shard=5)
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "dalifeed.tools.cli", "coco", str(out), "--images", str(images), "--annotations",
+    command = [sys.executable, "-m", "dalifeed.convert.cli", "coco", str(out), "--images", str(images), "--annotations",
                str(annotations), "--samples-per-shard", "5", "--workers", "2", "--quiet"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 60

@@ -20,8 +20,8 @@ import webdataset as wds
 from click.testing import CliRunner
 from PIL import Image
 
-from dalifeed.tools import ConvertConfig, convert_imagefolder, verify_shards
-from dalifeed.tools.cli import main as cli
+from dalifeed.convert import ConvertConfig, convert_imagefolder, verify_shards
+from dalifeed.convert.cli import main as cli
 
 from helpers import (assert_same_folder, convert, hold_lock, jpeg_bytes, limit_file_size, png_bytes, random_image,
                      shard_convert, wait_for, write_imagefolder)
@@ -195,7 +195,7 @@ def test_interrupted_conversion_resumes_to_identical_bytes(small_imagefolder, tm
 def test_kill_9_mid_conversion_then_rerun_gives_identical_bytes(make_shards, tmp_path):
     src, reference = make_shards({"a": 150, "b": 151}, size=(64, 64), samples_per_shard=5, workers=1)
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "dalifeed.tools.cli", "imagefolder", str(src), str(out),
+    command = [sys.executable, "-m", "dalifeed.convert.cli", "imagefolder", str(src), str(out),
                "--samples-per-shard", "5", "--workers", "2"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
@@ -223,7 +223,7 @@ def big_source(make_shards) -> tuple[Path, Path]:
 
 
 def start_conversion(src: Path, out: Path, **popen) -> subprocess.Popen:
-    command = [PY, "-m", "dalifeed.tools.cli", "imagefolder", str(src), str(out), "--samples-per-shard", "5",
+    command = [PY, "-m", "dalifeed.convert.cli", "imagefolder", str(src), str(out), "--samples-per-shard", "5",
                "--workers", "2"]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
@@ -305,7 +305,7 @@ def test_a_rerun_with_other_options_names_them(tmp_path):
 
 
 def test_a_crashing_worker_surfaces_instead_of_hanging(small_imagefolder, tmp_path):
-    from dalifeed.tools.shards import WorkerCrashed, ordered_map
+    from dalifeed.convert.shards import WorkerCrashed, ordered_map
 
     with pytest.raises(WorkerCrashed, match="worker process died"):
         list(ordered_map(os._exit, [0] * 40, workers=2))
@@ -359,7 +359,7 @@ def test_verify_writes_its_report_on_stdout(tmp_path):
     tar.write_bytes(tar.read_bytes()[:-2000])
     report = tmp_path / "report.txt"
     with open(report, "w") as f:
-        code = subprocess.run([PY, "-m", "dalifeed.tools.cli", "verify", str(tmp_path / "out")], stdout=f,
+        code = subprocess.run([PY, "-m", "dalifeed.convert.cli", "verify", str(tmp_path / "out")], stdout=f,
                               stderr=subprocess.PIPE, timeout=120).returncode
     lines = report.read_text().splitlines()
     assert code == 1 and any("train-000000.tar" in line for line in lines) and "problem(s)" in lines[-1]
@@ -371,7 +371,7 @@ def test_verify_missing_folder_is_usage_error(tmp_path):
 
 
 def test_a_source_changed_during_conversion_is_an_error_not_a_corrupt_shard(tmp_path):
-    from dalifeed.tools.shards import SourceChanged, SourceFile
+    from dalifeed.convert.shards import SourceChanged, SourceFile
 
     path = tmp_path / "x.jpg"
     path.write_bytes(b"12345")

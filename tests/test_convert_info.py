@@ -7,7 +7,7 @@ import json
 
 from click.testing import CliRunner
 
-from dalifeed.tools.cli import main as convert_cli
+from dalifeed.convert.cli import main as convert_cli
 
 from helpers import convert, write_imagefolder
 

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from dalifeed.cliutil import parse_size
 from dalifeed.format import ShardManifest
-from dalifeed.tools.cli import main as cli
+from dalifeed.convert.cli import main as cli
 
 import helpers
 from helpers import write_coco, write_imagefolder

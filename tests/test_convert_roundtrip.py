@@ -15,8 +15,8 @@ import torchvision
 import webdataset as wds
 from click.testing import CliRunner
 
-from dalifeed.tools import ShardManifest
-from dalifeed.tools.cli import main as cli
+from dalifeed.convert import ShardManifest
+from dalifeed.convert.cli import main as cli
 
 from helpers import convert, write_imagefolder
 
@@ -187,8 +187,8 @@ def test_a_folder_of_format_1_is_refused_in_one_line_and_not_resumed(small_image
     from click.testing import CliRunner
 
     from dalifeed.pipelines import make_loader
-    from dalifeed.tools import ManifestError
-    from dalifeed.tools.cli import main as cli
+    from dalifeed.convert import ManifestError
+    from dalifeed.convert.cli import main as cli
 
     out = tmp_path / "old"
     convert(small_imagefolder, out)

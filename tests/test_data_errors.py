@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from dalifeed.format import file_sha256
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.checks import ShardDataError
-from dalifeed.tools.cli import main as convert_cli
+from dalifeed.convert.cli import main as convert_cli
 from dalifeed.train import TrainConfig, main as train
 
 from helpers import gradient_image

@@ -16,9 +16,9 @@ import pytest
 import webdataset as wds
 from PIL import Image, ImageOps
 
-from dalifeed.tools import verify_shards
-from dalifeed.tools.images import read_jpeg_frame
-from dalifeed.tools.verify import check_image
+from dalifeed.convert import verify_shards
+from dalifeed.convert.images import read_jpeg_frame
+from dalifeed.convert.verify import check_image
 
 from helpers import DATA, convert, gradient_image, jpeg_bytes, png_bytes
 
@@ -224,7 +224,7 @@ def state():
             "logging": (logging.root.level, list(logging.root.handlers)), "random": random.getstate(),
             "np_random": np.random.get_state()[1].tolist(), "torch_rng": torch.get_rng_state().tolist()}
 before = state()
-import dalifeed, dalifeed.format, dalifeed.tools, dalifeed.tools.cli, dalifeed.tools.images, dalifeed.pipelines
+import dalifeed, dalifeed.format, dalifeed.convert, dalifeed.convert.cli, dalifeed.convert.images, dalifeed.pipelines
 import dalifeed.train, dalifeed.train.cli, dalifeed.bench.cli, dalifeed.bench.loaders, dalifeed.demo
 after = state()
 changed = sorted(k for k in before if before[k] != after[k])

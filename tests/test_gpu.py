@@ -53,7 +53,7 @@ def test_gpu_detection_loader_matches_the_cpu_boxes(tmp_path, device):
     """The detection graph with `mixed` decoding (or CPU decoding, `hybrid`): validation boxes and labels
     equal the CPU graph's (the boxes do not depend on the decoder), images close, everything on the GPU."""
     from dalifeed.pipelines import make_detection_loader
-    from dalifeed.tools.coco import CocoConfig, convert_coco
+    from dalifeed.convert.coco import CocoConfig, convert_coco
     from helpers import write_coco
 
     images, annotations = write_coco(tmp_path / "coco")

@@ -183,8 +183,8 @@ def test_webdataset_default_decoders_leave_the_binary_members_alone(imagefolder_
 
 def test_verify_names_a_json_that_breaks_the_same_keys_and_types_rule():
     """`verify` holds shards made elsewhere (or by format 1) to the rule HF needs, naming the key."""
-    from dalifeed.tools.coco import check_coco_sample
-    from dalifeed.tools.verify import check_class_labels
+    from dalifeed.convert.coco import check_coco_sample
+    from dalifeed.convert.verify import check_class_labels
 
     meta = {"path": "a/x.jpg", "class": "a", "label": 1, "reencoded": None}
     members = {"jpg": b"", "cls": b"1", "cls.i64": struct.pack("<q", 1), "json": json.dumps(meta).encode()}

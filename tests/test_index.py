@@ -17,8 +17,8 @@ import webdataset as wds
 from PIL import Image
 
 from dalifeed.format import ShardManifest, file_sha256
-from dalifeed.tools.index import IndexConfig, IndexDataError, IndexUsageError, index_folder, split_of
-from dalifeed.tools.verify import verify_shards
+from dalifeed.convert.index import IndexConfig, IndexDataError, IndexUsageError, index_folder, split_of
+from dalifeed.convert.verify import verify_shards
 from helpers import jpeg_bytes, png_bytes
 
 VENV_BIN = Path(sys.executable).parent

@@ -11,7 +11,7 @@ import torch
 
 from dalifeed.pipelines import MixError, make_loader
 from dalifeed.pipelines.mixing import batch_shares, union_classes
-from dalifeed.tools.index import IndexConfig, index_folder
+from dalifeed.convert.index import IndexConfig, index_folder
 from test_index import add_member, solid, write_shardwriter
 
 ARGS = dict(device="cpu", image_size=16, num_threads=1, initial_fill=8)

@@ -201,7 +201,7 @@ def test_a_job_killed_mid_run_and_run_again_gives_the_single_job_folder(big_tree
     for i in (0, 2):
         convert_ok(big_tree, out, *options, job=i)
     progress = out / ".dalifeed-progress" / "job-0001"
-    command = [PY, "-m", "dalifeed.tools.cli", "imagefolder", str(big_tree), str(out), *options, "--workers", "1",
+    command = [PY, "-m", "dalifeed.convert.cli", "imagefolder", str(big_tree), str(out), *options, "--workers", "1",
                "--num-jobs", str(JOBS), "--job-index", "1"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120

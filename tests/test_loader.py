@@ -13,7 +13,7 @@ from PIL import Image
 
 from dalifeed.pipelines import make_detection_loader, make_loader
 from dalifeed.pipelines.loader import trains
-from dalifeed.tools import ConvertConfig, convert_imagefolder
+from dalifeed.convert import ConvertConfig, convert_imagefolder
 
 N = 37  # prime: divisible by no batch size or world size used here
 
@@ -145,7 +145,7 @@ def test_one_rule_says_which_splits_train(split, train, expected):
 @pytest.fixture(scope="module")
 def coco_train2017(tmp_path_factory) -> Path:
     """tests/helpers.write_coco's 8 images as split 'train2017'."""
-    from dalifeed.tools.coco import CocoConfig, convert_coco
+    from dalifeed.convert.coco import CocoConfig, convert_coco
     from helpers import write_coco
 
     tmp = tmp_path_factory.mktemp("coco")

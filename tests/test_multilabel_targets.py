@@ -57,7 +57,7 @@ def coco_shards(tmp_path_factory) -> tuple[Path, Path]:
     """The set converted by the CLI, as a user would: (shard folder, instances file)."""
     root = tmp_path_factory.mktemp("multilabel")
     images, instances = write_multilabel_coco(root)
-    run = subprocess.run([sys.executable, "-m", "dalifeed.tools.cli", "coco", str(root / "shards"), "--images",
+    run = subprocess.run([sys.executable, "-m", "dalifeed.convert.cli", "coco", str(root / "shards"), "--images",
                           str(images), "--annotations", str(instances), "--samples-per-shard", "5", "--workers", "1",
                           "--quiet"], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr

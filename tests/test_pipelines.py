@@ -62,7 +62,7 @@ def read_source(shards: Path):
 
     import webdataset as wds
 
-    from dalifeed.tools import ShardManifest
+    from dalifeed.convert import ShardManifest
 
     manifest = ShardManifest.load(shards)
     out = []

@@ -25,9 +25,9 @@ from PIL import Image
 from dalifeed import s3
 from dalifeed.shardfolder import cache_dir, open_shard_folder
 from dalifeed.pipelines import ShardDataError, make_loader
-from dalifeed.tools import ConvertConfig, convert_imagefolder
-from dalifeed.tools.cli import main as convert_cli
-from dalifeed.tools.remote import MAX_PENDING, default_staging
+from dalifeed.convert import ConvertConfig, convert_imagefolder
+from dalifeed.convert.cli import main as convert_cli
+from dalifeed.convert.remote import MAX_PENDING, default_staging
 from dalifeed.train.cli import main as train_cli
 from helpers import start_s3_server, stop_s3_server, write_coco, write_imagefolder
 
@@ -257,7 +257,7 @@ def test_a_conversion_killed_mid_upload_resumes_into_the_same_dataset(s3_bucket,
 
     killed = f"{s3_bucket}/killed"
     client, bucket = boto3.client("s3"), bucket_of(killed)
-    command = [sys.executable, "-m", "dalifeed.tools.cli", "imagefolder", str(tmp_path / "src"), killed, "--quiet",
+    command = [sys.executable, "-m", "dalifeed.convert.cli", "imagefolder", str(tmp_path / "src"), killed, "--quiet",
                "--staging", str(tmp_path / "staging-1"), *options]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     uploading, recorded, staged = [], [], 0
@@ -277,7 +277,7 @@ def test_a_conversion_killed_mid_upload_resumes_into_the_same_dataset(s3_bucket,
     time.sleep(1.1)  # LastModified has whole seconds: an upload after this shows
 
     # resume from a fresh staging folder: the state comes from the store
-    resumed, _ = run(["dalifeed.tools.cli", "imagefolder", str(tmp_path / "src"), killed, "--quiet",
+    resumed, _ = run(["dalifeed.convert.cli", "imagefolder", str(tmp_path / "src"), killed, "--quiet",
                       "--staging", str(tmp_path / "staging-2"), *options])
     assert resumed.returncode == 0, resumed.stderr
     assert "(resumed)" in resumed.stdout
@@ -326,9 +326,9 @@ def test_conversion_refusals(s3_shards, s3_bucket, tmp_path):
                                                                                  "val-000000.tar"]
 
 
-CONVERT = ["dalifeed.tools.cli", "imagefolder", "{src}", "{url}/new", "--staging", "{tmp}/staging"]
-VERIFY = ["dalifeed.tools.cli", "verify", "{url}"]
-INFO = ["dalifeed.tools.cli", "info", "{url}"]
+CONVERT = ["dalifeed.convert.cli", "imagefolder", "{src}", "{url}/new", "--staging", "{tmp}/staging"]
+VERIFY = ["dalifeed.convert.cli", "verify", "{url}"]
+INFO = ["dalifeed.convert.cli", "info", "{url}"]
 TRAIN = ["dalifeed.train.cli", "--data", "{url}", "--out", "{tmp}/run", "--epochs", "1", *FAST]
 
 

@@ -22,7 +22,7 @@ from dalifeed import s3
 from dalifeed.pipelines import make_loader
 from dalifeed.shardcache import CacheConfig, CacheFull, ShardCache, parse_size, rank_shards
 from dalifeed.shardfolder import open_shard_folder
-from dalifeed.tools import ConvertConfig, convert_imagefolder
+from dalifeed.convert import ConvertConfig, convert_imagefolder
 from helpers import start_s3_server, stop_s3_server, write_imagefolder
 
 HERE = Path(__file__).parent
@@ -300,7 +300,7 @@ def test_the_store_lost_mid_epoch(s3_endpoint, store, tmp_path):
     env = {**os.environ, "AWS_ENDPOINT_URL": endpoint}
     try:
         boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="mid")
-        convert = subprocess.run([sys.executable, "-c", "import sys; from dalifeed.tools import ConvertConfig, "
+        convert = subprocess.run([sys.executable, "-c", "import sys; from dalifeed.convert import ConvertConfig, "
                                   "convert_imagefolder as c; c(ConvertConfig(src=sys.argv[1], out='s3://mid/p', "
                                   "samples_per_shard=5, progress=False))", str(store.tmp / "src")], env=env)
         assert convert.returncode == 0

@@ -7,7 +7,7 @@ from collections import Counter
 import numpy as np
 from PIL import Image
 
-from dalifeed.tools.sample_data import make_digits_imagefolder, make_photos_imagefolder
+from dalifeed.sample_data import make_digits_imagefolder, make_photos_imagefolder
 
 
 def test_digits_imagefolder_has_every_digit_once(tmp_path):

@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from dalifeed.pipelines import make_loader
-from dalifeed.tools import ConvertConfig, convert_imagefolder
+from dalifeed.convert import ConvertConfig, convert_imagefolder
 from dalifeed.train import TrainConfig, checkpoint, main as train, train_one_epoch
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.distributed import Dist

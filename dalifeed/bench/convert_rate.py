@@ -19,8 +19,8 @@ from pathlib import Path
 import click
 
 from dalifeed.runtime import usable_cores
-from dalifeed.tools import ConvertConfig, convert_imagefolder
-from dalifeed.tools.images import decode_check
+from dalifeed.convert import ConvertConfig, convert_imagefolder
+from dalifeed.convert.images import decode_check
 
 
 def _decode_file(path: str) -> int:

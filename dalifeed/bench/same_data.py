@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dalifeed.format import ShardManifest, listing_digest
 from dalifeed.runtime import mib
-from dalifeed.tools.imagefolder import find_classes, list_class_files
+from dalifeed.convert.imagefolder import find_classes, list_class_files
 
 
 def imagefolder_listing(folder: Path) -> tuple[list[str], dict]:

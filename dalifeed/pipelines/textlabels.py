@@ -1,4 +1,4 @@
-"""Class labels of shards `shard-convert index` adopted (dalifeed.tools.index): DALI reads them as ASCII
+"""Class labels of shards `shard-convert index` adopted (dalifeed.convert.index): DALI reads them as ASCII
 decimal text, from a `.cls` member or from the end of an index component's name, and these operators turn
 the text into the int64 of shape (1,) that dalifeed's own `.cls.i64` members give.
 

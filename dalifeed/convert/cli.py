@@ -16,7 +16,7 @@ from ..format import ManifestError, ShardManifest
 from ..runtime import DiskFull, FolderInUse
 from ..s3 import StorageError, is_s3_url
 from ..shardfolder import open_shard_folder
-from .convert import skip_reasons
+from .core import skip_reasons
 from .coco import CocoConfig, ExportError, convert_coco, export_coco
 from .imagefolder import TOP_LEVEL, ConvertConfig, UsageError, convert_imagefolder
 from .index import IndexConfig, IndexDataError, IndexUsageError, index_folder

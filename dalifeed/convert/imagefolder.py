@@ -2,7 +2,7 @@
 
 This module knows ImageFolder trees: classes, splits, which files belong to which class, what a sample
 holds. Everything else (workers, shards, resume, locks, the manifest, jobs) is the shared core in
-`convert.py`.
+`core.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..format import CLASS_I64_MEMBER, CLASS_MEMBER, IMAGE_MEMBER, META_MEMBER, ShardManifest, listing_digest
-from .convert import DEFAULT_MAX_SHARD_BYTES, ConvertSummary, Plan, ShardOptions, UsageError, convert, stat_source
+from .core import DEFAULT_MAX_SHARD_BYTES, ConvertSummary, Plan, ShardOptions, UsageError, convert, stat_source
 from .images import ImageError, to_jpeg
 from .shards import Sample, Skip, SourceFile
 

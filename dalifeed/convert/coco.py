@@ -2,7 +2,7 @@
 
 This module knows COCO instances files: their keys and types, categories, which annotation belongs to which
 image, which boxes can be training targets, and what a sample holds. Workers, shards, resume, locks, the
-manifest and jobs are the shared core in `convert.py`.
+manifest and jobs are the shared core in `core.py`.
 
 One sample per image record (member names in `dalifeed.format`):
   jpg              the image (passed through or re-encoded under the ImageFolder rules)
@@ -37,7 +37,7 @@ from ..format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LAB
                       COCO_LABELS_MEMBER, COCO_MEMBERS, COCO_META, IMAGE_MEMBER, META_MEMBER, ShardManifest,
                       listing_digest, meta_problems)
 from ..shardfolder import open_shard_folder, read_samples
-from .convert import Plan, ShardOptions, UsageError, convert, stat_source
+from .core import Plan, ShardOptions, UsageError, convert, stat_source
 from .images import ImageError, to_jpeg
 from .shards import Sample, Skip, SourceFile
 

@@ -99,7 +99,7 @@ class ShardOptions:
     num_jobs: int = 1
     job_index: int = 0
     staging: Path | None = None  # --staging: with an s3:// OUT, the local folder shards wait in until uploaded
-    remote: str | None = field(init=False)  # OUT's s3:// URL (tools/remote.py uploads to it); None for a local OUT
+    remote: str | None = field(init=False)  # OUT's s3:// URL (convert/remote.py uploads to it); None for a local OUT
     # where this run writes shards, records and the manifest: OUT, or the staging folder of an s3:// OUT
     # (--staging, or by default a folder in $TMPDIR named after OUT)
     folder: Path = field(init=False)

@@ -25,7 +25,7 @@ from ..runtime import FolderInUse, folder_lock
 from .shards import JOBS_DIR, PROGRESS_DIR, Totals, describe_difference
 
 if TYPE_CHECKING:
-    from .convert import ShardOptions
+    from .core import ShardOptions
 
 
 def job_positions(n: int, opts: ShardOptions) -> range:

@@ -1,7 +1,7 @@
 """Conversion: datasets -> WebDataset shards + DALI indexes + manifest. See docs/format.md.
 
-The names below are imported from their modules when first used, so that `import dalifeed.tools` (and any
-`from dalifeed.tools.X import ...`, which runs this file first) does not load PIL, numpy and tqdm.
+The names below are imported from their modules when first used, so that `import dalifeed.convert` (and any
+`from dalifeed.convert.X import ...`, which runs this file first) does not load PIL, numpy and tqdm.
 """
 
 from __future__ import annotations
