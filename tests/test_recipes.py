@@ -6,11 +6,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +24,7 @@ from dalifeed.train import config as train_config
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.mixing import BatchMixer, soft_cross_entropy
 
-from test_train import deterministic, fast_cli_args, metrics
+from test_train import deterministic, fast_cli_args, kill_9_after_first_checkpoint, metrics
 
 TORCHVISION = {"imagenet": v2.AutoAugment, "ra": v2.RandAugment, "ta_wide": v2.TrivialAugmentWide}
 SIZE = 128  # the photos' side for the single-operation comparisons
@@ -368,14 +363,7 @@ def test_resume_after_kill_9_with_mixup_equals_an_uninterrupted_run(shards, tmp_
     assert result.exit_code == 0, result.output
 
     killed = tmp_path / "killed"
-    command = [sys.executable, "-m", "dalifeed.train.cli", *args, "--out", str(killed)]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while not (killed / "last.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done_before_kill = torch.load(killed / "last.pt", weights_only=False)["state"]["epoch"]
+    done_before_kill = kill_9_after_first_checkpoint(args, killed)
     assert done_before_kill < 4, "the run finished before it could be killed"
     resumed = CliRunner().invoke(train_cli, ["--resume", str(killed)])
     assert resumed.exit_code == 0, resumed.output

@@ -89,14 +89,7 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(shards, tmp_path):
     assert CliRunner().invoke(train_cli, args + ["--out", str(straight)]).exit_code == 0
 
     killed = tmp_path / "killed"
-    command = [sys.executable, "-m", "dalifeed.train.cli", *args, "--out", str(killed)]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not (killed / "last.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    done_before_kill = torch.load(killed / "last.pt", weights_only=False)["state"]["epoch"]
+    done_before_kill = kill_9_after_first_checkpoint(args, killed)
     assert done_before_kill < 6, "the run finished before it could be killed"
 
     # TensorBoard reads event files in name order, and names start with the second they were opened in: a
@@ -113,6 +106,19 @@ def test_resume_after_kill_9_equals_an_uninterrupted_run(shards, tmp_path):
     a = torch.load(straight / "last.pt", weights_only=False)["model"]
     b = torch.load(killed / "last.pt", weights_only=False)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def kill_9_after_first_checkpoint(args: list[str], out: Path, timeout: float = 300) -> int:
+    """dali-train `args` into `out` in a child process, killed with SIGKILL as soon as its first last.pt is on
+    disk; the epochs that checkpoint holds."""
+    command = [sys.executable, "-m", "dalifeed.train.cli", *args, "--out", str(out)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while not (out / "last.pt").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return torch.load(out / "last.pt", weights_only=False)["state"]["epoch"]
 
 
 class Killed(BaseException):
