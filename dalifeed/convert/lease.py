@@ -140,7 +140,7 @@ class Lease:
         return same_host and isinstance(holder.get("pid"), int) and not _pid_alive(holder["pid"])
 
     def _renew_until_released(self) -> None:
-        while not self._stop.wait(self.stale_s / 4):
+        while not self._stop.wait(max(self.stale_s / 4, 0.1)):  # at most 10 PUTs a second, whatever the limit
             try:
                 self.etag = self._put(IfMatch=self.etag)
             except Exception as e:
