@@ -312,8 +312,8 @@ def test_conversion_refusals(s3_shards, s3_bucket, tmp_path):
 
     local = convert_to(src, str(tmp_path / "out"), "--staging", str(tmp_path / "staging"))
     assert local.exit_code == 2 and "--staging applies only to an s3://bucket/prefix OUT" in local.output
-    jobs = convert_to(src, f"{s3_bucket}/z", "--num-jobs", "2")
-    assert jobs.exit_code == 2 and "--num-jobs with an s3:// OUT is not supported" in jobs.output
+    jobs = convert_to(src, f"{s3_bucket}/z", "--num-jobs", "2", "--overwrite")
+    assert jobs.exit_code == 2 and "--overwrite with --num-jobs would delete other jobs' shards" in jobs.output
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "mine.txt").write_text("x")
     busy = convert_to(src, f"{s3_bucket}/z", "--staging", str(tmp_path / "busy"))

@@ -15,6 +15,7 @@ from ..atomic import temp_name, write_json_atomic
 from ..format import ManifestError, ShardManifest
 from ..runtime import DiskFull, FolderInUse
 from ..s3 import StorageError, is_s3_url
+from ..s3 import list_objects as s3_list_objects
 from ..shardfolder import open_shard_folder
 from .core import skip_reasons
 from .coco import CocoConfig, ExportError, convert_coco, export_coco
@@ -84,11 +85,14 @@ def shard_options(command):
         click.option("--staging", type=click.Path(path_type=Path), default=None,
                      help="With an s3://bucket/prefix OUT: the local folder shards are written to and uploaded from; "
                           "each is deleted once it is in the store, so the folder holds a few shards at most. "
-                          "Default: a folder in $TMPDIR named after OUT, removed when done. See docs/storage.md."),
+                          "Default: a folder in $TMPDIR named after OUT (and the job), removed when done. A "
+                          "lease object in the store refuses a second run writing the same OUT (and job) from "
+                          "any machine. See docs/storage.md."),
         click.option("--num-jobs", type=int, default=d("num_jobs"), show_default=True,
                      help="Split the conversion into N independent jobs (a Slurm array, a Kubernetes indexed Job): "
                           "each converts its part of the same plan and writes a job record; the last one to finish "
-                          "(or `shard-convert merge OUT`) writes manifest.json. See docs/scaling.md."),
+                          "(or `shard-convert merge OUT`) writes manifest.json. OUT may be s3://bucket/prefix "
+                          "(give each job its own --staging). See docs/scaling.md."),
         click.option("--job-index", type=int, default=d("job_index"), show_default=True, envvar="DALIFEED_JOB_INDEX",
                      help="Which part this run converts, 0..N-1 (also $DALIFEED_JOB_INDEX; e.g. "
                           "$SLURM_ARRAY_TASK_ID or $JOB_COMPLETION_INDEX)."),
@@ -132,7 +136,8 @@ def imagefolder_cmd(src, out, quiet, debug, **options):
     second one).
 
     OUT may be s3://bucket/prefix (endpoint and credentials from the standard AWS variables and files):
-    each shard is uploaded once finished, manifest.json last; see --staging and docs/storage.md.
+    each shard is uploaded once finished, manifest.json last; a lease object there refuses a second run
+    from any machine; see --staging and docs/storage.md.
     """
     cfg = ConvertConfig(src=src, out=out, progress=not quiet and sys.stderr.isatty(), **options)
     click.echo(f"shard-convert imagefolder: {json.dumps(cfg.to_json())}", err=True)
@@ -254,11 +259,11 @@ def describe_result(manifest: ShardManifest) -> str:
     if s.status == "merged":
         return (f"This job wrote its part in {s.seconds:.1f} s and, the last of the jobs to finish, merged them: "
                 f"{s.samples} samples in {s.shards} shards, {s.skipped} skipped; manifest: "
-                f"{manifest.root / 'manifest.json'}.")
+                f"{manifest.location}/manifest.json.")
     if s.status == "job":
         return (f"This job wrote {s.samples} samples into {s.shards} shards ({s.bytes / 2**20:.1f} MiB), skipped "
                 f"{s.skipped}, in {s.seconds:.1f} s; the other jobs have not all finished: the last one writes "
-                f"{manifest.root / 'manifest.json'} (or run: shard-convert merge {manifest.root}).")
+                f"{manifest.location}/manifest.json (or run: shard-convert merge {manifest.location}).")
     splits = ", ".join(f"{name} {info.samples} in {len(info.shards)} shards" for name, info in manifest.splits.items())
     skipped = "; ".join(f"{n} {r}" for r, n in skip_reasons(manifest.skipped).items()) or "none"
     resumed = " (resumed)" if s.status == "resume" else ""
@@ -276,16 +281,21 @@ def merge_cmd(out: Path):
     """Write OUT/manifest.json from the records of the --num-jobs jobs that converted into OUT, after checking
     that every job finished and all ran the same command (but --job-index). The last job to finish does
     this by itself; run it to be sure, or after re-running a failed job. Safe to run again. OUT is a local
-    or shared folder (--num-jobs does not convert into s3://)."""
-    if is_s3_url(out):
-        raise click.UsageError(f"{out}: merge combines the job records of a --num-jobs conversion, which writes "
-                               f"to a local or shared folder only (--num-jobs with an s3:// OUT is not supported)")
+    or shared folder, or s3://bucket/prefix (the records are read from the store; the manifest is uploaded
+    last, in one PUT)."""
+    out = out.rstrip("/") if is_s3_url(out) else out
     manifest = run_command(lambda: merge(out), debug=False, usage_errors=(MergeError, FolderInUse),
-                           runtime_errors=(OSError,), stopped=lambda e: "nothing was written")
+                           runtime_errors=(StorageError, OSError), stopped=lambda e: "nothing was written")
     splits = ", ".join(f"{name} {info.samples} in {len(info.shards)} shards" for name, info in manifest.splits.items())
-    jobs = len(list((out / JOBS_DIR).glob("job-*-of-*.json")))  # the manifest's fingerprint is a single job's
-    click.echo(f"{out}: merged {jobs} jobs into {out / 'manifest.json'} "
+    jobs = count_job_records(manifest)  # the manifest's fingerprint is a single job's
+    click.echo(f"{manifest.location}: merged {jobs} jobs into {manifest.location}/manifest.json "
                f"({splits}; {len(manifest.skipped)} skipped).")
+
+
+def count_job_records(manifest: ShardManifest) -> int:
+    if manifest.url:
+        return sum(1 for name in s3_list_objects(manifest.url) if name.startswith(f"{JOBS_DIR}/job-"))
+    return len(list((manifest.root / JOBS_DIR).glob("job-*-of-*.json")))
 
 
 @main.command("index", context_settings=CONTEXT)

@@ -20,6 +20,7 @@ import os
 import shutil
 import stat
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,6 +33,7 @@ from ..runtime import LOCK_NAME, DiskFull, folder_lock, free_bytes, mib, usable_
 from .images import DEFAULT_MAX_PIXELS
 from ..s3 import StorageError, is_s3_url, parse_s3_url
 from . import remote
+from .lease import STALE_S, Lease, LeaseHeld
 from .jobs import Part, add_up, job_positions, job_record_path, merge_if_complete, shard_prefix, write_job_record
 from .shards import (JOBS_DIR, PROGRESS_DIR, ProgressStore, Totals, describe_difference, is_output_file,
                      remove_outputs, write_split)
@@ -99,6 +101,7 @@ class ShardOptions:
     num_jobs: int = 1
     job_index: int = 0
     staging: Path | None = None  # --staging: with an s3:// OUT, the local folder shards wait in until uploaded
+    lease_stale_s: float = STALE_S  # with an s3:// OUT: another run's lease not renewed for this long is taken over
     remote: str | None = field(init=False)  # OUT's s3:// URL (convert/remote.py uploads to it); None for a local OUT
     # where this run writes shards, records and the manifest: OUT, or the staging folder of an s3:// OUT
     # (--staging, or by default a folder in $TMPDIR named after OUT)
@@ -109,7 +112,9 @@ class ShardOptions:
         if is_s3_url(self.out):
             self.out = str(self.out)
             self.remote = self.out.rstrip("/")
-            self.folder = self.staging or remote.default_staging(self.remote)
+            # one staging folder per job: two jobs on one machine must not share (nor wipe) each other's
+            self.folder = self.staging or remote.default_staging(
+                self.remote + (f"#job-{self.job_index}-of-{self.num_jobs}" if self.jobs else ""))
         else:
             self.out, self.remote = Path(self.out), None
             self.folder = self.out
@@ -135,8 +140,6 @@ class ShardOptions:
             (not (self.overwrite and self.num_jobs > 1),
              "--overwrite with --num-jobs would delete other jobs' shards: empty OUT first instead"),
             (self.staging is None or self.remote is not None, "--staging applies only to an s3://bucket/prefix OUT"),
-            (self.remote is None or not self.jobs,
-             "--num-jobs with an s3:// OUT is not supported yet: run one job, or convert to a shared folder"),
         ]
         for ok, message in checks:
             if not ok:
@@ -226,13 +229,15 @@ def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
     if opts.jobs:
         fingerprint["num_jobs"] = opts.num_jobs
     make_output_folder(opts)
-    with folder_lock(opts.folder, command, name=job_lock_name(opts)):
+    # an s3:// OUT has no lock of its own: the lease in the store keeps a second machine out (lease.py)
+    lease = Lease(opts.remote, opts.job_index, opts.num_jobs, opts.lease_stale_s) if opts.remote else None
+    with folder_lock(opts.folder, command, name=job_lock_name(opts)), take_lease(lease, opts):
         status = prepare_remote_output(opts, fingerprint) if opts.remote else prepare_output(opts, fingerprint)
         if status == "done":
             manifest = load_done(opts)
         else:
             try:
-                manifest = write_all(plan, opts, fingerprint)
+                manifest = write_all(plan, opts, fingerprint, lease)
             except DiskFull as e:
                 written = sum(p.stat().st_size for p in opts.folder.glob("*.tar"))
                 raise DiskFull(f"{e} ({mib(free_bytes(opts.folder))} free; the images not converted yet need about "
@@ -245,11 +250,30 @@ def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
         if opts.temporary_staging:  # it holds only the manifest and the run log now
             shutil.rmtree(opts.folder, ignore_errors=True)
     if opts.jobs and status != "done":
-        merged = merge_if_complete(opts.folder)
+        merged = merge_if_complete(opts.remote or opts.folder)
         if merged is not None:  # this was the last job to finish
             merged.summary = summarize(merged, summary.seconds, "merged")
             return merged
     return manifest
+
+
+@contextmanager
+def take_lease(lease: Lease | None, opts: ShardOptions):
+    """Hold `lease` (None: a local OUT, nothing to hold) for the block. A refusal leaves no default staging
+    folder behind (this run holds its lock: no other run on this machine uses it)."""
+    if lease is None:
+        yield
+        return
+    try:
+        lease.acquire()
+    except LeaseHeld:
+        if opts.temporary_staging:
+            shutil.rmtree(opts.folder, ignore_errors=True)
+        raise
+    try:
+        yield
+    finally:
+        lease.release()
 
 
 def make_output_folder(opts: ShardOptions) -> None:
@@ -267,7 +291,8 @@ def prepare_remote_output(opts: ShardOptions, fingerprint: dict) -> str:
     leaves no default staging folder behind (it would hold nothing of use)."""
     try:
         try:
-            remote.pull_state(opts.remote, opts.folder, opts.overwrite)
+            progress = progress_store(opts).dir.relative_to(opts.folder).as_posix()
+            remote.pull_state(opts.remote, opts.folder, opts.overwrite, progress, job=opts.jobs)
         except remote.NotEmpty as e:
             raise UsageError(f"{e}; use --overwrite to replace it or choose another OUT") from None
         return prepare_output(opts, fingerprint)
@@ -281,11 +306,12 @@ def job_lock_name(opts: ShardOptions) -> str:
     return f".dalifeed-job-{opts.job_index:04d}.lock" if opts.jobs else LOCK_NAME
 
 
-def progress_store(opts: ShardOptions) -> ProgressStore:
+def progress_store(opts: ShardOptions, lease: Lease | None = None) -> ProgressStore:
     folder = opts.folder / PROGRESS_DIR
+    folder = folder / f"job-{opts.job_index:04d}" if opts.jobs else folder
     if opts.remote:
-        return remote.StoreProgress(folder, opts.remote, opts.folder)
-    return ProgressStore(folder / f"job-{opts.job_index:04d}" if opts.jobs else folder)
+        return remote.StoreProgress(folder, opts.remote, opts.folder, lease)
+    return ProgressStore(folder)
 
 
 def prepare_output(opts: ShardOptions, fingerprint: dict) -> str:
@@ -325,9 +351,9 @@ def _read_fingerprint(path: Path) -> dict | None:
         return None
 
 
-def write_all(plan: Plan, opts: ShardOptions, fingerprint: dict) -> ShardManifest:
+def write_all(plan: Plan, opts: ShardOptions, fingerprint: dict, lease: Lease | None = None) -> ShardManifest:
     """Encode and write every split's share of this run; then the manifest, or this job's record."""
-    store = progress_store(opts)
+    store = progress_store(opts, lease)
     store.start(fingerprint)
     ranges = {split: job_positions(len(items), opts) for split, items in plan.splits.items()}
     part = Part({}, plan_share(plan, opts))
@@ -355,8 +381,15 @@ def write_all(plan: Plan, opts: ShardOptions, fingerprint: dict) -> ShardManifes
     )
     manifest = add_up(template, [part])  # a single job is the one part of its conversion
     summary = summarize(manifest, 0.0, "fresh")
+    if lease is not None:
+        lease.check()  # the last write: the job record or the manifest
     if opts.jobs:
         write_job_record(opts, manifest, part, asdict(summary))
+        if opts.remote:  # after every shard's upload (flushed above)
+            remote.abort_uploads_of(opts.remote, {name for info in manifest.splits.values() for shard in info.shards
+                                                  for name in (shard.path, shard.index)})
+            record = job_record_path(opts.folder, opts.job_index, opts.num_jobs)
+            remote.publish(opts.folder, opts.remote, (record.relative_to(opts.folder).as_posix(),))
     else:
         write_json_atomic(opts.folder / "convert.json", {"config": opts.to_json(), "summary": asdict(summary)})
         manifest.save()  # last: its presence means the folder is complete

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from ..atomic import write_json_atomic
 from ..format import ShardManifest, SplitInfo
 from ..runtime import FolderInUse, folder_lock
+from ..s3 import is_s3_url
 from .shards import JOBS_DIR, PROGRESS_DIR, Totals, describe_difference
 
 if TYPE_CHECKING:
@@ -111,19 +112,29 @@ class MergeError(Exception):
     """A job is missing or was run differently: one line naming it."""
 
 
-def merge(out: Path) -> ShardManifest:
+def merge(out: Path | str) -> ShardManifest:
     """Combine the records of every job of a conversion into OUT's manifest.json, checking that all N are
-    there and were made with the same options and plan. Idempotent; holds OUT's lock while it writes."""
+    there and were made with the same options and plan. Idempotent; holds OUT's lock while it writes. OUT
+    may be s3://bucket/prefix (`remote.merge_in_store`)."""
+    if is_s3_url(out):
+        from .remote import merge_in_store  # remote.py builds on this module
+
+        return merge_in_store(str(out))
     out = Path(out)
+    manifest = add_up_records(out)
+    with folder_lock(out, "shard-convert merge"):
+        manifest.save()
+    return manifest
+
+
+def add_up_records(out: Path) -> ShardManifest:
+    """The manifest the job records in `out` add up to (rooted at `out`, not saved)."""
     records = finished_jobs(out)
     parts = [ShardManifest.from_json(out, record) for record in records]
     # the fingerprint of the whole conversion, as a single job would have written it: the folder is the same
     whole = {k: v for k, v in records[0]["fingerprint"].items() if k != "num_jobs"}
     template = replace(parts[0], extra={**parts[0].extra, "fingerprint": whole})
-    manifest = add_up(template, [part_of_record(record, part) for record, part in zip(records, parts)])
-    with folder_lock(out, "shard-convert merge"):
-        manifest.save()
-    return manifest
+    return add_up(template, [part_of_record(record, part) for record, part in zip(records, parts)])
 
 
 def finished_jobs(out: Path) -> list[dict]:
@@ -162,7 +173,7 @@ def read_job_record(path: Path) -> dict:
     return doc
 
 
-def merge_if_complete(out: Path) -> ShardManifest | None:
+def merge_if_complete(out: Path | str) -> ShardManifest | None:
     """After a job: merge when every job's record is there (the last job to finish does it), else None."""
     try:
         return merge(out)
