@@ -22,7 +22,7 @@ from dalifeed.pipelines import augment, make_loader
 from dalifeed.pipelines.graphs import AugmentConfig
 from dalifeed.train import config as train_config
 from dalifeed.train.cli import main as train_cli
-from dalifeed.train.mixing import BatchMixer, soft_cross_entropy
+from dalifeed.train.mixup import BatchMixer, soft_cross_entropy
 
 from test_train import deterministic, fast_cli_args, kill_9_after_first_checkpoint, metrics
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .config import TrainConfig
 from .distributed import Dist, all_reduce_sum, gather_objects, log
 from .mixdata import evaluate_each
-from .mixing import BatchMixer, soft_cross_entropy
+from .mixup import BatchMixer, soft_cross_entropy
 from .progress import EpochProgress
 
 if TYPE_CHECKING:
