@@ -20,6 +20,7 @@ from typing import Iterable, Iterator
 import torch
 
 from dalifeed.pipelines import make_loader
+from dalifeed.pipelines.augment import torchvision_policy
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, AugmentConfig
 from dalifeed.shardfolder import open_shard_folder
 
@@ -53,17 +54,6 @@ def train_transform(augment: AugmentConfig):
 
         steps.append(v2.RandomErasing(p=augment.random_erase, value=list(ERASE_UINT8)))
     return T.Compose(steps)
-
-
-def torchvision_policy(augment: AugmentConfig):
-    """torchvision's transform for augment.auto_augment (nearest-neighbour sampling, fill 0: its defaults)."""
-    import torchvision.transforms.v2 as v2
-
-    if augment.auto_augment == "imagenet":
-        return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)
-    if augment.auto_augment == "ra":
-        return v2.RandAugment(num_ops=augment.ra_num_ops, magnitude=augment.ra_magnitude)
-    return v2.TrivialAugmentWide()
 
 
 def dali_loader(shards: Path, split: str, batch_size: int, threads: int, device: str,

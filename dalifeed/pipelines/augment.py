@@ -262,3 +262,14 @@ def random_erase(images, cfg: "AugmentConfig"):
     """torchvision's RandomErasing(p=cfg.random_erase, value=0) on normalised images (CHW or HWC)."""
     anchor, shape = random_erase_box(cfg.image_size, cfg.random_erase)
     return fn.erase(images, anchor=anchor, shape=shape, axis_names="HW", fill_value=0.0)
+
+
+def torchvision_policy(augment: "AugmentConfig"):
+    """torchvision's transform for augment.auto_augment (nearest-neighbour sampling, fill 0: its defaults)."""
+    import torchvision.transforms.v2 as v2
+
+    if augment.auto_augment == "imagenet":
+        return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)
+    if augment.auto_augment == "ra":
+        return v2.RandAugment(num_ops=augment.ra_num_ops, magnitude=augment.ra_magnitude)
+    return v2.TrivialAugmentWide()

@@ -60,7 +60,7 @@ def torchvision_augmented(jpegs: list[bytes], cfg: AugmentConfig, seed: int = 0)
     normalise, RandomErasing) -> uint8 HWC images."""
     import torchvision.transforms.v2 as v2
 
-    from dalifeed.bench.loaders import torchvision_policy
+    from .augment import torchvision_policy
 
     steps = [v2.RandomResizedCrop(cfg.image_size, scale=cfg.crop_scale, ratio=cfg.crop_ratio, antialias=True)]
     if cfg.flip:
