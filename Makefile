@@ -27,7 +27,7 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # The tests whose numbers go through torch's, oneDNN's or DALI's SIMD kernels (the training, pipeline, loader,
-# encoding and COCO files: every `learns` and `kernels` test is in them), once under each kernel family this CPU
+# encoding, COCO and recipe files: every `learns` and `kernels` test is in them), once under each kernel family this CPU
 # has: AVX-512 where /proc/cpuinfo lists it, AVX2, and the `default` (SSE4.1) code every x86-64 CPU runs. A result
 # that holds only on one family's rounding fails here.
 CPU_FLAGS       := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
@@ -37,7 +37,7 @@ KERNELS_avx512  := ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=DEFAULT
 KERNELS_avx2    := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 KERNELS_default := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41
 KERNEL_TESTS    := tests/test_train.py tests/test_pipelines.py tests/test_loader.py tests/test_encodings.py \
-                   tests/test_coco.py tests/test_multilabel_targets.py
+                   tests/test_coco.py tests/test_multilabel_targets.py tests/test_recipes.py
 test-kernels: venv
 	@set -e; $(foreach family,$(KERNEL_FAMILIES),\
 	  echo "== make test-kernels: $(family) kernels ($(KERNELS_$(family)))"; \
