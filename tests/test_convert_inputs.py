@@ -419,7 +419,6 @@ CASES = [
     (["export-coco", "cocoshards", "/proc/x.json"], 2, "/proc/x.json: cannot write a file in /proc"),
     (["merge", "empty"], 2, "empty: no job records"),
     (["merge", "badjob"], 2, "job-0000-of-0002.json: unreadable job record"),
-    (["merge", "s3://bucket/jobs"], 2, "s3://bucket/jobs: merge combines the job records of a --num-jobs conversion"),
 ]
 
 
