@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import s3
-from .format import ShardInfo, ShardManifest
+from .format import ShardInfo, ShardManifest, file_sha256
 
 CHUNK = 2**20  # bytes per read of a GET's body
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
@@ -229,7 +229,7 @@ class ShardCache:
         if size != shard.bytes:
             problem = f"{size} bytes, the manifest says {shard.bytes}"
         elif self.config.verify_sha256 and path.name not in self._verified:
-            if _file_sha256(path) != shard.sha256:
+            if file_sha256(path) != shard.sha256:
                 problem = "sha256 differs from the manifest"
             else:
                 self._verified.add(path.name)
@@ -399,11 +399,3 @@ def rank_shards(shards: list[ShardInfo], rank_range: tuple[int, int]) -> list[Sh
             found.append(shard)
         position += shard.samples
     return found
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
