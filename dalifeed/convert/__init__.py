@@ -6,7 +6,7 @@ The names below are imported from their modules when first used, so that `import
 
 from __future__ import annotations
 
-import importlib
+from dalifeed.lazy import lazy_names
 
 _WHERE = {
     "CocoConfig": ".coco", "convert_coco": ".coco", "export_coco": ".coco",
@@ -20,13 +20,4 @@ _WHERE = {
 __all__ = list(_WHERE)
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
-    globals()[name] = value  # once: later look-ups do not come here
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)

@@ -10,22 +10,19 @@ Names are imported on first use, so that `dalifeed.pipelines.checks` (what `shar
 
 from __future__ import annotations
 
-import importlib
+from dalifeed.lazy import lazy_names
 
 _WHERE = {
-    "AugmentConfig": "graphs", "IMAGENET_MEAN": "graphs", "IMAGENET_STD": "graphs", "normalize": "graphs",
-    "read_shards": "graphs", "shard_pipeline": "graphs", "train_augment": "graphs", "val_transform": "graphs",
-    "DaliLoader": "loader", "LoaderOptions": "loader", "make_loader": "loader", "resolve_device": "loader",
-    "ShardDataError": "checks",
-    "DetectionConfig": "detection", "detection_pipeline": "detection",
-    "make_detection_loader": "detection",
-    "ThreadBudget": "budget", "thread_budget": "budget",
-    "MixedLoader": "mixing", "MixError": "mixing",
+    "AugmentConfig": ".graphs", "IMAGENET_MEAN": ".graphs", "IMAGENET_STD": ".graphs", "normalize": ".graphs",
+    "read_shards": ".graphs", "shard_pipeline": ".graphs", "train_augment": ".graphs", "val_transform": ".graphs",
+    "DaliLoader": ".loader", "LoaderOptions": ".loader", "make_loader": ".loader", "resolve_device": ".loader",
+    "ShardDataError": ".checks",
+    "DetectionConfig": ".detection", "detection_pipeline": ".detection",
+    "make_detection_loader": ".detection",
+    "ThreadBudget": ".budget", "thread_budget": ".budget",
+    "MixedLoader": ".mixing", "MixError": ".mixing",
 }
 __all__ = list(_WHERE)
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
