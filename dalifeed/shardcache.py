@@ -194,14 +194,15 @@ class ShardCache:
                 return
         fd = os.open(self.folder / "locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            while True:
-                fcntl.flock(fd, fcntl.LOCK_SH)  # waits while another rank fetches it
-                if self._usable(shard, say=False):
-                    break
-                fcntl.flock(fd, fcntl.LOCK_EX)  # (not atomic: re-checked under the exclusive lock)
-                if not self._usable(shard, say=True):
-                    self._fetch(shard)
-                # back to shared and check again: an eviction may slip into the conversion's gap
+            # Held shared from here on, so that no rank evicts it. The fetch itself is under a second lock
+            # that nothing holds while it waits for another: upgrading this one to exclusive instead waited
+            # on the other ranks' pins while this rank held its own, and two ranks deadlocked on two tars.
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if not self._usable(shard, say=False):
+                with open(self.folder / "locks" / f"{name}.fetch", "a+") as fetching:
+                    fcntl.flock(fetching, fcntl.LOCK_EX)  # one fetch per tar on the node; the others wait here
+                    if not self._usable(shard, say=True):
+                        self._fetch(shard)
             os.utime(self.path(shard))  # recently used: evicted last
         except BaseException:
             os.close(fd)
@@ -244,7 +245,7 @@ class ShardCache:
     # -- fetching ----------------------------------------------------------------------------------
     def _fetch(self, shard: ShardInfo) -> None:
         """One GET of the whole tar into `<name>.part` (allocated first, under the space lock), checked, then
-        renamed into place. Called with the tar's lock held exclusively."""
+        renamed into place. Called with the tar pinned (its lock shared) and its fetch lock held exclusively."""
         url = self.manifest.shard_location(shard)
         part = self.path(shard).with_suffix(".part")
         self._reserve(shard, part)
