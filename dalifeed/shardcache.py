@@ -17,8 +17,8 @@ Sharing and bounds, all through file locks (flock) in the cache folder, so they 
   finds the tar there: one GET per node), shared while a rank uses it (pinned: not evicted).
 - `space.lock`: held while space is counted, made (evicting) and reserved (the temporary file allocated
   at its full size), so two ranks never both count the same free bytes.
-- A tar lands as `<name>.part` (allocated, written, size checked, sha256 checked on request) and is
-  renamed to `<name>.tar`: a killed download leaves a `.part` that is never read, and that the next fetch
+- A tar lands as `<name>.part` (allocated, written, hashed as it streams, its size and sha256 checked
+  against the manifest: a mismatch is refused and nothing stored) and is renamed to `<name>.tar`: a killed download leaves a `.part` that is never read, and that the next fetch
   of that tar (or an eviction) replaces.
 - Eviction: unpinned tars, least recently used first (a tar's mtime is touched when pinned); shards read
   in earlier epochs are the unpinned ones.
@@ -101,6 +101,26 @@ def _usage(folder: Path) -> int:
     return total
 
 
+CACHE_FORMAT = "2"  # 2: every tar was hashed as it landed; 1 (no marker): size checked only
+
+
+def _drop_unverified_entries(folder: Path) -> None:
+    """Delete, once, the tars a dalifeed before format 2 stored without hashing them: their name (the
+    manifest's sha256) was no promise about their bytes, and a warm cache must never serve a tampered tar
+    under a good name. Under the space lock, so that the ranks of a node do it once."""
+    marker = folder / "format"
+    with open(folder / "space.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file() and marker.read_text().strip() == CACHE_FORMAT:
+            return
+        for entry in (folder / "shards").iterdir():
+            if entry.suffix in (".tar", ".part"):
+                entry.unlink(missing_ok=True)
+        tmp = marker.with_name(f".format.{os.getpid()}")
+        tmp.write_text(CACHE_FORMAT + "\n")
+        os.replace(tmp, marker)
+
+
 class ShardCache:
     """Tars of one shard folder in a store, fetched into `config.folder` for one rank. See the module
     docstring; `epoch_files` is what the loader calls before building an epoch's pipeline."""
@@ -112,6 +132,7 @@ class ShardCache:
         self.folder = Path(config.folder)
         for sub in ("shards", "locks", "placeholders"):
             (self.folder / sub).mkdir(parents=True, exist_ok=True)
+        _drop_unverified_entries(self.folder)
         self.limit = config.limit if config.limit is not None else default_limit(self.folder)
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._pins: dict[str, int] = {}  # cache name -> fd of its lock, held shared
@@ -268,10 +289,13 @@ class ShardCache:
             if size != shard.bytes:
                 raise s3.ObjectProblem(f"{url}: {size} bytes in the store, the manifest says {shard.bytes} "
                                        f"(truncated or replaced)")
-            if self.config.verify_sha256:
-                if digest != shard.sha256:
-                    raise s3.ObjectProblem(f"{url}: sha256 differs from the manifest (modified or corrupt)")
-                self._verified.add(self.path(shard).name)
+            # Hashed while it streamed (no second read): a name in the cache is a promise about its bytes,
+            # so a tar the store holds modified is refused here, never stored under the manifest's name.
+            if shard.sha256 and digest != shard.sha256:
+                raise s3.ObjectProblem(
+                    f"{url}: its sha256 is {digest}, the manifest says {shard.sha256} (modified or corrupt in "
+                    f"the store): restore the object or re-run the conversion; nothing was cached")
+            self._verified.add(self.path(shard).name)
             os.replace(part, self.path(shard))
         except BaseException:
             part.unlink(missing_ok=True)

@@ -23,6 +23,7 @@ from dalifeed.pipelines import make_loader
 from dalifeed.shardcache import CacheConfig, CacheFull, ShardCache, parse_size, rank_shards
 from dalifeed.shardfolder import open_shard_folder
 from dalifeed.convert import ConvertConfig, convert_imagefolder
+from fast_recipe import fast_args
 from helpers import start_s3_server, stop_s3_server, write_imagefolder
 
 HERE = Path(__file__).parent
@@ -373,3 +374,79 @@ def test_dali_opens_every_tar_when_it_builds_the_pipeline(store, tmp_path):
     loader._epoch_files = lambda shards: ([missing if t == others[0] else t for t in tars], indexes)
     with pytest.raises(Exception, match="File mapping failed"):
         next(iter(loader))
+
+
+def shifted_labels(tar: bytes) -> bytes:
+    """The same tar with every label moved to the next class: same size, other bytes (issue 32's tampering)."""
+    import io
+    import tarfile
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(tar)) as src, tarfile.open(fileobj=out, mode="w", format=src.format) as dst:
+        for member in src.getmembers():
+            data = src.extractfile(member).read()
+            if member.name.endswith(".cls"):
+                data = str((int(data) + 1) % len(SPEC)).encode()
+            dst.addfile(member, io.BytesIO(data))
+    return out.getvalue()[:len(tar)].ljust(len(tar), b"\0")
+
+
+def test_a_tampered_tar_in_the_store_is_refused_and_a_restored_one_cached(store, tmp_path):
+    manifest = open_shard_folder(store.url)
+    shard = manifest.split_info("train").shards[0]
+    good = (store.local / shard.path).read_bytes()
+    bad = shifted_labels(good)
+    assert len(bad) == len(good) and bad != good
+    bucket, prefix = s3.parse_s3_url(f"{store.url}/{shard.path}")
+    client = boto3.client("s3")
+    client.put_object(Bucket=bucket, Key=prefix, Body=bad)
+    try:
+        cache = ShardCache(manifest, CacheConfig(tmp_path / "cache"))
+        with pytest.raises(s3.ObjectProblem, match=rf"^{re.escape(store.url)}/{shard.path}: its sha256 is "
+                           rf"[0-9a-f]{{64}}, the manifest says {shard.sha256} .*restore the object or re-run "
+                           r"the conversion; nothing was cached$") as refused:
+            cache.pin(shard)
+        assert "\n" not in str(refused.value)
+        assert sorted(p.name for p in (tmp_path / "cache" / "shards").iterdir()) == []
+    finally:
+        client.put_object(Bucket=bucket, Key=prefix, Body=good)
+    cache.pin(shard)
+    assert cache.path(shard).read_bytes() == good
+
+
+def test_a_warm_cache_written_without_hashing_is_not_served(store, tmp_path):
+    manifest = open_shard_folder(store.url)
+    shard = manifest.split_info("train").shards[0]
+    good = (store.local / shard.path).read_bytes()
+    folder = tmp_path / "cache"
+    # what a dalifeed before cache format 2 could leave: a tampered tar under the good name, no format marker
+    (folder / "shards").mkdir(parents=True)
+    (folder / "shards" / f"{shard.sha256}.tar").write_bytes(shifted_labels(good))
+    cache = ShardCache(manifest, CacheConfig(folder))
+    cache.pin(shard)
+    assert cache.path(shard).read_bytes() == good
+    assert (folder / "format").read_text() == "2\n"
+    assert store.gets(store.url)[Path(shard.path).name] >= 1
+
+
+def test_dali_train_refuses_a_tampered_tar_in_one_line(store, tmp_path):
+    manifest = open_shard_folder(store.url)
+    shard = manifest.split_info("train").shards[0]
+    good = (store.local / shard.path).read_bytes()
+    bucket, prefix = s3.parse_s3_url(f"{store.url}/{shard.path}")
+    client = boto3.client("s3")
+    client.put_object(Bucket=bucket, Key=prefix, Body=shifted_labels(good))
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent), AWS_ENDPOINT_URL=store.endpoint)
+    try:
+        run = subprocess.run([sys.executable, "-m", "dalifeed.train.cli", "--data", store.url, "--epochs", "1", "--val-split", "none",
+                              *fast_args(width=8, batch_size=4), "--cache-dir", str(tmp_path / "cache"),
+                              "--out", str(tmp_path / "run")],
+                             capture_output=True, text=True, env=env, timeout=600)
+    finally:
+        client.put_object(Bucket=bucket, Key=prefix, Body=good)
+    assert run.returncode == 1, run.stderr
+    errors = [line for line in run.stderr.splitlines() if "sha256 is" in line]
+    assert len(errors) == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "restore the object or re-run the conversion" in errors[0]
+    cached = {p.name for p in (tmp_path / "cache" / "shards").iterdir()}  # the good tars fetched alongside stay
+    assert f"{shard.sha256}.tar" not in cached and f"{shard.sha256}.part" not in cached
