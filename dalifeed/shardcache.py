@@ -30,7 +30,6 @@ import errno
 import fcntl
 import hashlib
 import os
-import re
 import shutil
 import sys
 import threading
@@ -40,25 +39,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import s3
+from .cliutil import parse_size
 from .format import ShardInfo, ShardManifest, file_sha256
 
 CHUNK = 2**20  # bytes per read of a GET's body
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 class CacheFull(s3.StorageError):
     """The cache (its limit, or its disk) cannot hold what this rank needs now. One line with the sizes."""
-
-
-def parse_size(text: str | int) -> int:
-    """'20G', '500M', '1.5T', '123' (bytes) -> bytes (powers of 1024). ValueError in one line otherwise."""
-    if isinstance(text, int):
-        return text
-    found = _SIZE.match(str(text))
-    if not found:
-        raise ValueError(f"{text!r} is not a size (examples: 500M, 20G, 1.5T, 123456)")
-    return int(float(found.group(1)) * _UNITS[found.group(2).lower()])
 
 
 def human(size: int) -> str:
@@ -407,11 +395,12 @@ class ShardCache:
 def shard_cache_of(manifest: ShardManifest, folder: str | os.PathLike | None, limit: int | str | None,
                    sha256: bool = False) -> ShardCache | None:
     """The cache `make_loader` reads a store's folder through (`folder` default: `shards/` in dalifeed's cache
-    folder; `limit` bytes or '20G'); None for a local folder, which DALI reads where it is."""
+    folder; `limit` bytes or a size as `--cache-limit` reads it: '20GB' = 20 * 10**9, '20GiB' = 20 * 2**30);
+    None for a local folder, which DALI reads where it is."""
     if manifest.url is None:
         return None
     config = CacheConfig(Path(folder) if folder else default_folder(),
-                         None if limit is None else parse_size(limit), verify_sha256=sha256)
+                         limit if limit is None or isinstance(limit, int) else parse_size(limit), verify_sha256=sha256)
     return ShardCache(manifest, config)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from dalifeed import s3
 from dalifeed.pipelines import make_loader
-from dalifeed.shardcache import CacheConfig, CacheFull, ShardCache, parse_size, rank_shards
+from dalifeed.shardcache import CacheConfig, CacheFull, ShardCache, rank_shards, shard_cache_of
 from dalifeed.shardfolder import open_shard_folder
 from dalifeed.convert import ConvertConfig, convert_imagefolder
 from fast_recipe import fast_args
@@ -136,7 +136,7 @@ def test_the_limit_evicts_shards_already_read(store, tmp_path):
 
     with pytest.raises(CacheFull, match=r"^s3://cache/photos: the shard cache's limit 1.0 KiB \(--cache-limit\) is "
                                         r"below the [0-9.]+ KiB of the \d tars this rank reads in one epoch"):
-        list(make_loader(store.url, "train", 4, cache_dir=tmp_path / "tiny", cache_limit="1k", **OPTIONS))
+        list(make_loader(store.url, "train", 4, cache_dir=tmp_path / "tiny", cache_limit="1KiB", **OPTIONS))
 
 
 def test_a_wrong_cache_entry_is_fetched_again_and_said_once(store, tmp_path):
@@ -166,15 +166,22 @@ def test_a_wrong_cache_entry_is_fetched_again_and_said_once(store, tmp_path):
     assert lines[1].endswith("is wrong (sha256 differs from the manifest): fetching it again")
 
 
-@pytest.mark.parametrize("text, size", [("123", 123), ("1k", 1024), ("500M", 500 * 2**20), ("1.5G", 3 * 2**29),
-                                        ("2 GiB", 2 * 2**30)])
-def test_sizes(text, size):
-    assert parse_size(text) == size
+def test_cache_limit_and_max_shard_bytes_read_a_size_the_same_way(store, tmp_path):
+    """One size grammar (issue 31): SI units as powers of 1000, IEC as powers of 1024, for every flag."""
+    from dalifeed.convert.cli import main as convert_cli
+
+    manifest = open_shard_folder(store.url)
+    for text, size in [("512MB", 512 * 10**6), ("512MiB", 512 * 2**20), ("1.5KB", 1500), ("4096", 4096)]:
+        cache = shard_cache_of(manifest, tmp_path / "cache", text)
+        converting = convert_cli.commands["imagefolder"].make_context(
+            "imagefolder", [str(store.tmp / "src"), str(tmp_path / "out"), "--max-shard-bytes", text])
+        assert cache.limit == converting.params["max_shard_bytes"] == size
+        cache.close()
 
 
-def test_a_size_that_is_not_one():
-    with pytest.raises(ValueError, match=r"^'lots' is not a size \(examples: 500M, 20G, 1.5T, 123456\)$"):
-        parse_size("lots")
+def test_an_ambiguous_size_is_refused(store, tmp_path):
+    with pytest.raises(ValueError, match=r"^'500M': write MB \(powers of 1000\) or MiB \(powers of 1024\)$"):
+        shard_cache_of(open_shard_folder(store.url), tmp_path / "cache", "500M")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -355,11 +362,11 @@ def test_a_cache_limit_that_is_not_a_size_is_a_usage_error(store, tmp_path):
     trained = CliRunner().invoke(train_cli, ["--data", store.url, "--out", str(tmp_path / "run"),
                                              "--cache-limit", "lots"])
     assert trained.exit_code == 2
-    assert "--cache-limit: 'lots' is not a size (examples: 500M, 20G, 1.5T, 123456)" in trained.output
+    assert "--cache-limit: not a size: 'lots' (e.g. 4096, 512MB, 256MiB, 1GiB)" in trained.output
     benched = CliRunner().invoke(bench_cli, ["--shards", store.url, "--imagefolder", str(store.tmp / "src"),
                                              "--out", str(tmp_path / "bench"), "--cache-limit", "lots"])
     assert benched.exit_code == 2
-    assert "--cache-limit: 'lots' is not a size (examples: 500M, 20G, 1.5T, 123456)" in benched.output
+    assert "--cache-limit: not a size: 'lots' (e.g. 4096, 512MB, 256MiB, 1GiB)" in benched.output
 
 
 def test_dali_opens_every_tar_when_it_builds_the_pipeline(store, tmp_path):

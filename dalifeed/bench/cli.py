@@ -81,7 +81,7 @@ def d(name: str):
               help="--shards s3://...: the shard cache the DALI loaders fetch whole tars into [default: shards/ in "
                    "dalifeed's cache folder].")
 @click.option("--cache-limit", default=None, metavar="SIZE",
-              help="--shards s3://...: bound of the shard cache, e.g. 20G [default: 90% of the free space].")
+              help="--shards s3://...: bound of the shard cache, e.g. 20GB (20*10^9 bytes) or 20GiB (20*2^30) [default: 90% of the free space].")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def main(debug: bool, **options):
     """Race the DALI pipelines against the torch DataLoader baseline on the same images and augmentation

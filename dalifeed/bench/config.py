@@ -9,7 +9,7 @@ from dalifeed.cliutil import output_folder_problem
 from dalifeed.format import ManifestError
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig
 from dalifeed.runtime import usable_cores
-from dalifeed.shardcache import parse_size
+from dalifeed.cliutil import parse_size
 from dalifeed.shardfolder import open_shard_folder
 
 from .detection import DETECTION_LOADERS, same_coco_data_problem

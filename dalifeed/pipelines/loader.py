@@ -363,8 +363,8 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
     A list of shard folders mixes them (`weights`: their proportions in every batch, default equal;
     `dalifeed.pipelines.mixing` says how epochs, classes and resume work then).
     `cache_dir`, `cache_limit` (s3:// only): the node's shard cache the tars are fetched into, whole, before
-    DALI reads them (default: `shards/` in dalifeed's cache folder; limit in bytes or '20G', default 90% of
-    the free space; see dalifeed/shardcache.py and docs/storage.md).
+    DALI reads them (default: `shards/` in dalifeed's cache folder; limit in bytes or a size such as '20GB'
+    (20 * 10^9) or '20GiB' (20 * 2^30), default 90% of the free space; see dalifeed/shardcache.py and docs/storage.md).
     """
     if isinstance(shards_dir, (list, tuple)):
         args = {k: v for k, v in locals().items() if k not in ("shards_dir", "split", "batch_size", "weights", "train")}

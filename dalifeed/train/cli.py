@@ -145,7 +145,7 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
               help="s3:// data: the node's shard cache, shared by its ranks, where each tar is fetched whole "
                    "(one GET) before DALI reads it [default: shards/ in $DALIFEED_CACHE or ~/.cache/dalifeed].")
 @click.option("--cache-limit", default=None, metavar="SIZE",
-              help="s3:// data: bound of the shard cache (e.g. 200G; tars read earliest are evicted first); must "
+              help="s3:// data: bound of the shard cache (e.g. 200GB = 200*10^9 bytes, 200GiB = 200*2^30; tars read earliest are evicted first); must "
                    "hold what the node's ranks read in one epoch [default: 90% of the free space].")
 @click.option("--progress-every", type=float, default=d("progress_every"), show_default=True, metavar="SECONDS",
               help="When stdout is not a terminal (Slurm, nohup, > log): a progress line every SECONDS with the "

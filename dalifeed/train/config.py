@@ -74,7 +74,7 @@ class TrainConfig:
     synthetic: bool = False  # train on one real batch repeated: the speed of the model alone
     check_shards: str = "size"  # size | sha256: what is compared with the manifest before training
     cache_dir: str | None = None  # s3:// data: the node's shard cache (default: shards/ in dalifeed's cache)
-    cache_limit: str | None = None  # its bound, "20G" or bytes (default: 90% of the free space)
+    cache_limit: str | None = None  # its bound, "20GB" (SI) or "20GiB" (IEC), or bytes (default: 90% of the free space)
     progress_every: float = 30.0  # seconds between progress lines when stdout is not a terminal (0: none)
     tensorboard_every: int = 50  # optimizer steps between per-step TensorBoard scalars (0: none)
     data_weights: list[float] | None = None  # with several --data: their shares of every batch (default equal)
@@ -137,7 +137,7 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(message)
         if self.cache_limit is not None:
-            from dalifeed.shardcache import parse_size
+            from dalifeed.cliutil import parse_size
 
             try:
                 parse_size(self.cache_limit)
