@@ -8,13 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+import webdataset as wds
 from click.testing import CliRunner
 
 from dalifeed.bench.cli import main as bench_cli
 from dalifeed.bench.report import LOADER_COLOURS, figure
 
-from helpers import write_imagefolder
+from helpers import jpeg_bytes, write_imagefolder
 
 PY = sys.executable
 
@@ -65,3 +68,46 @@ def test_bench_model_timing_says_how_long_and_plots_both_panels(bench_data, tmp_
 
 def _rgb(hex_colour: str) -> tuple[float, float, float]:
     return tuple(int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
+
+
+def test_bench_of_gpu_loaders_without_a_gpu_is_one_line_exit_2(bench_data, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: dali-gpu runs")
+    src, shards = bench_data
+    result = run_bench("--imagefolder", str(src), "--shards", str(shards), "--batch-size", "4",
+                       "--loaders", "dali-gpu,dali-hybrid", "--out", str(tmp_path / "b"))
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert errors == ["Error: --loaders dali-gpu,dali-hybrid: none can run here (dali-gpu: skipped (no GPU); "
+                      "dali-hybrid: skipped (no GPU)); add one that can, e.g. --loaders dali-cpu"], result.stderr
+    assert "unexpected" not in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "b").exists()
+
+
+def adopted_folder(root: Path) -> Path:
+    """Tars webdataset's ShardWriter wrote (no ImageFolder behind them), indexed with `shard-convert index`."""
+    root.mkdir(parents=True)
+    with wds.ShardWriter(str(root / "train-%06d.tar"), maxcount=6, verbose=0) as sink:
+        for i in range(17):
+            sink.write({"__key__": f"{i:06d}", "jpg": jpeg_bytes(np.full((24, 20, 3), 40 * (i % 3), np.uint8)),
+                        "cls": i % 3})
+    indexed = subprocess.run([PY, "-m", "dalifeed.convert.cli", "index", str(root)], capture_output=True, text=True,
+                             timeout=120)
+    assert indexed.returncode == 0, indexed.stderr
+    return root
+
+
+def test_bench_of_an_adopted_folder_needs_no_imagefolder_for_shard_loaders(tmp_path):
+    shards = adopted_folder(tmp_path / "ds")
+    result = run_bench("--shards", str(shards), "--batch-size", "4", "--loaders", "dali-cpu,webdataset",
+                       "--seconds", "0.2", "--repeats", "1", "--warmup", "1", "--out", str(tmp_path / "b"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert [r["loader"] for r in report["results"]] == ["dali-cpu", "webdataset"]
+
+    # the baseline reads an ImageFolder: that, and only that, asks for one
+    baseline = run_bench("--shards", str(shards), "--batch-size", "4", "--out", str(tmp_path / "c"))
+    assert baseline.returncode == 2
+    assert [line for line in baseline.stderr.splitlines() if line.startswith("Error:")] == [
+        "Error: --imagefolder is required by the baseline loader (the ImageFolder tree the shards were made from); "
+        "without one, race only the loaders that read the shards: --loaders webdataset,dali-cpu,dali-hybrid,dali-gpu"]

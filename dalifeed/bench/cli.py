@@ -29,7 +29,9 @@ def d(name: str):
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--imagefolder", type=click.Path(path_type=Path), default=None,
-              help="The ImageFolder tree the baseline reads (the split's own folder, e.g. SRC/train).")
+              help="The ImageFolder tree the baseline reads (the split's own folder, e.g. SRC/train). Needed only "
+                   "when the baseline runs: the other loaders read --shards (e.g. shards adopted with "
+                   "shard-convert index, which have no ImageFolder).")
 @click.option("--task", type=click.Choice(["classify", "detection"]), default=d("task"), show_default=True,
               help="detection: race make_detection_loader (IoU crop, flip, resize to --image-size square, boxes) "
                    "against a torchvision DataLoader with transforms.v2 (RandomIoUCrop, RandomHorizontalFlip, "
@@ -43,7 +45,8 @@ def d(name: str):
               help="The shard folder shard-convert made from the same images (checked: see below), or "
                    "s3://bucket/prefix: DALI then reads the tars from the store (docs/storage.md).")
 @click.option("--loaders", default=",".join(d("loaders")), show_default=True,
-              help="Comma-separated subset to run. dali-hybrid and dali-gpu are skipped without a GPU.")
+              help="Comma-separated subset to run. dali-hybrid and dali-gpu are skipped without a GPU (exit 2 "
+                   "when no loader given can run here).")
 @click.option("--split", default=d("split"), show_default=True)
 @click.option("--batch-size", type=int, default=d("batch_size"), show_default=True)
 @click.option("--image-size", type=int, default=d("image_size"), show_default=True)
@@ -100,10 +103,10 @@ def main(debug: bool, **options):
     Example:
       dali-bench --imagefolder /data/imagenet/train --shards /data/imagenet-shards --model resnet50
 
-    Before timing anything it checks that --imagefolder holds the files the shards' split was made from
-    (shard-convert records their names and sizes), that the split holds at least one batch and that --model
-    takes --image-size (built on the meta device, as dali-train builds it); any failing is one line and
-    exit 2. Reports images/s (median of --repeats), speed-up over baseline measured in the same run, CPU
+    Before timing anything it checks that --imagefolder (when the baseline runs) holds the files the shards'
+    split was made from (shard-convert records their names and sizes), that the split holds at least one
+    batch, that at least one loader can run here and that --model takes --image-size (built on the meta
+    device, as dali-train builds it); any failing is one line and exit 2. Reports images/s (median of --repeats), speed-up over baseline measured in the same run, CPU
     use and peak memory, and with --model the training steps/s each loader sustains against synthetic
     data (with a time estimate after the first step); writes OUT/bench.json, OUT/bench.png and
     OUT/config.json.

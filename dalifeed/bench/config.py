@@ -13,7 +13,7 @@ from dalifeed.cliutil import parse_size
 from dalifeed.shardfolder import open_shard_folder
 
 from .detection import DETECTION_LOADERS, same_coco_data_problem
-from .loaders import LOADERS
+from .loaders import IMAGEFOLDER_LOADERS, LOADERS, skip_reason
 from .same_data import same_data_problem
 
 
@@ -62,9 +62,6 @@ class BenchConfig:
             raise BenchUsageError(f"--task must be classify or detection, got {self.task!r}")
         if self.task == "detection":
             self.validate_detection_source()
-        elif self.imagefolder is None or not self.imagefolder.is_dir():
-            raise BenchUsageError(f"--imagefolder {self.imagefolder}: no such folder" if self.imagefolder else
-                                  "--imagefolder is required (the ImageFolder tree the shards were made from)")
         try:
             manifest = open_shard_folder(self.shards)
         except ManifestError as e:
@@ -84,6 +81,15 @@ class BenchConfig:
         if unknown:
             raise BenchUsageError(f"--loaders: unknown {', '.join(unknown)} for --task {self.task} (choose from "
                                   f"{', '.join(known)})")
+        self.check_loaders_run_here()
+        if self.task == "classify" and self.reads_imagefolder():
+            if self.imagefolder is None:
+                raise BenchUsageError(f"--imagefolder is required by the {', '.join(self.reads_imagefolder())} "
+                                      f"loader (the ImageFolder tree the shards were made from); without one, race "
+                                      f"only the loaders that read the shards: --loaders "
+                                      f"{','.join(n for n in LOADERS if n not in IMAGEFOLDER_LOADERS)}")
+            if not self.imagefolder.is_dir():
+                raise BenchUsageError(f"--imagefolder {self.imagefolder}: no such folder")
         if self.task == "detection" and self.model:
             raise BenchUsageError("--model times classification models; it does not apply to --task detection")
         for name, value in (("--batch-size", self.batch_size), ("--repeats", self.repeats),
@@ -122,11 +128,30 @@ class BenchConfig:
                                   f"--batch-size {self.batch_size}: use --batch-size {images} or less, or more images")
         if self.task == "detection":
             problem = same_coco_data_problem(self.images, self.annotations, manifest, self.split)
-        else:
+        elif self.reads_imagefolder():
             problem = same_data_problem(self.imagefolder, manifest, self.split)
+        else:  # every loader reads the shards: there is nothing to compare them with
+            problem = None
         if problem and not self.allow_different_data:
             raise BenchUsageError(f"not the same data, so the race would compare nothing: {problem}; point both at "
                                   f"the same images (or pass --allow-different-data)")
+
+    def reads_imagefolder(self) -> list[str]:
+        """The loaders of this race that read --imagefolder (classify); the others read the shards."""
+        return [name for name in self.loaders if name in IMAGEFOLDER_LOADERS and not self._skipped(name)]
+
+    def check_loaders_run_here(self) -> None:
+        """A race of loaders none of which can run here (dali-gpu without a GPU) would time nothing."""
+        reasons = {name: self._skipped(name) for name in self.loaders}
+        if all(reasons.values()):
+            raise BenchUsageError(f"--loaders {','.join(self.loaders)}: none can run here ("
+                                  f"{'; '.join(f'{n}: {why}' for n, why in reasons.items())}); "
+                                  f"add one that can, e.g. --loaders dali-cpu")
+
+    def _skipped(self, name: str) -> str | None:
+        import torch
+
+        return skip_reason(name, self.shards, "cuda" if torch.cuda.is_available() else "cpu")
 
     def check_model(self) -> None:
         """--model exists and takes --image-size in batches of --batch-size: checked on the meta device before any

@@ -22,11 +22,23 @@ import torch
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.augment import torchvision_policy
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, AugmentConfig
+from dalifeed.s3 import is_s3_url
 from dalifeed.shardfolder import open_shard_folder
 
 LOADERS = ("baseline", "webdataset", "dali-cpu", "dali-hybrid", "dali-gpu")
 GPU_LOADERS = ("dali-hybrid", "dali-gpu")  # skipped where there is no GPU
 DALI_DEVICES = {"dali-cpu": "cpu", "dali-hybrid": "hybrid", "dali-gpu": "gpu"}
+IMAGEFOLDER_LOADERS = ("baseline",)  # the loaders that read --imagefolder; the others read the shards
+
+
+def skip_reason(name: str, shards: Path | str, device_type: str) -> str | None:
+    """Why loader `name` cannot run here (said in the log, left out of the report), or None. `device_type`:
+    'cuda' when torch sees a GPU, else 'cpu'."""
+    if name in GPU_LOADERS and device_type != "cuda":
+        return "skipped (no GPU)"
+    if name == "webdataset" and is_s3_url(shards):
+        return "skipped (plain webdataset reads s3:// only through a pipe: command; not measured)"
+    return None
 
 
 # -- the augmentation: torchvision's and DALI's from the same AugmentConfig -----------------------------

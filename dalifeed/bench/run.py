@@ -12,12 +12,11 @@ import torch
 from tqdm import tqdm
 
 from dalifeed.runtime import usable_cores
-from dalifeed.s3 import is_s3_url
 from dalifeed.shardfolder import open_shard_folder
 
 from .config import BenchConfig
 from .detection import build_detection_loader
-from .loaders import GPU_LOADERS, build_loader
+from .loaders import build_loader, skip_reason
 from .measure import forever, synthetic_batches, time_loader, train_steps_per_s
 
 
@@ -47,7 +46,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     batches = max(1, cfg.epochs * images // cfg.batch_size) if cfg.epochs else None
     records, model_records = [], {}
     for name in cfg.loaders:
-        skipped = skip_reason(cfg, name, device)
+        skipped = skip_reason(name, cfg.shards, device.type)
         if skipped:
             log(f"{name}: {skipped}")
             continue
@@ -69,15 +68,6 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         r["speedup_vs_baseline"] = r["images_per_s"] / base if base else None
     return {"config": cfg.to_json(), "environment": environment(), "dataset": dataset_of(cfg, images),
             "results": records, "synthetic": model_records.get("synthetic")}
-
-
-def skip_reason(cfg: BenchConfig, name: str, device: torch.device) -> str | None:
-    """Why loader `name` cannot run here (said in the log, left out of the report), or None."""
-    if name in GPU_LOADERS and device.type != "cuda":
-        return "skipped (no GPU)"
-    if name == "webdataset" and is_s3_url(cfg.shards):
-        return "skipped (plain webdataset reads s3:// only through a pipe: command; not measured)"
-    return None
 
 
 def bench_loader(cfg: BenchConfig, name: str, device: torch.device):
