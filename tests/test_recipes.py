@@ -396,7 +396,25 @@ def test_bench_races_a_policy_through_every_loader_and_records_it(photo_shards, 
     assert [r["loader"] for r in report["results"]] == ["baseline", "dali-cpu"]
     assert all(r["images_per_s"] > 0 for r in report["results"])
     preview = Image.open(out / "preview.png")
-    assert preview.size == (3 * (32 + 4) + 4, 3 * (32 + 4) + 4)  # 3 rows: stored, DALI, torchvision
+    # 3 columns (stored, DALI, torchvision) under a header line; 3 rows, each image captioned with its label
+    assert preview.size == (3 * (32 + 4) + 4, 12 + 3 * (32 + 12 + 4) + 4)
+
+
+def test_preview_captions_are_the_labels_of_its_samples_in_order(photo_shards):
+    """Checked against plain webdataset reading the same tars: the label under each row is its sample's."""
+    import webdataset as wds
+
+    from dalifeed.pipelines.preview import first_samples
+    from dalifeed.shardfolder import open_shard_folder
+
+    manifest = open_shard_folder(photo_shards)
+    n = min(manifest.num_samples("train"), 2 * manifest.split_info("train").shards[0].samples + 1)  # crosses tars
+    jpegs, captions = first_samples(photo_shards, "train", n)
+    reference = wds.WebDataset([str(p) for p in manifest.shard_paths("train")], shardshuffle=False)
+    expected = [(sample["jpg"], int(sample["cls"])) for sample, _ in zip(reference, range(n))]
+    assert jpegs == [jpeg for jpeg, _ in expected]
+    assert captions == [f"{label} {manifest.classes[label]}" for _, label in expected]
+    assert len(set(captions)) > 1  # more than one class among them: an off-by-one would show
 
 
 def test_baseline_transform_applies_torchvisions_policy_and_erasing():

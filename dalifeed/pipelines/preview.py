@@ -18,7 +18,7 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 from PIL import Image
 
-from dalifeed.format import IMAGE_MEMBER
+from dalifeed.format import CLASS_MEMBER, IMAGE_MEMBER
 from dalifeed.shardfolder import open_shard_folder
 
 from .graphs import AugmentConfig, train_augment
@@ -26,18 +26,32 @@ from .graphs import AugmentConfig, train_augment
 CELL_GAP = 4
 
 
-def first_jpegs(shards: str | Path, split: str, n: int) -> list[bytes]:
-    """The first `n` images of `split` (shard order), as stored."""
+def first_samples(shards: str | Path, split: str, n: int) -> tuple[list[bytes], list[str]]:
+    """The first `n` images of `split` (shard order), as stored, and the caption of each: its label as the
+    manifest names it (the class name, else the index; '?' for a sample without a `cls` member)."""
     manifest = open_shard_folder(shards)
-    found: list[bytes] = []
+    jpegs: dict[str, bytes] = {}
+    labels: dict[str, str] = {}
     for path in manifest.shard_paths(split):
         with tarfile.open(path) as tar:
             for member in tar:
-                if member.name.endswith("." + IMAGE_MEMBER):
-                    found.append(tar.extractfile(member).read())
-                    if len(found) == n:
-                        return found
-    return found
+                key, _, extension = Path(member.name).name.partition(".")
+                if extension == IMAGE_MEMBER and len(jpegs) < n:
+                    jpegs[key] = tar.extractfile(member).read()
+                elif extension == CLASS_MEMBER:
+                    labels[key] = tar.extractfile(member).read().decode().strip()
+                if len(jpegs) == n and all(k in labels for k in jpegs):
+                    break
+        if len(jpegs) == n:
+            break
+    return list(jpegs.values()), [caption_of(labels.get(key), manifest.classes) for key in jpegs]
+
+
+def caption_of(label: str | None, classes: list[str]) -> str:
+    if label is None:
+        return "?"
+    index = int(label)
+    return f"{index} {classes[index]}" if 0 <= index < len(classes) else str(index)
 
 
 def dali_augmented(jpegs: list[bytes], cfg: AugmentConfig, seed: int = 0) -> list[np.ndarray]:
@@ -87,29 +101,46 @@ def to_uint8(image: torch.Tensor, cfg: AugmentConfig) -> np.ndarray:
     return (image.float() * std + mean).round().clamp(0, 255).to(torch.uint8).numpy()
 
 
-def grid(rows: list[list[np.ndarray]], size: int) -> Image.Image:
-    """Rows of equal-length lists of images, each shown in a size x size cell."""
+COLUMNS = ("stored", "DALI", "torchvision")
+TEXT_HEIGHT = 12  # PIL's default bitmap font is 11 px high
+
+
+def grid(rows: list[list[np.ndarray]], size: int, headers: list[str], captions: list[str]) -> Image.Image:
+    """Rows of equal-length lists of images, each shown in a size x size cell, a header above each column and
+    each row's caption (its sample's label) under each of its images: a label can be checked against its
+    augmented image."""
+    from PIL import ImageDraw
+
     columns = max(len(r) for r in rows)
-    canvas = Image.new("RGB", (columns * (size + CELL_GAP) + CELL_GAP, len(rows) * (size + CELL_GAP) + CELL_GAP),
+    row_height = size + TEXT_HEIGHT + CELL_GAP
+    canvas = Image.new("RGB", (columns * (size + CELL_GAP) + CELL_GAP, TEXT_HEIGHT + len(rows) * row_height + CELL_GAP),
                        (255, 255, 255))
-    for i, row in enumerate(rows):
+    draw = ImageDraw.Draw(canvas)
+    for j, header in enumerate(headers):
+        draw.text((CELL_GAP + j * (size + CELL_GAP), 0), header, fill=(0, 0, 0))
+    for i, (row, caption) in enumerate(zip(rows, captions)):
+        top = TEXT_HEIGHT + CELL_GAP + i * row_height
         for j, image in enumerate(row):
             cell = Image.fromarray(image)
             cell.thumbnail((size, size))
-            canvas.paste(cell, (CELL_GAP + j * (size + CELL_GAP), CELL_GAP + i * (size + CELL_GAP)))
+            left = CELL_GAP + j * (size + CELL_GAP)
+            canvas.paste(cell, (left, top))
+            draw.text((left, top + size), caption, fill=(0, 0, 0))
     return canvas
 
 
 def write_preview(shards: str | Path, out: str | Path, n: int, cfg: AugmentConfig, split: str = "train",
                   seed: int = 0) -> Path:
-    """OUT.png: one row per sample: the stored image, DALI's augmentation, torchvision's."""
-    jpegs = first_jpegs(shards, split, n)
+    """OUT.png: one row per sample: the stored image, DALI's augmentation, torchvision's, each captioned with
+    the sample's label, under column headers."""
+    jpegs, captions = first_samples(shards, split, n)
     if not jpegs:
         raise ValueError(f"{shards}: split {split!r} holds no images")
     dali = dali_augmented(jpegs, cfg, seed)
     reference = torchvision_augmented(jpegs, cfg, seed)
     originals = [np.asarray(Image.open(io.BytesIO(j)).convert("RGB")) for j in jpegs]
-    image = grid([[o, d, t] for o, d, t in zip(originals, dali, reference)], size=cfg.image_size)
+    image = grid([[o, d, t] for o, d, t in zip(originals, dali, reference)], size=cfg.image_size,
+                 headers=list(COLUMNS), captions=captions)
     out = Path(out)
     image.save(out)
     return out
