@@ -206,6 +206,78 @@ def test_usage_and_data_errors(tmp_path):
     assert result.returncode == 2 and "no such folder" in result.stderr
 
 
+def compress(tar: Path, suffix: str, tool: list[str]) -> Path:
+    """`tar` compressed with `tool` (reading stdin, writing stdout) into TAR-without-.tar + suffix; `tar` removed."""
+    out = tar.with_name(tar.name[:-len(".tar")] + suffix)
+    with open(tar, "rb") as src, open(out, "wb") as dst:
+        subprocess.run(tool, stdin=src, stdout=dst, check=True)
+    tar.unlink()
+    return out
+
+
+def test_compressed_tars_are_named_with_their_command_and_fail_the_run(tmp_path):
+    """A .tar.gz beside a .tar is counted, named with the command that decompresses it, and the run exits 1
+    after indexing the .tar; running that command and index again adopts both."""
+    root = tmp_path / "ds"
+    write_shardwriter(root, "train", 12, per_shard=5)  # train-000000..2.tar: 5 + 5 + 2
+    compress(root / "train-000001.tar", ".tar.gz", ["gzip", "-c"])
+    compress(root / "train-000002.tar", ".tar.zst", ["zstd", "-q", "-c"])
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(root)], capture_output=True, text=True,
+                            env=ENV)
+    assert result.returncode == 1
+    assert "Indexed 5 of 5 samples in 1 tars" in result.stdout
+    assert f"2 compressed tar(s) not indexed (train-000001.tar.gz, train-000002.tar.zst)" in result.stderr
+    assert f"gunzip -k {root / 'train-000001.tar.gz'}" in result.stderr
+    assert f"zstd -d {root / 'train-000002.tar.zst'} -o {root / 'train-000002.tar'}" in result.stderr
+    manifest = ShardManifest.load(root)
+    compressed = {e["path"]: e["reason"] for e in manifest.skipped}
+    assert list(compressed) == ["train-000001.tar.gz", "train-000002.tar.zst"]
+    assert compressed["train-000001.tar.gz"].startswith("compressed tar: DALI reads only uncompressed tars")
+    assert manifest.found == 5 + 2 and manifest.num_samples("train") == 5
+    for command in (f"gunzip -k {root / 'train-000001.tar.gz'}",  # what the message says, as written
+                    f"zstd -d {root / 'train-000002.tar.zst'} -o {root / 'train-000002.tar'}"):
+        subprocess.run(command.split(), check=True)
+    again = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(root)], capture_output=True, text=True,
+                           env=ENV)
+    assert again.returncode == 0, again.stderr
+    assert "Indexed 12 of 12 samples in 3 tars" in again.stdout
+    assert "Note: train-000001.tar.gz: not read; taken as the compressed copy of train-000001.tar" in again.stdout
+    manifest = ShardManifest.load(root)
+    assert manifest.skipped == [] and manifest.found == 12 and len(manifest.warnings) == 2
+
+
+def test_only_compressed_tars_is_an_error_naming_the_command(tmp_path):
+    write_shardwriter(tmp_path, "train", 3, per_shard=5)
+    compress(tmp_path / "train-000000.tar", ".tgz", ["gzip", "-c"])
+    (tmp_path / "notes.txt").write_text("not a tar")
+    with pytest.raises(IndexDataError, match=r"nothing to index: 1 compressed tar\(s\) \(train-000000.tgz\) and "
+                                             r"no .tar; DALI reads only uncompressed tars: .* gunzip -k .*tgz$"):
+        index_folder(IndexConfig(tmp_path))
+    assert not (tmp_path / "manifest.json").exists()
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tmp_path)], capture_output=True,
+                            text=True, env=ENV)
+    assert result.returncode == 1 and "nothing to index" in result.stderr
+
+
+def test_compressed_tars_in_object_storage(tmp_path, s3_bucket):
+    from dalifeed import s3
+
+    write_shardwriter(tmp_path / "ds", "train", 8, per_shard=5)
+    packed = compress(tmp_path / "ds" / "train-000001.tar", ".tar.xz", ["xz", "-c"])
+    url = f"{s3_bucket}/mixed"
+    for path in sorted((tmp_path / "ds").iterdir()):
+        s3.upload_file(path, f"{url}/{path.name}", file_sha256(path))
+    manifest = index_folder(IndexConfig(url))
+    assert manifest.num_samples("train") == 5 and manifest.found == 5 + 1
+    assert manifest.skipped == [{"path": packed.name, "reason": (
+        f"compressed tar: DALI reads only uncompressed tars; decompress it (aws s3 cp {url}/train-000001.tar.xz - "
+        f"| xz -dc | aws s3 cp - {url}/train-000001.tar) and index again")}]
+    assert manifest.summary.compressed_error().startswith("1 compressed tar(s) not indexed (train-000001.tar.xz)")
+    s3.delete(url, ["train-000000.tar", "train-000000.idx", "manifest.json"])
+    with pytest.raises(IndexDataError, match="nothing to index: 1 compressed tar"):
+        index_folder(IndexConfig(url))
+
+
 def test_dali_train_on_indexed_shardwriter_tars(tmp_path):
     """Done means: ShardWriter tars, `shard-convert index`, then dali-train trains and evaluates on them."""
     write_shardwriter(tmp_path / "ds", "train", 24, per_shard=10)

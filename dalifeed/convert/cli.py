@@ -325,12 +325,23 @@ def index_cmd(src: Path, split, label_member, label_key, classes_file, max_pixel
     PNG, CMYK, lossless, 12-bit ... JPEGs), a duplicate key, a key split across two tars. The index lists
     the kept samples only, so training never meets the others. Then verify, info, dali-train, dali-bench
     and make_loader work on SRC. See docs/format.md ("Shards from elsewhere").
+
+    \b
+    Compressed tars (.tar.gz, .tgz, .tar.xz, .txz, .tar.zst, .tzst, .tar.bz2, .tbz2) cannot be read by DALI:
+    each is listed in `skipped` with the command that decompresses it beside itself (gunzip -k, xz -dk,
+    zstd -d, bunzip2 -k), and index exits 1, after indexing the other tars, or at once when there are no
+    others. One with its plain .tar beside it (NAME.tar.gz and NAME.tar) is taken as that tar's copy: noted,
+    not counted.
     """
     manifest = run_command(
         lambda: index_folder(IndexConfig(src, split, label_member, label_key, classes_file, max_pixels)),
         debug=debug, usage_errors=(IndexUsageError,), runtime_errors=(IndexDataError, StorageError, OSError),
         stopped=lambda e: "the tars are unchanged; run the same command again")
     click.echo(manifest.summary.describe(manifest))
+    compressed = manifest.summary.compressed_error()
+    if compressed:  # data left out that one command restores: not a success a script should go on from
+        click.echo(f"Error: {manifest.location}: {compressed}", err=True)
+        sys.exit(1)
 
 
 @main.command("verify", context_settings=CONTEXT)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shlex
 import tarfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -44,6 +45,13 @@ SPLIT_NAMES = {"train": "train", "training": "train",
                "val": "val", "valid": "val", "validation": "val", "dev": "val", "eval": "val", "evaluation": "val",
                "test": "test", "testing": "test"}
 DEFAULT_SPLIT = "train"  # of tars whose names carry no split prefix
+# Compressed tars, which DALI's webdataset reader cannot read (it seeks to each member's offset in the tar
+# itself), and the program that gives back the plain `.tar` beside each (`decompress_command`).
+COMPRESSED_TARS = {".tar.gz": "gzip", ".tgz": "gzip", ".tar.xz": "xz", ".txz": "xz", ".tar.zst": "zstd",
+                   ".tzst": "zstd", ".tar.bz2": "bzip2", ".tbz2": "bzip2"}
+# Each writes NAME.tar beside NAME.tar.gz (NAME.tgz ...) and keeps the compressed file.
+DECOMPRESS_IN_PLACE = {"gzip": "gunzip -k {src}", "xz": "xz -dk {src}", "bzip2": "bunzip2 -k {src}",
+                       "zstd": "zstd -d {src} -o {tar}"}
 
 
 class IndexUsageError(Exception):
@@ -127,13 +135,13 @@ class TarFolder:
     def where(self, name: str) -> str:
         return s3.join(self.location, name) if self.remote else str(self.location / name)
 
-    def tar_names(self) -> list[str]:
-        """The tars directly in the folder, in name order (zero-padded numbers sort alike)."""
+    def file_names(self) -> list[str]:
+        """The files directly in the folder but hidden ones, in name order (zero-padded numbers sort alike)."""
         if self.remote:
             names = [n for n in s3.list_objects(self.location) if "/" not in n]
         else:
             names = [p.name for p in self.location.iterdir() if p.is_file()]
-        return sorted(n for n in names if n.endswith(".tar") and not n.startswith("."))
+        return sorted(n for n in names if not n.startswith("."))
 
     def open(self, name: str):
         return s3.ObjectStream(self.where(name)) if self.remote else open(self.location / name, "rb")
@@ -317,15 +325,55 @@ def split_of(name: str, forced: str | None) -> str:
     return SPLIT_NAMES.get(prefix.lower()) or SPLIT_NAMES.get(last) or prefix
 
 
-def find_tars(folder: TarFolder, forced_split: str | None) -> dict[str, list[str]]:
-    """The tars of the folder by split, each in name order."""
-    names = folder.tar_names()
-    if not names:
-        raise IndexUsageError(f"{folder.location}: no .tar files in it")
+def find_tars(names: list[str], forced_split: str | None) -> dict[str, list[str]]:
+    """The tars among the folder's file `names` by split, each in name order."""
     splits: dict[str, list[str]] = {}
     for name in names:
-        splits.setdefault(split_of(name, forced_split), []).append(name)
+        if name.endswith(".tar"):
+            splits.setdefault(split_of(name, forced_split), []).append(name)
     return splits
+
+
+def compressed_suffix(name: str) -> str | None:
+    return next((suffix for suffix in COMPRESSED_TARS if name.endswith(suffix)), None)
+
+
+def decompress_command(folder: TarFolder, name: str) -> str:
+    """The command that writes the plain tar beside compressed tar `name`, keeping the compressed one."""
+    suffix = compressed_suffix(name)
+    tool, tar = COMPRESSED_TARS[suffix], name[:-len(suffix)] + ".tar"
+    if folder.remote:
+        return f"aws s3 cp {folder.where(name)} - | {tool} -dc | aws s3 cp - {folder.where(tar)}"
+    return DECOMPRESS_IN_PLACE[tool].format(src=shlex.quote(folder.where(name)), tar=shlex.quote(folder.where(tar)))
+
+
+@dataclass
+class CompressedTars:
+    """The compressed tars of a folder: `left_out`, without their plain tar beside them, are data DALI cannot
+    read (each a skipped entry naming the command that decompresses it); `copies` have it (noted only)."""
+
+    left_out: list[str]
+    copies: list[str]
+
+    @classmethod
+    def find(cls, names: list[str]) -> "CompressedTars":
+        present = set(names)
+        compressed = [n for n in names if compressed_suffix(n)]
+        copies = [n for n in compressed if n[:-len(compressed_suffix(n))] + ".tar" in present]
+        return cls([n for n in compressed if n not in copies], copies)
+
+    def commands(self, folder: TarFolder) -> dict[str, str]:
+        """Each compressed tar left out -> the command that decompresses it."""
+        return {name: decompress_command(folder, name) for name in self.left_out}
+
+    def skipped(self, folder: TarFolder) -> list[dict]:
+        return [{"path": name, "reason": f"compressed tar: DALI reads only uncompressed tars; decompress it "
+                                         f"({command}) and index again"}
+                for name, command in self.commands(folder).items()]
+
+    def notes(self) -> list[str]:
+        return [f"{name}: not read; taken as the compressed copy of {name[:-len(compressed_suffix(name))]}.tar "
+                f"beside it, which is indexed" for name in self.copies]
 
 
 def mark_keys_across_tars(tars: list[ScannedTar]) -> None:
@@ -423,17 +471,37 @@ def index_text(samples: list[Sample], cfg: IndexConfig) -> str:
 @dataclass
 class IndexSummary:
     samples: int
-    left_out: int
+    found: int  # samples seen (the manifest's `found` also counts the compressed tars left out)
     shards: int
     splits: dict[str, int]
+    compressed: dict[str, str] = field(default_factory=dict)  # compressed tar left out -> its decompress command
 
     def describe(self, manifest: ShardManifest) -> str:
-        reasons = Counter(e["reason"].split(":")[0] for e in manifest.skipped)
-        why = "; ".join(f"{n} {r}" for r, n in reasons.most_common()) or "none"
+        samples = [e for e in manifest.skipped if e["path"] not in self.compressed]
         splits = ", ".join(f"{name} {n}" for name, n in self.splits.items())
-        return (f"Indexed {self.samples} of {manifest.found} samples in {self.shards} tars ({splits}), "
-                f"{len(manifest.classes)} classes; left out {self.left_out} ({why}). The tars are unchanged; "
-                f"manifest: {manifest.location}/{MANIFEST_NAME}.")
+        text = (f"Indexed {self.samples} of {self.found} samples in {self.shards} tars ({splits}), "
+                f"{len(manifest.classes)} classes; left out {len(samples)} ({count_reasons(samples)}). The tars "
+                f"are unchanged; manifest: {manifest.location}/{MANIFEST_NAME}.")
+        return "\n".join([text, *(f"Note: {w}" for w in manifest.warnings)])
+
+    def compressed_error(self) -> str | None:
+        """The error line when compressed tars were left out (the command exits 1 after writing the rest)."""
+        if not self.compressed:
+            return None
+        return (f"{len(self.compressed)} compressed tar(s) not indexed ({first_few(list(self.compressed))}): DALI "
+                f"reads only uncompressed tars; the other tars are indexed. Decompress each, then run index "
+                f"again: {first_few(list(self.compressed.values()), '; ')}")
+
+
+def first_few(items: list[str], sep: str = ", ", shown: int = 3) -> str:
+    more = f"{sep}... ({len(items) - shown} more in the manifest's skipped)" if len(items) > shown else ""
+    return sep.join(items[:shown]) + more
+
+
+def count_reasons(skipped: list[dict]) -> str:
+    """`3 no label; 1 duplicate key`: the skipped entries counted by the reason's first words."""
+    reasons = Counter(e["reason"].split(":")[0] for e in skipped)
+    return "; ".join(f"{n} {r}" for r, n in reasons.most_common()) or "none"
 
 
 def scan_split(folder: TarFolder, names: list[str], cfg: IndexConfig, keep_images: bool = False) -> list[ScannedTar]:
@@ -443,22 +511,39 @@ def scan_split(folder: TarFolder, names: list[str], cfg: IndexConfig, keep_image
     return tars
 
 
+def tars_to_index(folder: TarFolder, forced_split: str | None) -> tuple[dict[str, list[str]], CompressedTars]:
+    """The folder's tars by split, and its compressed tars; IndexDataError when there are compressed tars and
+    nothing else to index, IndexUsageError when there are no tars at all."""
+    names = folder.file_names()
+    compressed = CompressedTars.find(names)
+    tars = find_tars(names, forced_split)
+    if tars:
+        return tars, compressed
+    if compressed.left_out:
+        commands = compressed.commands(folder)
+        raise IndexDataError(f"{folder.location}: nothing to index: {len(commands)} compressed tar(s) "
+                             f"({first_few(list(commands))}) and no .tar; DALI reads only uncompressed tars: "
+                             f"decompress them, then index again: {first_few(list(commands.values()), '; ')}")
+    raise IndexUsageError(f"{folder.location}: no .tar files in it")
+
+
 def index_folder(cfg: IndexConfig) -> ShardManifest:
     """Index every tar of `cfg.src` in place and write its manifest (last). The tars are only read."""
     folder = TarFolder(cfg.src)
     refuse_converted_folder(folder)
-    scanned = {split: scan_split(folder, names, cfg) for split, names in find_tars(folder, cfg.split).items()}
+    tar_names, compressed = tars_to_index(folder, cfg.split)
+    scanned = {split: scan_split(folder, names, cfg) for split, names in tar_names.items()}
     every = [s for tars in scanned.values() for tar in tars for s in tar.samples]
     classes = decide_classes([s.label for s in every if s.reason is None], cfg.classes_file)
     lookup = {name: i for i, name in enumerate(classes)}
     for sample in every:
         if sample.reason is None:
             sample.label, sample.reason = class_index(sample.label, classes, lookup)
+    compressed_skipped = compressed.skipped(folder)
     if not any(s.reason is None for s in every):
-        reasons = Counter(s.reason.split(":")[0] for s in every)
         raise IndexDataError(f"{cfg.src}: no sample can be trained on: {len(every)} found, all left out ("
-                             + "; ".join(f"{n} {r}" for r, n in reasons.most_common()) + ")")
-    splits, skipped, warnings, extensions = {}, [], [], {}
+                             + count_reasons([{"reason": s.reason} for s in every] + compressed_skipped) + ")")
+    splits, skipped, warnings, extensions = {}, [], compressed.notes(), {}
     for split, tars in scanned.items():
         info = SplitInfo(class_counts=[0] * len(classes))
         for tar in tars:
@@ -476,16 +561,17 @@ def index_folder(cfg: IndexConfig) -> ShardManifest:
     remote = folder.remote
     manifest = ShardManifest(
         root=Path(".") if remote else cfg.src, kind=KIND, source=cfg.src if remote else str(cfg.src.resolve()),
-        options=cfg.to_json(), classes=classes, splits=splits, skipped=skipped, found=len(every), warnings=warnings,
+        options=cfg.to_json(), classes=classes, splits=splits, skipped=compressed_skipped + skipped,
+        found=len(every) + len(compressed_skipped), warnings=warnings,
         extra={"webdataset": {"label": {"member": cfg.label_member, "key": cfg.label_key,
                                         "dali": dali_label(cfg)},
                               "extensions": extensions}},
         url=cfg.src if remote else None,
     )
     folder.write(MANIFEST_NAME, (json.dumps(manifest.to_json(), indent=2) + "\n").encode())  # last
-    manifest.summary = IndexSummary(sum(i.samples for i in splits.values()), len(skipped),
+    manifest.summary = IndexSummary(sum(i.samples for i in splits.values()), len(every),
                                     sum(len(i.shards) for i in splits.values()),
-                                    {name: i.samples for name, i in splits.items()})
+                                    {name: i.samples for name, i in splits.items()}, compressed.commands(folder))
     return manifest
 
 
