@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -215,6 +216,7 @@ def compress(tar: Path, suffix: str, tool: list[str]) -> Path:
     return out
 
 
+@pytest.mark.skipif(shutil.which("zstd") is None, reason="needs the zstd command (Debian package zstd)")
 def test_compressed_tars_are_named_with_their_command_and_fail_the_run(tmp_path):
     """A .tar.gz beside a .tar is counted, named with the command that decompresses it, and the run exits 1
     after indexing the .tar; running that command and index again adopts both."""
