@@ -201,7 +201,7 @@ def difference_problems(cpu: tuple[list[Op], list[Edge]], other: tuple[list[Op],
 
 def on_device(loader, device: str):
     """`loader` with its graph on `device`. make_loader and make_detection_loader refuse 'gpu' and 'hybrid'
-    where torch sees no CUDA (resolve_device), and the device string is all their graph takes from that choice
+    on a node without GPUs (resolve_device), and the device string is all their graph takes from that choice
     (device_id stays None: DALI's current device, only looked up by build())."""
     twin = copy.copy(loader)
     twin.options = dataclasses.replace(loader.options, device=device)
