@@ -5,6 +5,7 @@ pip reports measured for them; `dalifeed doctor`."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -208,6 +209,19 @@ def test_gpu_check_and_dali_bench_stop_on_it_too(r535_node, make_shards, tmp_pat
                                             "--shards", str(shards), "--out", str(tmp_path / "bench"),
                                             "--batch-size", "2", "--seconds", "0.1", "--repeats", "1"])
     assert result.exit_code == 2 and "Error: driver 535.104.05 runs CUDA up to 12.2" in result.output, result.output
+
+
+@pytest.mark.parametrize("script", ["dali_train", "dali_bench"])
+def test_the_dali_commands_start_or_say_in_one_line_that_dali_does_not_import(script):
+    start = f"import sys; sys.argv = ['x', '--help']; from dalifeed.entry import {script}; {script}()"
+    run = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith("Usage: x "), run.stderr
+    hidden = "import sys; sys.modules['nvidia.dali'] = None; " + start  # what an import failure looks like
+    run = subprocess.run([sys.executable, "-c", hidden], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == "", run.stderr
+    assert re.fullmatch(r"Error: NVIDIA DALI \(nvidia-dali-cuda1[23]0\) is installed but does not import \(import of "
+                        r"nvidia\.dali halted; None in sys\.modules\): python -c \"import nvidia\.dali\" shows why\n",
+                        run.stderr), run.stderr
 
 
 # -- this machine, for real ----------------------------------------------------------------------------------
