@@ -9,12 +9,27 @@ BUILD  ?= build
 
 venv: $(STAMP)
 
+# The CUDA major of the stack .venv gets: torch and DALI of one major (docs/gpu.md#the-cuda-stack). 13 is what
+# PyPI's torch is built for (driver R580 or newer); `make venv CUDA_MAJOR=12` for an R525-R575 driver, with torch
+# from PyTorch's CUDA 12 index (after `rm .venv/.installed` on an existing .venv). The other major's DALI is
+# removed first: both builds install into one nvidia/dali folder.
+CUDA_MAJOR ?= 13
+# gpu-check and test-gpu on a host without a package registry (or in the image): `PY=python3` names the Python that
+# has the stack, and no .venv is made.
+GPU_CHECK_DEPS := $(if $(filter command line,$(origin PY)),,venv)
+OTHER_DALI  := $(if $(filter 12,$(CUDA_MAJOR)),nvidia-dali-cuda130,nvidia-dali-cuda120)
+TORCH_INDEX := $(if $(filter 12,$(CUDA_MAJOR)),--extra-index-url https://download.pytorch.org/whl/cu126)
+
 # Re-install only when the project's declared dependencies change.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored: it is neither" || true
-	$(PY) -m pip install -q -e '.[dev]' 2>&1 | grep -v "is ignored: it is neither" || true
+	$(PY) -m pip uninstall -q -y $(OTHER_DALI) 2>&1 | grep -v "not installed" || true
+	$(PY) -m pip install -q -e '.[dev,cuda$(CUDA_MAJOR)]' $(TORCH_INDEX) 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PY) -c "import dalifeed, nvidia.dali, webdataset, torch, torchvision, sklearn, skimage"
+	@# the stack check every GPU command makes: on a node whose GPUs this stack cannot use, stop here and say why
+	@$(PY) -m dalifeed.cli doctor > $(VENV)/doctor.txt || { cat $(VENV)/doctor.txt; echo "make: if the driver needs the other \
+	  CUDA major: rm $(STAMP) && make venv CUDA_MAJOR=$(if $(filter 12,$(CUDA_MAJOR)),13,12)"; exit 1; }
 	touch $(STAMP)
 
 demo: venv
@@ -53,8 +68,9 @@ test-seeds: venv
 	done
 
 # The tests marked gpu (tests/test_gpu.py): they need a CUDA GPU that torch and DALI both see, and are
-# skipped elsewhere (so `make test` on a CPU machine runs them as skips).
-test-gpu: venv
+# skipped elsewhere (so `make test` on a CPU machine runs them as skips). `make test-gpu PY=python` uses that
+# Python's stack, as gpu-check does (the Docker image: docker/README.md).
+test-gpu: $(GPU_CHECK_DEPS)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 # Every DALI graph dalifeed builds for `gpu` and `hybrid`, checked without a GPU (tests/test_gpu_graphs.py,
@@ -73,7 +89,6 @@ lint: venv
 # On a GPU node: the gpu tests, every loader, hw_decoder_load, a ResNet-50 training slice, a mixed checkpoint
 # round trip, the collectives -> build/gpu-check/gpu-check.{json,md} (docs/benchmarks.md). On a host without a
 # package registry, name the Python that has the stack: `make gpu-check PY=python3` (no .venv is made then).
-GPU_CHECK_DEPS := $(if $(filter command line,$(origin PY)),,venv)
 gpu-check: $(GPU_CHECK_DEPS)
 	$(PY) -m dalifeed.bench.gpu_check --workdir $(BUILD)/gpu-check $(GPU_CHECK_ARGS)
 

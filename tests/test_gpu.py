@@ -21,6 +21,18 @@ def test_auto_picks_the_gpu():
     assert resolve_device("auto") == "gpu"
 
 
+def test_the_stack_fits_this_gpu_node():
+    """The check every command makes (dalifeed/stack.py) on a real GPU node: the driver runs torch's and DALI's
+    CUDA major, they are one major, and both see the same GPUs."""
+    from dalifeed.stack import stack_report
+
+    report = stack_report()
+    stack = report.stack
+    assert report.problems == [] and report.device == "gpu"
+    assert stack.dali_majors == (stack.torch_major,) and stack.torch_major <= stack.driver_major
+    assert stack.dali_gpus == stack.torch_gpus == torch.cuda.device_count() > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_training_batches_live_on_the_gpu(shards, dtype):
     loader = make_loader(shards, "train", 16, image_size=64, dtype=dtype, device="gpu")

@@ -16,6 +16,7 @@ from dalifeed.bench.gpu_check import (GpuCheckConfig, checkpoint_round_trip, col
                                       decoder_memory_line, main as gpu_check_cli, render_markdown, run_check)
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.budget import thread_budget
+from dalifeed.stack import StackMismatch
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.synthetic import SyntheticLoader
 
@@ -120,6 +121,7 @@ def test_report_states_what_the_mixed_decoder_of_a_dali_train_rank_reserves(tmp_
     thread budget (one rank per GPU), whatever gpu-check's own --workers (issue 19, finding 1: 64 threads used
     to reserve 13.5 GB of GPU and 18 GB of pinned memory)."""
     report = run_check(GpuCheckConfig(workdir=tmp_path, steps=[], workers=64, allow_cpu=True), log=lambda msg: None)
+    assert (report["stack"]["ok"], report["stack"]["device_auto"]) == (True, "cpu")  # the stack check, recorded first
     budget = report["decoder_memory"]
     gpus = torch.cuda.device_count()
     threads = thread_budget("gpu", visible_gpus=gpus, environ={**os.environ, "LOCAL_WORLD_SIZE": str(max(1, gpus))})
@@ -170,7 +172,8 @@ def test_synthetic_training_runs_the_same_trainer(shards, tmp_path):
 @pytest.mark.parametrize("device", ["gpu", "hybrid"])
 def test_gpu_devices_are_refused_in_one_line_without_a_gpu(shards, tmp_path, device):
     result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(tmp_path / "r"), "--device", device])
-    assert result.exit_code == 2 and f"--device {device} needs a CUDA GPU" in result.output, result.output
-    with pytest.raises(ValueError, match=f"device='{device}' but torch sees no CUDA device"):
+    assert result.exit_code == 2 and f"--device {device} needs a CUDA GPU and this node has none" in result.output, \
+        result.output
+    with pytest.raises(StackMismatch, match=f"--device {device} needs a CUDA GPU and this node has none"):
         make_loader(shards, "train", 4, device=device)
 

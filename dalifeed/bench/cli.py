@@ -17,6 +17,7 @@ from dalifeed.pipelines.augment import POLICIES
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.pipelines.graphs import AugmentConfig
 from dalifeed.s3 import StorageError
+from dalifeed.stack import StackMismatch
 
 from .config import BenchConfig, BenchUsageError
 from .report import render_table, write_report
@@ -106,7 +107,8 @@ def main(debug: bool, **options):
     Before timing anything it checks that --imagefolder (when the baseline runs) holds the files the shards'
     split was made from (shard-convert records their names and sizes), that the split holds at least one
     batch, that at least one loader can run here and that --model takes --image-size (built on the meta
-    device, as dali-train builds it); any failing is one line and exit 2. Reports images/s (median of --repeats), speed-up over baseline measured in the same run, CPU
+    device, as dali-train builds it); any failing is one line and exit 2, as is a node whose NVIDIA GPUs the
+    installed torch or DALI cannot use (`dalifeed doctor`). Reports images/s (median of --repeats), speed-up over baseline measured in the same run, CPU
     use and peak memory, and with --model the training steps/s each loader sustains against synthetic
     data (with a time estimate after the first step); writes OUT/bench.json, OUT/bench.png and
     OUT/config.json.
@@ -134,7 +136,7 @@ def main(debug: bool, **options):
         write_report(report, cfg.out)
         return report
 
-    report = run_command(bench, debug=debug, usage_errors=(BenchUsageError,),
+    report = run_command(bench, debug=debug, usage_errors=(BenchUsageError, StackMismatch),
                          runtime_errors=(ShardDataError, StorageError),
                          log=lambda: cfg.out / "bench-error.log" if cfg.out.is_dir() else None,
                          stopped=lambda e: "nothing was written")

@@ -403,14 +403,19 @@ def section_of(step: str) -> str:
 
 def run_check(cfg: GpuCheckConfig, log=print) -> dict:
     """Run cfg.steps; merge their sections into WORKDIR/gpu-check.json (earlier calls' sections are kept)."""
-    from dalifeed.pipelines.loader import resolve_device
+    from dalifeed.stack import StackMismatch, choose_device, stack_report
 
-    has_gpu = resolve_device("auto") == "gpu"  # torch and DALI both see one, as the loaders decide
+    stack = stack_report()  # first: a node whose torch or DALI cannot use its GPUs stops here, in one line
+    try:
+        has_gpu = choose_device("auto", stack) == "gpu"  # as the loaders and dali-train decide
+    except StackMismatch as e:
+        raise CheckUsageError(str(e)) from None
     cfg.validate(has_gpu)
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     path = cfg.workdir / "gpu-check.json"
     report = json.loads(path.read_text()) if path.is_file() else {}
-    report.update(config=cfg.to_json(), environment=environment(has_gpu), decoder_memory=decoder_budget())
+    report.update(config=cfg.to_json(), stack=stack.to_json(), environment=environment(has_gpu),
+                  decoder_memory=decoder_budget())
     env = report["environment"]
     log(f"gpu-check: {env.get('gpu') or 'no GPU'}, driver {env.get('driver') or '-'}, CUDA {env['cuda']}, torch "
         f"{env['torch']}, DALI {env['dali']}, {env['cores']} cores; hw_decoder_load default "

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from dalifeed.runtime import usable_cores
 from dalifeed.shardfolder import open_shard_folder
+from dalifeed.stack import choose_device, stack_report
 
 from .config import BenchConfig
 from .detection import build_detection_loader
@@ -41,7 +42,7 @@ def environment() -> dict:
 
 def run_bench(cfg: BenchConfig, log=print) -> dict:
     """Time every loader (and, with a model, training fed by it); returns the JSON-ready report."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if choose_device("auto", stack_report()) == "gpu" else "cpu")  # as the loaders decide
     images = open_shard_folder(cfg.shards).num_samples(cfg.split)
     batches = max(1, cfg.epochs * images // cfg.batch_size) if cfg.epochs else None
     records, model_records = [], {}

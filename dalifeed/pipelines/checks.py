@@ -34,12 +34,9 @@ _BAD_INDEX = re.compile(r'Malformed index file at "(?P<idx>[^"]+)"(?P<detail>[^\
 
 def dali_sees_gpu() -> bool:
     """Whether DALI can use a CUDA device here (without importing torch)."""
-    try:
-        from nvidia.dali.backend import GetCudaDeviceCount
+    from dalifeed.stack import dali_stack
 
-        return GetCudaDeviceCount() > 0
-    except Exception:  # no driver, no libcuda: DALI reports it in several ways
-        return False
+    return dali_stack()[3] > 0
 
 
 class ShardDataError(Exception):

@@ -53,10 +53,11 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from dalifeed.format import ShardInfo, ShardManifest
 from dalifeed.shardcache import shard_cache_of
 from dalifeed.shardfolder import check_split, open_shard_folder
+from dalifeed.stack import StackReport, choose_device, stack_report
 
 from .budget import thread_budget
-from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, dali_sees_gpu, explain_dali_error,
-                     indexed_samples, is_pipeline_failure)
+from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, explain_dali_error, indexed_samples,
+                     is_pipeline_failure)
 from .graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, AugmentConfig, shard_pipeline, uses_gpu
 
 SHARD_CHECKS = ("size", "sha256")
@@ -69,18 +70,16 @@ def trains(split: str, train: bool | None) -> bool:
     return split.startswith("train") if train is None else train
 
 
-def resolve_device(device: str) -> str:
-    """'auto' -> 'gpu' when both torch and DALI can use a CUDA device, else 'cpu'. 'hybrid' (decode on the
-    CPU, the rest on the GPU) needs a GPU as 'gpu' does."""
+def resolve_device(device: str, report: StackReport | None = None) -> str:
+    """'auto' -> 'gpu' on a node with NVIDIA GPUs that torch and DALI can both use, 'cpu' on a node without;
+    where the node has GPUs and the stack does not fit them, `StackMismatch` (one line with the fix), never a
+    silent 'cpu'. 'hybrid' (decode on the CPU, the rest on the GPU) needs a GPU as 'gpu' does. `report` is
+    this node's `stack.check` (probed when None): the rule is `stack.choose_device`, dali-train's too."""
     if device not in ("auto", "cuda", *DEVICES):
         raise ValueError(f"device must be 'auto', 'cpu', 'gpu' or 'hybrid', got {device!r}")
-    if device == "cuda":
-        device = "gpu"
-    if device == "auto":
-        return "gpu" if torch.cuda.is_available() and dali_sees_gpu() else "cpu"
-    if uses_gpu(device) and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but torch sees no CUDA device")
-    return device
+    if device == "cpu":
+        return "cpu"
+    return choose_device(device, stack_report() if report is None else report)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from dalifeed.pipelines.graphs import DEVICES
 from dalifeed.pipelines.mixing import MixError
 from dalifeed.runtime import DiskFull, FolderInUse
 from dalifeed.s3 import StorageError
+from dalifeed.stack import StackMismatch
 
 from .config import NO_SPLIT, RECIPES, ConfigError, TrainConfig
 from .loop import TrainingDiverged
@@ -130,7 +131,8 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
               help="Also save last.pt every STEPS optimizer steps inside an epoch, with DALI's reader state, so "
                    "a resume continues mid-epoch (0: at epoch ends, and when a signal stops the run).")
 @click.option("--device", type=click.Choice(["auto", *DEVICES]), default=d("device"), show_default=True,
-              help="auto: the GPU when there is one. hybrid: train on the GPU but decode JPEGs on the CPU (crop, "
+              help="auto: the GPU when there is one (on a node whose GPUs the installed torch or DALI cannot use, a "
+                   "one-line refusal naming the fix, never the CPU: `dalifeed doctor`). hybrid: train on the GPU but decode JPEGs on the CPU (crop, "
                    "resize and normalise stay on the GPU): for when the GPU's JPEG decoder is the bottleneck.")
 @click.option("--hw-decoder-load", type=float, default=d("hw_decoder_load"), show_default=True,
               help="On the GPU: share of the JPEGs given to the hardware JPEG decoder of A100/H100-class GPUs "
@@ -189,7 +191,8 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
     stopped it: the current step finishes and a checkpoint is saved) and replays exactly what an
     uninterrupted run would have done. One run at a time per --out. See docs/training.md.
 
-    Exit codes: 0 done; 2 usage (bad option, unusable --out or checkpoint, --out in use); 1 a runtime
+    Exit codes: 0 done; 2 usage (bad option, unusable --out or checkpoint, --out in use, a node whose NVIDIA
+    GPUs the installed torch or DALI cannot use: the line names the fix, `dalifeed doctor` all of it); 1 a runtime
     failure (a shard that does not match its manifest or a sample DALI cannot decode, named in one line
     with the fix; a full disk; training diverged); 130 / 143 stopped by SIGINT / SIGTERM. Tracebacks go
     to RUN/error.log (or the terminal with --debug); last.pt is left as it was.
@@ -208,7 +211,7 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
         cfg, saved = resolve_run(asked, typed, resume_from, world_size=int(os.environ.get("WORLD_SIZE", 1)))
         train(cfg, resume=saved)
 
-    run_command(run, debug=debug, usage_errors=(ConfigError, FolderInUse, MixError),
+    run_command(run, debug=debug, usage_errors=(ConfigError, FolderInUse, MixError, StackMismatch),
                 runtime_errors=(ShardDataError, TrainingDiverged, DiskFull, StorageError), prefix=rank_prefix(),
                 log=lambda: error_log(run_folder) if run_folder else None,
                 stopped=lambda e: (e.detail if isinstance(e, TrainingStopped) else

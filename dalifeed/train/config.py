@@ -143,12 +143,13 @@ class TrainConfig:
                 parse_size(self.cache_limit)
             except ValueError as e:
                 raise ConfigError(f"--cache-limit: {e}") from None
-        if uses_gpu(self.device):
-            import torch
+        if uses_gpu(self.device):  # the rule every command uses (stack.choose_device), asked before any work
+            from dalifeed.stack import StackMismatch, choose_device, stack_report
 
-            if not torch.cuda.is_available():
-                raise ConfigError(f"--device {self.device} needs a CUDA GPU, and torch sees none here "
-                                  f"(use --device cpu, or auto)")
+            try:
+                choose_device(self.device, stack_report())
+            except StackMismatch as e:
+                raise ConfigError(str(e)) from None
         if isinstance(self.data, (list, tuple)):
             self.data = [str(d) for d in self.data] if len(self.data) > 1 else str(self.data[0])
         for data in self.data if isinstance(self.data, list) else [self.data]:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dalifeed.pipelines.graphs import uses_gpu
+from dalifeed.stack import StackReport, choose_device, stack_report
 
 
 @dataclass(frozen=True)
@@ -27,12 +28,14 @@ class Dist:
         return self.world_size > 1
 
 
-def setup(device: str) -> Dist:
-    """Rank and world size from RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun); one process otherwise."""
+def setup(device: str, report: StackReport | None = None) -> Dist:
+    """Rank and world size from RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun); one process otherwise. The device
+    is `stack.choose_device`'s, as the loaders decide it (`report`: this node's, probed when None): 'auto' on a
+    node with GPUs and a stack that does not fit them raises `StackMismatch` before any process group forms."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    use_gpu = uses_gpu(device) or (device == "auto" and torch.cuda.is_available())
+    use_gpu = device != "cpu" and uses_gpu(choose_device(device, stack_report() if report is None else report))
     if use_gpu:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)

@@ -1,0 +1,404 @@
+"""Whether this node's NVIDIA driver, torch and DALI fit together, and where `--device auto` runs: one decision.
+
+A CUDA program runs on a driver of its own CUDA major or a newer one (NVIDIA's minor version compatibility,
+docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html, Table 1: CUDA 12.x needs a driver
+>= 525, CUDA 13.x >= 580; the CUDA 12.0 and 13.0 release notes give the Linux floors 525.60.13 and 580.65.06).
+torch from PyPI is built for CUDA 13.0 from 2.11 on, DALI for the major its package names (nvidia-dali-cuda120,
+nvidia-dali-cuda130), so the wrong pair on an R535-R575 driver (the common one on clusters) leaves
+`torch.cuda.is_available()` False: before this check, `--device auto` then trained on the CPU without a word.
+
+- `probe()` reads what this process has: NVML's driver and GPUs, the NVIDIA device files, torch's and DALI's
+  versions, CUDA builds and device counts. The only function here that looks at the machine.
+- `check(stack)` is the decision, a pure function of a `Stack`: a `StackReport` with the problems (each one
+  line naming what does not fit and the command that fixes it) and the warnings.
+- `choose_device(requested, report)`: 'auto' -> 'gpu' on a node with NVIDIA GPUs whose stack fits, 'cpu' on a
+  node without; on a node with GPUs and a stack that does not fit it raises `StackMismatch` (one line) instead
+  of falling back to the CPU. The loaders (`resolve_device`), dali-train (`distributed.setup`), dali-bench and
+  gpu-check all ask it.
+
+`dalifeed doctor` prints all of it (dalifeed/doctor.py).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# The oldest Linux driver each CUDA major runs on (NVIDIA's tables, above), and the driver branch it ships in.
+DRIVER_FLOOR = {12: "525.60.13", 13: "580.65.06"}
+DALI_PACKAGE = {12: "nvidia-dali-cuda120", 13: "nvidia-dali-cuda130"}
+# PyTorch's own index for a torch of each CUDA major (pytorch.org/get-started: cu126, cu128 and cu130 builds).
+TORCH_INDEX = {12: "https://download.pytorch.org/whl/cu126", 13: "https://download.pytorch.org/whl/cu130"}
+# The documented installs, from a source checkout (README.md, docs/gpu.md#the-cuda-stack).
+INSTALL = {12: f"pip install -e '.[cuda12]' --extra-index-url {TORCH_INDEX[12]}", 13: "pip install -e '.[cuda13]'"}
+DOCTOR = "dalifeed doctor"
+
+_DALI_DIST = re.compile(r"^nvidia-dali(?:-[a-z]+)?-cuda(\d+)$")
+
+
+class StackMismatch(Exception):
+    """This node has NVIDIA GPUs and its torch or DALI cannot use them (or a GPU device was asked for on a node
+    without one): one line naming what does not fit and the fix."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What this process has, as `probe` reads it; every field can be given by hand (the tests do)."""
+
+    driver: str | None = None  # NVML's driver version ("535.104.05"); None: no NVIDIA driver answered
+    driver_cuda: str | None = None  # the newest CUDA the driver runs ("12.2", nvmlSystemGetCudaDriverVersion)
+    nvml_gpus: tuple[str, ...] = ()  # the names of the GPUs NVML lists (all of the machine's)
+    device_files: tuple[str, ...] = ()  # /dev/nvidia<N> and /proc/driver/nvidia/gpus/*: GPUs even where NVML is silent
+    cuda_visible_devices: str | None = None  # $CUDA_VISIBLE_DEVICES, None when unset
+    torch: str | None = None  # torch.__version__ ("2.14.1+cu130")
+    torch_cuda: str | None = None  # torch.version.cuda ("13.0"); None: a CPU-only build
+    torch_gpus: int = 0  # torch.cuda.device_count() where torch.cuda.is_available()
+    dali: str | None = None  # nvidia.dali.__version__; None: DALI is not installed
+    dali_packages: tuple[str, ...] = ()  # the installed nvidia-dali-*cuda<NNN> distributions
+    dali_cuda_build: int | None = None  # nvidia.dali.__cuda_version__ (12986 for CUDA 12.9.86)
+    dali_gpus: int = 0  # DALI's GetCUDADeviceCount()
+
+    @property
+    def driver_major(self) -> int | None:
+        return _major(self.driver_cuda)
+
+    @property
+    def torch_major(self) -> int | None:
+        return _major(self.torch_cuda)
+
+    @property
+    def dali_majors(self) -> tuple[int, ...]:
+        """The CUDA majors of the installed DALI builds: from the package names (nvidia-dali-cuda130 -> 13; DALI's
+        setup.py.in names it nvidia-dali-cuda@CUDA_VERSION_SHORT_DIGIT_ONLY@), else from __cuda_version__
+        (int('12.9.86'.replace('.', '')), DALI's __init__.py.in: its first two digits)."""
+        majors = sorted({int(m.group(1)) // 10 for m in map(_DALI_DIST.match, self.dali_packages) if m})
+        if not majors and self.dali_cuda_build:
+            majors = [int(str(self.dali_cuda_build)[:2])]
+        return tuple(majors)
+
+    @property
+    def gpus_hidden(self) -> bool:
+        """CUDA_VISIBLE_DEVICES hides every GPU from CUDA ("" or "-1": how a user asks for the CPU on a GPU node);
+        NVML ignores the variable and still lists them."""
+        return self.cuda_visible_devices is not None and self.cuda_visible_devices.strip() in ("", "-1")
+
+    @property
+    def gpu_count(self) -> int:
+        """The GPUs of the node: NVML's count, else the /dev/nvidia<N> files (else the /proc entries)."""
+        dev = [f for f in self.device_files if f.startswith("/dev/")]
+        return len(self.nvml_gpus) or len(dev) or len(self.device_files)
+
+    @property
+    def gpu_node(self) -> bool:
+        """Whether this process is on a node with NVIDIA GPUs it is meant to use."""
+        return bool(self.nvml_gpus or self.device_files) and not self.gpus_hidden
+
+
+@dataclass
+class StackReport:
+    stack: Stack
+    problems: list[str] = field(default_factory=list)  # each stops --device auto (and gpu) on this node
+    warnings: list[str] = field(default_factory=list)  # a stack that would not run on a GPU node, here on the CPU
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def device(self) -> str:
+        """What --device auto becomes here ('gpu' or 'cpu'), or 'refused' where it stops."""
+        return "refused" if self.problems else "gpu" if self.stack.gpu_node else "cpu"
+
+    def one_line(self) -> str:
+        """The problems as the one line a command stops with."""
+        more = f" (and {len(self.problems) - 1} more: run `{DOCTOR}`)" if len(self.problems) > 1 else ""
+        return self.problems[0] + more
+
+    def to_json(self) -> dict:
+        stack = self.stack
+        return {**asdict(stack), "driver_major": stack.driver_major, "torch_major": stack.torch_major,
+                "dali_majors": list(stack.dali_majors), "gpu_node": stack.gpu_node, "gpus_hidden": stack.gpus_hidden,
+                "ok": self.ok, "device_auto": self.device, "problems": self.problems, "warnings": self.warnings}
+
+
+def _major(version: str | None) -> int | None:
+    try:
+        return int(str(version).split(".")[0]) if version else None
+    except ValueError:
+        return None
+
+
+# -- the decision ----------------------------------------------------------------------------------------
+
+def check(stack: Stack) -> StackReport:
+    """Whether torch and DALI of `stack` can use its GPUs (see the module docstring); a pure function."""
+    report = StackReport(stack)
+    report.problems += _dali_installed(stack)
+    if not stack.gpu_node:
+        if stack.torch_major and stack.dali_majors and stack.dali_majors != (stack.torch_major,):
+            report.warnings.append(_majors_differ(stack, stack.torch_major) + " (no GPU here, so the CPU runs it)")
+        return report
+    report.problems += _versions_fit(stack)
+    if not report.problems:  # versions that fit; whether each library really sees the GPUs
+        report.problems += _libraries_see_gpus(stack)
+    return report
+
+
+def _dali_installed(stack: Stack) -> list[str]:
+    if not stack.dali and not stack.dali_packages:
+        major = _fitting_major(stack)
+        return [f"NVIDIA DALI is not installed (the base install leaves its CUDA build to you): {INSTALL[major]}"]
+    if len(stack.dali_packages) > 1:
+        major = _fitting_major(stack)
+        return [f"{len(stack.dali_packages)} DALI builds are installed over one nvidia/dali folder "
+                f"({', '.join(stack.dali_packages)}): keep the one for CUDA {major}: pip uninstall -y "
+                f"{' '.join(stack.dali_packages)} && pip install '{DALI_PACKAGE[major]}>=2.0'"]
+    return []
+
+
+def _fitting_major(stack: Stack) -> int:
+    """The CUDA major a stack for this node should have: the driver's newest one dalifeed has an install for;
+    without a driver, torch's (nothing to fit), else 13 (what PyPI's torch is)."""
+    if stack.driver_major is not None:
+        return 13 if stack.driver_major >= 13 else 12
+    return stack.torch_major if stack.torch_major in INSTALL else 13
+
+
+def _versions_fit(stack: Stack) -> list[str]:
+    """The problems of a GPU node's versions: no driver answering, a driver too old for torch's or DALI's CUDA
+    major, a CPU-only torch, torch and DALI of two CUDA majors."""
+    gpus = f"{stack.gpu_count} NVIDIA GPU(s)"
+    if stack.driver is None:
+        return [f"this node has {gpus} ({', '.join(stack.device_files[:2])}) but NVML does not answer: load the "
+                f"NVIDIA driver (nvidia-smi shows whether it runs); in a container, run it with --gpus all "
+                f"(the NVIDIA Container Toolkit mounts the driver)"]
+    driver = f"driver {stack.driver} runs CUDA up to {stack.driver_cuda}"
+    if stack.driver_major is not None and stack.driver_major < 12:
+        return [f"{driver}; torch and DALI need CUDA 12 (driver >= {DRIVER_FLOOR[12]}) or 13 (>= "
+                f"{DRIVER_FLOOR[13]}): upgrade the NVIDIA driver"]
+    major = _fitting_major(stack)
+    problems = []
+    if stack.torch_major is None:
+        problems.append(f"torch {stack.torch} is a CPU-only build (torch.version.cuda is None) on a node with {gpus}: "
+                        f"{_torch_fix(major)}")
+    elif stack.driver_major is not None and stack.torch_major > stack.driver_major:
+        problems.append(f"{driver} but torch {stack.torch} is built for CUDA {stack.torch_cuda} (needs driver >= "
+                        f"{DRIVER_FLOOR.get(stack.torch_major, '?')}): {_torch_fix(major)} (or upgrade the driver)")
+    for dali_major in stack.dali_majors:
+        if stack.driver_major is not None and dali_major > stack.driver_major:
+            problems.append(f"{driver} but DALI {stack.dali} ({_dali_name(stack, dali_major)}) is built for CUDA "
+                            f"{dali_major} (needs driver >= {DRIVER_FLOOR.get(dali_major, '?')}): "
+                            f"{_dali_fix(stack, major)} (or upgrade the driver)")
+    torch_fits = stack.torch_major is not None and stack.torch_major <= (stack.driver_major or 0)
+    dali_fits = all(m <= (stack.driver_major or 0) for m in stack.dali_majors)
+    if torch_fits and dali_fits and stack.dali_majors and stack.dali_majors != (stack.torch_major,):
+        # both run on this driver, but as two CUDA runtimes in one process: one stack has one major
+        problems.append(_majors_differ(stack, stack.torch_major))
+    return problems
+
+
+def _majors_differ(stack: Stack, major: int) -> str:
+    dali = ", ".join(_dali_name(stack, m) for m in stack.dali_majors)
+    return (f"torch {stack.torch} is built for CUDA {stack.torch_cuda} but DALI {stack.dali} ({dali}) for CUDA "
+            f"{'/'.join(map(str, stack.dali_majors))}: install DALI for CUDA {major}: {_dali_fix(stack, major)}")
+
+
+def _libraries_see_gpus(stack: Stack) -> list[str]:
+    nvml = f"NVML lists {len(stack.nvml_gpus)}"  # versions that fit: NVML answered
+    visible = (f", CUDA_VISIBLE_DEVICES={stack.cuda_visible_devices}" if stack.cuda_visible_devices is not None else "")
+    if stack.torch_gpus == 0:
+        return [f"torch {stack.torch} sees no GPU although {nvml}{visible}: CUDA's own error: python -c "
+                f"\"import torch; torch.cuda.init()\""]
+    if stack.dali_gpus == 0:
+        return [f"DALI {stack.dali} sees no GPU although torch sees {stack.torch_gpus}{visible}: CUDA's own error: "
+                f"python -c \"from nvidia.dali.backend import GetCUDADeviceCount; GetCUDADeviceCount()\""]
+    return []
+
+
+def _dali_name(stack: Stack, major: int) -> str:
+    names = [p for p in stack.dali_packages if (m := _DALI_DIST.match(p)) and int(m.group(1)) // 10 == major]
+    return names[0] if names else f"CUDA {major} build"
+
+
+def _torch_fix(major: int) -> str:
+    """A torch (and torchvision) of CUDA `major`, replacing the installed one: --force-reinstall, since pip keeps
+    an installed torch that satisfies the version asked for, whatever its CUDA build."""
+    return f"pip install --force-reinstall torch torchvision --index-url {TORCH_INDEX[major]}"
+
+
+def _dali_fix(stack: Stack, major: int) -> str:
+    installed = [p for p in stack.dali_packages if p != DALI_PACKAGE[major]]
+    remove = f"pip uninstall -y {' '.join(installed)} && " if installed else ""
+    return f"{remove}pip install '{DALI_PACKAGE[major]}>=2.0'"
+
+
+def choose_device(requested: str, report: StackReport) -> str:
+    """`requested` ('auto', 'cpu', 'gpu', 'hybrid'; 'cuda' means 'gpu') as this node can run it: 'auto' -> 'gpu'
+    where `report`'s node has NVIDIA GPUs and its stack fits, 'cpu' where it has none. Raises `StackMismatch`
+    on a node with GPUs whose stack does not fit (never a silent CPU run there), and for a GPU device asked for
+    on a node without one; 'cpu' is taken as asked."""
+    device = "gpu" if requested == "cuda" else requested
+    if device == "cpu":
+        return "cpu"
+    if report.problems:
+        raise StackMismatch(report.one_line())
+    if report.stack.gpu_node:
+        return "gpu" if device == "auto" else device
+    if device == "auto":
+        return "cpu"
+    hidden = (f"CUDA_VISIBLE_DEVICES={report.stack.cuda_visible_devices!r} hides its GPUs" if report.stack.gpus_hidden
+              else "no NVIDIA driver answers and there is no /dev/nvidia<N>")
+    raise StackMismatch(f"--device {requested} needs a CUDA GPU and this node has none ({hidden}): "
+                        f"use --device cpu, or auto")
+
+
+# -- what this process has -------------------------------------------------------------------------------
+
+def probe(environ=os.environ, root: Path = Path("/")) -> Stack:
+    """This process's `Stack`. Never raises: what cannot be read is None or 0 (no driver, no DALI)."""
+    driver, driver_cuda, names = nvml_driver()
+    torch_version, torch_cuda, torch_gpus = torch_stack()
+    dali, packages, build, dali_gpus = dali_stack()
+    return Stack(driver=driver, driver_cuda=driver_cuda, nvml_gpus=names, device_files=nvidia_device_files(root),
+                 cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"), torch=torch_version, torch_cuda=torch_cuda,
+                 torch_gpus=torch_gpus, dali=dali, dali_packages=packages, dali_cuda_build=build, dali_gpus=dali_gpus)
+
+
+def stack_report() -> StackReport:
+    """`check(probe())`: what every command that can use a GPU asks first."""
+    return check(probe())
+
+
+def nvml_driver() -> tuple[str | None, str | None, tuple[str, ...]]:
+    """(driver version, the newest CUDA it runs as "12.2", GPU names) from NVML, or (None, None, ()) where NVML
+    does not answer (no driver: libnvidia-ml.so.1 is missing)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound without a driver; ImportError without nvidia-ml-py
+        return None, None, ()
+    try:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion()  # 12020 for CUDA 12.2, as cudaDriverGetVersion gives it
+        names = tuple(_text(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                      for i in range(pynvml.nvmlDeviceGetCount()))
+        return driver, f"{cuda // 1000}.{cuda % 1000 // 10}", names
+    except Exception:  # a call this driver lacks: what was read so far is not worth a half answer
+        return None, None, ()
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def nvidia_device_files(root: Path = Path("/")) -> tuple[str, ...]:
+    """/dev/nvidia<N> (one per GPU the kernel module made a node for) and /proc/driver/nvidia/gpus/<bus id>: a
+    node with GPUs even where NVML does not answer (a container started without the driver's libraries)."""
+    dev = sorted(str(p.relative_to(root).as_posix()) for p in (root / "dev").glob("nvidia*")
+                 if re.fullmatch(r"nvidia\d+", p.name))
+    proc = root / "proc/driver/nvidia/gpus"
+    try:
+        gpus = sorted(str(p.relative_to(root).as_posix()) for p in proc.iterdir())
+    except OSError:
+        gpus = []
+    return tuple("/" + p for p in dev + gpus)
+
+
+def dali_distributions(paths: list[str] | None = None) -> tuple[str, ...]:
+    """The installed nvidia-dali-*cuda<NNN> distributions, from their dist-info folders on sys.path (a glob:
+    importlib.metadata.distributions() reads every package's metadata, 0.13 s here, and the loaders ask this
+    for every 'auto' loader)."""
+    names = set()
+    for entry in sys.path if paths is None else paths:
+        for info in Path(entry or ".").glob("nvidia_dali*.dist-info"):
+            name = info.name.split("-")[0].replace("_", "-").lower()
+            if _DALI_DIST.match(name):
+                names.add(name)
+    return tuple(sorted(names))
+
+
+def torch_stack() -> tuple[str | None, str | None, int]:
+    try:
+        import torch
+    except ImportError:
+        return None, None, 0
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return torch.__version__, torch.version.cuda, gpus
+
+
+def dali_stack() -> tuple[str | None, tuple[str, ...], int | None, int]:
+    """(DALI's version, the installed nvidia-dali-*cuda<NNN> distributions, its __cuda_version__, the GPUs it
+    sees). The count is GetCUDADeviceCount (cudaGetDeviceCount, dali/python/backend_impl.cc); DALI 2.4 has no
+    GetCudaDeviceCount, which the loaders called until this module (so 'auto' never chose the GPU)."""
+    packages = dali_distributions()
+    try:
+        import nvidia.dali as dali
+        from nvidia.dali.backend import GetCUDADeviceCount
+    except ImportError:
+        return None, packages, None, 0
+    try:
+        gpus = GetCUDADeviceCount()
+    except Exception:  # CUDA_CALL raises where the driver does not fit DALI's CUDA runtime
+        gpus = 0
+    return dali.__version__, packages, getattr(dali, "__cuda_version__", None), gpus
+
+
+# -- what an install brings ------------------------------------------------------------------------------
+
+_TORCH_CUDA_REQUIREMENT = re.compile(r"^(?:nvidia-cuda-runtime-cu(?P<suffix>\d+)\b|nvidia-cuda-runtime\s*==\s*(?P<pin>\d+)"
+                                     r"|cuda-toolkit\b[^=;]*==\s*(?P<toolkit>\d+))")
+
+
+def torch_build_major(version: str, requires: list[str]) -> int | None:
+    """The CUDA major of a torch distribution from its metadata: the local version label of PyTorch's index
+    ("2.14.1+cu126" -> 12; "+cpu" -> None), else the CUDA runtime it requires from PyPI (2.10:
+    "nvidia-cuda-runtime-cu12==12.8.90"; 2.11 on: "cuda-toolkit[cudart,...]==13.0.2"); None: a CPU-only build."""
+    label = version.partition("+")[2]
+    if label:
+        return int(label[2:]) // 10 if re.fullmatch(r"cu\d{3,}", label) else None
+    for requirement in requires:
+        match = _TORCH_CUDA_REQUIREMENT.match(requirement.strip())
+        if match:
+            return int(next(v for v in match.groupdict().values() if v))
+    return None
+
+
+def install_majors(packages: list[tuple[str, str, list[str]]]) -> dict[str, int | None]:
+    """{package: CUDA major} of the torch and DALI among `packages` ((name, version, requires_dist) each: the
+    `install` entries of `pip install --dry-run --report`, or installed metadata), e.g. {"torch": 13,
+    "nvidia-dali-cuda120": 12}: one CUDA major in its values is a stack that fits one driver."""
+    majors = {}
+    for name, version, requires in packages:
+        name = name.lower()
+        if name == "torch":
+            majors[name] = torch_build_major(version, requires)
+        elif match := _DALI_DIST.match(name):
+            majors[name] = int(match.group(1)) // 10
+    return majors
+
+
+def pip_report_packages(report: dict) -> list[tuple[str, str, list[str]]]:
+    """(name, version, requires_dist) of each package a `pip install --report` JSON would install."""
+    return [(item["metadata"]["name"], item["metadata"]["version"], item["metadata"].get("requires_dist") or [])
+            for item in report.get("install", [])]
+
+
+def installed_packages() -> list[tuple[str, str, list[str]]]:
+    """(name, version, requires) of torch and the DALI builds installed here (importlib.metadata)."""
+    from importlib import metadata
+
+    found = []
+    for dist in metadata.distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name == "torch" or _DALI_DIST.match(name):
+            found.append((name, dist.version, list(dist.requires or [])))
+    return found
