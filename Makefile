@@ -72,7 +72,8 @@ lint: venv
 	$(VENV)/bin/hadolint docker/Dockerfile
 
 # On a GPU node: the gpu tests, every loader, hw_decoder_load, a ResNet-50 training slice, a mixed checkpoint
-# round trip, the collectives -> build/gpu-check/gpu-check.{json,md} (docs/benchmarks.md). On a host without a
+# round trip, the collectives, every training recipe per dtype and layout -> build/gpu-check/gpu-check.{json,md}
+# (docs/benchmarks.md; `python -m dalifeed.bench.gpu_check --help` lists the steps). On a host without a
 # package registry, name the Python that has the stack: `make gpu-check PY=python3` (no .venv is made then).
 GPU_CHECK_DEPS := $(if $(filter command line,$(origin PY)),,venv)
 gpu-check: $(GPU_CHECK_DEPS)

@@ -47,6 +47,7 @@ WARP = _kernel(("UINT8", "INT16", "INT32", "FLOAT"),
 REDUCE = _kernel((*UNSIGNED, *SIGNED, "FLOAT"),
                  "dali/operators/generic/reduce/reduce.h: REDUCE_TYPES (uint8_t, int8_t, uint16_t, int16_t, uint32_t, "
                  "int32_t, uint64_t, int64_t, float): no float16")
+SPLIT_MERGE = _kernel(None, "dali/pipeline/operator/builtin/conditional/split_merge.h: copies whole samples")
 CAST = _kernel(("BOOL", *UNSIGNED, *SIGNED, "FLOAT16", "FLOAT", "FLOAT64"),
                "dali/operators/generic/cast.h: CAST_ALLOWED_TYPES (bool, uint8_t .. int64_t, float16, float, double)")
 
@@ -57,14 +58,15 @@ GPU_KERNELS: dict[str, GpuKernel] = {
     "Resize": _kernel(("UINT8", "INT16", "UINT16", "FLOAT"),
                       "dali/operators/image/resize/resize_base.cc: ResizeBase::SetupResize, TYPE_SWITCH (uint8_t, "
                       "int16_t, uint16_t, float) to the same type, (uint8_t, int16_t, uint16_t) to float"),
-    "CropMirrorNormalize": _kernel(("UINT8", "INT16", "UINT16", "INT32", "FLOAT", "FLOAT16"),
-                                   "dali/operators/image/crop/crop_mirror_normalize.h: CMN_IN_TYPES (uint8_t, int16_t, "
-                                   "uint16_t, int32_t, float, float16); CMN_OUT_TYPES (float, float16, uint8_t, int8_t)"),
-    "Erase": _kernel((*UNSIGNED, *SIGNED, "FLOAT"),
-                     "dali/operators/generic/erase/erase.cu: ERASE_SUPPORTED_TYPES (uint8_t, int8_t, uint16_t, int16_t, "
-                     "uint32_t, int32_t, uint64_t, int64_t, float): no float16 (the CPU backend, erase.cc, has it); "
-                     "channels first, last or none",
-                     layouts=("HWC", "CHW", "HW")),
+    "CropMirrorNormalize": _kernel(
+        ("UINT8", "INT16", "UINT16", "INT32", "FLOAT", "FLOAT16"),
+        "dali/operators/image/crop/crop_mirror_normalize.h: CMN_IN_TYPES (uint8_t, int16_t, uint16_t, int32_t, float, "
+        "float16); CMN_OUT_TYPES (float, float16, uint8_t, int8_t)"),
+    "Erase": _kernel(
+        (*UNSIGNED, *SIGNED, "FLOAT"),
+        "dali/operators/generic/erase/erase.cu: ERASE_SUPPORTED_TYPES (uint8_t, int8_t, uint16_t, int16_t, uint32_t, "
+        "int32_t, uint64_t, int64_t, float): no float16 (the CPU backend, erase.cc, has it); channels first, last or "
+        "none", layouts=("HWC", "CHW", "HW")),
     "Cast": CAST,
     "CastLike": CAST,
     "Flip": _kernel((*UNSIGNED, *SIGNED, "FLOAT", "FLOAT64"),
@@ -91,14 +93,15 @@ GPU_KERNELS: dict[str, GpuKernel] = {
     "reductions__Max": REDUCE,
     "reductions__Sum": REDUCE,
     "reductions__Mean": REDUCE,
-    "_ArithmeticGenericOp": _kernel(("BOOL", *UNSIGNED, *SIGNED, "FLOAT", "FLOAT64"),
-                                    "dali/operators/math/expressions/arithmetic_meta.h: ARITHMETIC_ALLOWED_TYPES (bool, "
-                                    "uint8_t .. int64_t, float, double; 'TODO(klecki): float16')", inputs=None),
+    "_ArithmeticGenericOp": _kernel(
+        ("BOOL", *UNSIGNED, *SIGNED, "FLOAT", "FLOAT64"),
+        "dali/operators/math/expressions/arithmetic_meta.h: ARITHMETIC_ALLOWED_TYPES (bool, uint8_t .. int64_t, float, "
+        "double; 'TODO(klecki): float16')", inputs=None),
     # type-agnostic: they move whole elements by their size
     "_TensorSubscript": _kernel(None, "dali/operators/generic/slice/subscript.cu: SliceGPU over type_of_size<element "
                                       "size>"),
-    "_conditional__Split": _kernel(None, "dali/pipeline/operator/builtin/conditional/split_merge.h: copies whole samples"),
-    "_conditional__Merge": _kernel(None, "dali/pipeline/operator/builtin/conditional/split_merge.h: copies whole samples"),
+    "_conditional__Split": SPLIT_MERGE,
+    "_conditional__Merge": SPLIT_MERGE,
     "Constant": _kernel(None, "dali/operators/generic/constant.cc: no input"),
 }
 
@@ -116,5 +119,6 @@ def input_problem(schema: str, dtype: str | None, layout: str | None) -> str | N
     if kernel.types is not None and dtype not in kernel.types:
         return f"{schema} gets {dtype}; DALI 2.4's GPU kernel takes {', '.join(sorted(kernel.types))} ({kernel.source})"
     if kernel.layouts is not None and layout not in kernel.layouts:
-        return f"{schema} gets layout {layout!r}; DALI 2.4's GPU kernel takes {', '.join(kernel.layouts)} ({kernel.source})"
+        return (f"{schema} gets layout {layout!r}; DALI 2.4's GPU kernel takes {', '.join(kernel.layouts)} "
+                f"({kernel.source})")
     return None
