@@ -74,8 +74,9 @@ test-gpu: $(GPU_CHECK_DEPS)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 # Every DALI graph dalifeed builds for `gpu` and `hybrid`, checked without a GPU (tests/test_gpu_graphs.py,
-# docs/gpu.md): each operator has a backend for its device, every argument is in its schema and current, and the
-# graph equals the cpu graph but for device strings and the mixed decoders' hints. `make test` runs it too.
+# docs/gpu.md): each operator has a backend for its device and a GPU kernel for the dtype and layout it receives
+# (dalifeed/pipelines/gpu_kernels.py), every argument is in its schema and current, and the graph equals the cpu
+# graph but for device strings and the mixed decoders' hints. `make test` runs it too.
 gpu-lint: venv
 	$(PY) -m pytest -q tests/test_gpu_graphs.py $(PYTEST_ARGS)
 
@@ -87,7 +88,8 @@ lint: venv
 	$(VENV)/bin/hadolint docker/Dockerfile
 
 # On a GPU node: the gpu tests, every loader, hw_decoder_load, a ResNet-50 training slice, a mixed checkpoint
-# round trip, the collectives -> build/gpu-check/gpu-check.{json,md} (docs/benchmarks.md). On a host without a
+# round trip, the collectives, every training recipe per dtype and layout -> build/gpu-check/gpu-check.{json,md}
+# (docs/benchmarks.md; `python -m dalifeed.bench.gpu_check --help` lists the steps). On a host without a
 # package registry, name the Python that has the stack: `make gpu-check PY=python3` (no .venv is made then).
 gpu-check: $(GPU_CHECK_DEPS)
 	$(PY) -m dalifeed.bench.gpu_check --workdir $(BUILD)/gpu-check $(GPU_CHECK_ARGS)

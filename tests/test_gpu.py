@@ -168,3 +168,33 @@ def test_gpu_check_end_to_end_small(tmp_path):
     assert report["train"]["loader"] == "dali-gpu" and report["train"]["dali"]["gpu_util_percent"] is not None
     assert report["checkpoint"]["bit_identical"] and report["nccl"]["ok"]
     assert report["environment"]["driver"]
+
+
+RECIPE_STEPS = ["recipe-imagenet", "recipe-ra", "recipe-ta_wide", "recipe-erase", "recipe-mixup-cutmix",
+                "recipe-torchvision-resnet50", "multilabel", "detection"]
+
+
+@pytest.mark.parametrize("step", RECIPE_STEPS)
+def test_gpu_check_recipe_step(tmp_path, step):
+    """Each training recipe on the GPU as gpu-check runs it (gpu_recipes.py): every output (float32/float16,
+    NCHW/NHWC) decodes with nvJPEG at a measured rate, and the hybrid loader's first batch (CPU decoding, GPU
+    kernels, the same random draws) matches the cpu loader's: the same targets, images within MATCH_TOLERANCE."""
+    import json
+
+    from click.testing import CliRunner
+
+    from dalifeed.bench import gpu_recipes
+    from dalifeed.bench.gpu_check import main as gpu_check_cli
+
+    workdir = tmp_path / "gc"
+    result = CliRunner().invoke(gpu_check_cli, [
+        "--workdir", str(workdir), "--per-class", "40", "--batch-size", "32", "--image-size", "64",
+        "--model", "resnet18", "--train-epochs", "2", "--recipe-batches", "3", "--coco-batch-size", "16",
+        "--steps", step])
+    assert result.exit_code == 0, result.output
+    section = json.loads((workdir / "gpu-check.json").read_text())[step.replace("-", "_")]
+    assert len(section["cases"]) == (1 if step == "detection" else 4)
+    for case in section["cases"]:
+        assert case["device"] == "gpu" and case["compared_device"] == "hybrid" and case["images_per_s"] > 0, case
+        assert case["targets_equal"] and case["mean_abs_difference"] <= gpu_recipes.MATCH_TOLERANCE, case
+        assert case["gpu_vs_cpu"]["targets_equal"], case  # nvJPEG decodes the same crops of the same samples

@@ -12,8 +12,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dalifeed.bench.gpu_check import (GpuCheckConfig, checkpoint_round_trip, collectives, decoder_budget,
-                                      decoder_memory_line, main as gpu_check_cli, render_markdown, run_check)
+from dalifeed.bench import gpu_recipes
+from dalifeed.bench.gpu_check import (STEPS, CheckRun, GpuCheckConfig, checkpoint_round_trip, collectives,
+                                      decoder_budget, decoder_memory_line, failed, hw_decoder_config,
+                                      main as gpu_check_cli, render_markdown, run_check, train_command, train_slice)
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.budget import thread_budget
 from dalifeed.stack import StackMismatch
@@ -177,3 +179,96 @@ def test_gpu_devices_are_refused_in_one_line_without_a_gpu(shards, tmp_path, dev
     with pytest.raises(StackMismatch, match=f"--device {device} needs a CUDA GPU and this node has none"):
         make_loader(shards, "train", 4, device=device)
 
+
+
+# -- the recipe steps (gpu_recipes.py), the hw-decoder sweep's threads and the training slice's ranks ------------
+
+def test_help_lists_every_step():
+    result = CliRunner().invoke(gpu_check_cli, ["--help"])
+    assert result.exit_code == 0
+    listed = [line.split()[0] for line in result.output.split("Steps (--steps), in order:")[1].splitlines()[1:15]]
+    assert listed == list(STEPS)
+    assert list(STEPS)[6:] == ["recipe-imagenet", "recipe-ra", "recipe-ta_wide", "recipe-erase", "recipe-mixup-cutmix",
+                               "recipe-torchvision-resnet50", "multilabel", "detection"]
+
+
+RECIPE_ARGS = [*SMALL, "--recipe-batches", "2", "--coco-batch-size", "8"]
+
+
+@pytest.mark.slow
+def test_every_recipe_step_runs_each_output_and_matches_the_cpu_path(tmp_path):
+    """Every recipe step on the CPU (--allow-cpu): each of float32/float16 x NCHW/NHWC (detection: one) gives
+    images/s and a first batch equal to a second loader's with the same seed; the torchvision-resnet50 step also
+    trains with --recipe; gpu-check.md has a table per step."""
+    workdir = tmp_path / "gc"
+    steps = [name for name in STEPS if name in gpu_recipes.RECIPES]
+    result = CliRunner().invoke(gpu_check_cli, ["--workdir", str(workdir), "--allow-cpu", *RECIPE_ARGS,
+                                                "--steps", ",".join(steps)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((workdir / "gpu-check.json").read_text())
+    outputs = ["float32 NCHW", "float16 NCHW", "float32 NHWC", "float16 NHWC"]
+    for name in steps:
+        section = report[name.replace("-", "_")]
+        assert [c["output"] for c in section["cases"]] == (["float32 NCHW"] if name == "detection" else outputs), name
+        for case in section["cases"]:
+            assert case["images_per_s"] > 0 and case["device"] == case["compared_device"] == "cpu", (name, case)
+            assert case["matches_cpu"] and case["mean_abs_difference"] == 0 and case["targets_equal"], (name, case)
+            assert case["checksum"] == case["cpu_checksum"] != 0, (name, case)
+        assert f"### {name}: " in (workdir / "gpu-check.md").read_text()
+    half, single = report["recipe_erase"]["cases"][1], report["recipe_erase"]["cases"][0]
+    assert half["checksum"] == pytest.approx(single["checksum"], rel=1e-3) and half["checksum"] != single["checksum"]
+    train = report["recipe_torchvision_resnet50"]["train"]
+    assert train["command"].endswith("--recipe torchvision-resnet50") and train["images_per_s"] > 0
+    assert report["recipe_torchvision_resnet50"]["mixup_alpha"] == 0.2
+    assert report["multilabel"]["task"] == "multilabel" and report["detection"]["batch_size"] == 8
+
+
+def test_a_batch_that_differs_from_the_cpu_path_fails_the_check():
+    images, labels = torch.zeros(2, 3, 4, 4, dtype=torch.float64), torch.tensor([1.0, 2.0], dtype=torch.float64)
+    same = gpu_recipes.compare((images, labels), (images.clone(), labels.clone()))
+    assert same == {"checksum": 0.0, "cpu_checksum": 0.0, "targets_equal": True, "mean_abs_difference": 0.0,
+                    "max_abs_difference": 0.0}
+    shifted = gpu_recipes.compare((images + 0.5, labels.flip(0)), (images, labels))
+    assert (shifted["checksum"], shifted["targets_equal"], shifted["mean_abs_difference"]) == (48.0, False, 0.5)
+    other_shape = gpu_recipes.compare((images[:1], labels[:1]), (images, labels))
+    assert other_shape["mean_abs_difference"] is None and not other_shape["targets_equal"]
+    case = {"output": "float16 NHWC", "matches_cpu": False}
+    assert gpu_recipes.failed_cases({"recipe_ra": {"cases": [case]}}) == ["recipe-ra float16 NHWC"]
+    assert failed({"recipe_ra": {"cases": [case]}})
+    assert not failed({"recipe_ra": {"cases": [{**case, "matches_cpu": True}]}})
+
+
+def test_the_training_slice_runs_the_nodes_ranks_under_torchrun(tmp_path):
+    cfg = GpuCheckConfig(workdir=tmp_path, model="resnet18")
+    two = train_command(cfg, tmp_path / "shards", tmp_path / "out", True, synthetic=False, ranks=8,
+                        extra=["--recipe", "torchvision-resnet50"])
+    assert two[1:7] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8", "-m"]
+    assert two[7] == "dalifeed.train.cli" and two[-2:] == ["--recipe", "torchvision-resnet50"]
+    assert "--dali-threads" not in two  # each rank takes dali-train's own budget for 8 ranks on the node
+    one = train_command(cfg, tmp_path / "shards", tmp_path / "out", False, synthetic=True)
+    assert one[1:3] == ["-m", "dalifeed.train.cli"] and one[-1] == "--synthetic"
+    assert CheckRun(cfg, has_gpu=False).train_ranks == 1
+    assert CheckRun(GpuCheckConfig(workdir=tmp_path, train_ranks=2), has_gpu=False).train_ranks == 2
+
+
+@pytest.mark.slow
+def test_a_two_rank_training_slice_runs_on_the_cpu(tmp_path, shards):
+    """The slice as a node runs it, for real: torchrun with two ranks (gloo here), the node's images/s."""
+    cfg = GpuCheckConfig(workdir=tmp_path, batch_size=4, image_size=24, model="resnet18", width=8, train_epochs=2,
+                         train_ranks=2, workers=1)
+    run = CheckRun(cfg, has_gpu=False, log=lambda msg: None)
+    run.photo_set = (None, shards)  # the module's small shards in place of the photo set
+    result = train_slice(run, "two", synthetic=True)
+    assert result["ranks"] == 2 and result["images_per_s"] > 0 and "--nproc-per-node 2" in result["command"]
+    log = (tmp_path / "train-two" / "train.log").read_text()
+    assert "world size 2, device cpu" in log, log[-2000:]
+
+
+def test_the_hw_decoder_sweep_runs_at_one_ranks_dali_threads(tmp_path):
+    """The sweep's dali-gpu gets the threads dali-train gives one rank of this node (one rank per GPU), not
+    --workers (every CPU): a rank never has them all (issue 28, finding 4)."""
+    cfg = GpuCheckConfig(workdir=tmp_path, per_class=8, batch_size=8, workers=64, allow_cpu=True)
+    run = CheckRun(cfg, has_gpu=False, log=lambda msg: None)
+    threads = decoder_budget()["threads"]
+    bench = hw_decoder_config(run, threads)
+    assert bench.loaders == ["dali-gpu"] and bench.workers == threads != 64

@@ -12,13 +12,18 @@ the verify decoder, dali-bench's stage cuts, gpu-check's checkpoint loader), on 
 (b) every argument is in the operator's schema, and neither it nor the operator is deprecated;
 (c) the graph equals the same factory's `cpu` graph operator for operator, except device strings (a `.gpu()`
     transfer is the same edge on another device: DALI 2.4 inserts the copy when it builds, not in the graph it
-    serializes) and the mixed decoders' DECODER_HINTS: "the devices differ only in device strings".
+    serializes) and the mixed decoders' DECODER_HINTS: "the devices differ only in device strings";
+(d) every operator on the GPU has a kernel for the dtype (and layout) it receives: the `cpu` twin of the graph
+    is run once with every operator's input added as an output, which gives the dtype and layout on each edge
+    (the same edges as the GPU graph's, by (c)), and each GPU operator is held to DALI 2.4's GPU type list for it
+    (dalifeed/pipelines/gpu_kernels.py, itself checked against the kernels the installed wheel instantiates).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +34,7 @@ import torch
 from nvidia.dali import backend, fn, ops, pipeline_def, types
 
 from dalifeed.pipelines.checks import DaliDecoder, dali_sees_gpu
+from dalifeed.pipelines.gpu_kernels import GPU_KERNELS, input_problem
 from dalifeed.pipelines.graphs import AugmentConfig, decoder_memory
 
 # Arguments only the mixed decoders get, each a no-op on the CPU backend (its schema doc says it applies only
@@ -266,8 +272,14 @@ def verify_decoder(device: str):
     return DaliDecoder(device, None, batch_size=4, num_threads=2).pipeline()
 
 
+def recipe(policy: str | None, random_erase: float = 0.5) -> AugmentConfig:
+    return AugmentConfig(image_size=32, auto_augment=policy, random_erase=random_erase)
+
+
 BOTH = ("gpu", "hybrid")
-# name -> (how to make it from the fixtures, the non-cpu devices dalifeed builds it for)
+# name -> (how to make it from the fixtures, the non-cpu devices dalifeed builds it for). Every output dtype a
+# loader hands out: float32 and float16 (make_loader refuses others; a bf16 model takes the float32 batches,
+# autocast casts inside it), NCHW and NHWC (channels_last), with and without each policy and erasing.
 GRAPHS = {
     "train": (lambda s, c: classification(s, True), BOTH),
     "val": (lambda s, c: classification(s, False), BOTH),
@@ -275,11 +287,19 @@ GRAPHS = {
     "val-fp16": (lambda s, c: classification(s, False, dtype=torch.float16), BOTH),
     "train-channels_last": (lambda s, c: classification(s, True, channels_last=True), BOTH),
     "val-channels_last": (lambda s, c: classification(s, False, channels_last=True), BOTH),
+    "train-fp16-channels_last": (lambda s, c: classification(s, True, dtype=torch.float16, channels_last=True), BOTH),
     "train-hw_decoder_load_0.99": (lambda s, c: classification(s, True, hw_decoder_load=0.99), BOTH),
     "train-no_flip": (lambda s, c: classification(s, True, flip=False), BOTH),
     **{f"train-{policy}-random_erase": (lambda s, c, policy=policy: classification(
-        s, True, augment=AugmentConfig(image_size=32, auto_augment=policy, random_erase=0.5)), BOTH)
-       for policy in ("imagenet", "ra", "ta_wide")},
+        s, True, augment=recipe(policy)), BOTH) for policy in ("imagenet", "ra", "ta_wide")},
+    **{f"train-{policy}-random_erase-fp16": (lambda s, c, policy=policy: classification(
+        s, True, augment=recipe(policy), dtype=torch.float16), BOTH) for policy in ("imagenet", "ra", "ta_wide")},
+    "train-ta_wide-random_erase-fp16-channels_last": (lambda s, c: classification(
+        s, True, augment=recipe("ta_wide"), dtype=torch.float16, channels_last=True), BOTH),
+    "train-random_erase-fp16-channels_last": (lambda s, c: classification(
+        s, True, augment=recipe(None), dtype=torch.float16, channels_last=True), BOTH),
+    "train-ta_wide-channels_last": (lambda s, c: classification(
+        s, True, augment=recipe("ta_wide", 0.0), channels_last=True), BOTH),
     "multilabel-train": (lambda s, c: classification(c, True, "mini", multilabel=True), BOTH),
     "multilabel-val": (lambda s, c: classification(c, False, "mini", multilabel=True), BOTH),
     "detection-train-size": (lambda s, c: detection(c, True, size=64), BOTH),
@@ -304,6 +324,21 @@ GRAPHS = {
 CASES = [(name, device) for name, (_, devices) in GRAPHS.items() for device in devices]
 
 
+def encoded_jpegs(batch_size: int) -> list:
+    """What verify's decoder is fed (an external source) when its cpu twin is run for (d)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((20, 24, 3), 90, np.uint8)).save(buf, "JPEG")
+    return [np.frombuffer(buf.getvalue(), np.uint8)] * batch_size
+
+
+FEEDS = {"verify-decoder": {"encoded": encoded_jpegs}}  # graph -> external source -> batch_size -> its batch
+
+
 @pytest.fixture(scope="module")
 def graph(shards, mini_coco_shards):
     """graph(name, device) -> the serialized graph, parsed (made once per module)."""
@@ -315,6 +350,73 @@ def graph(shards, mini_coco_shards):
         if (name, device) not in made:
             made[name, device] = parse_graph(factories[name](device).serialize())
         return made[name, device]
+
+    return get
+
+
+# -- (d): the dtype and layout on every edge, from running the cpu twin ------------------------------
+
+PROBE_BATCH, PROBE_RUNS = 64, 6  # enough samples that every branch of every policy is taken (a seeded draw)
+
+
+def observed_inputs(pipe, feeds: dict | None = None, batch_size: int = PROBE_BATCH,
+                    runs: int = PROBE_RUNS) -> dict[str, tuple[str, str]]:
+    """Edge name -> (DALI dtype name, layout) of every operator input of `pipe`, a cpu graph defined but not
+    built: a pipeline of the same operators whose outputs are all those inputs, run `runs` times. An edge
+    inside a policy's branch that no sample took in a run carries an empty batch without a type; it is read
+    from the runs in which samples took it, and is missing when none did. `feeds`: external source -> a
+    function of the batch size giving its batch. (`_build_graph` and `_ops` are DALI 2.4's own graph walk,
+    nvidia/dali/pipeline.py: the public API gives the dtypes of a pipeline's outputs only.)"""
+    from nvidia.dali import Pipeline
+
+    pipe._build_graph()
+    edges = {}
+    for op in pipe._ops:
+        for node in op.inputs:
+            for edge in node if isinstance(node, list) else [node]:
+                edges[edge.name] = edge
+    probe = Pipeline(batch_size=batch_size, num_threads=2, device_id=None, seed=3, exec_async=False,
+                     exec_pipelined=False, prefetch_queue_depth=1)
+    with probe:
+        probe.set_outputs(*edges.values())
+    probe.build()
+    seen: dict[str, tuple[str, str]] = {}
+    for _ in range(runs):
+        for name, make in (feeds or {}).items():
+            probe.feed_input(name, make(batch_size))
+        for name, batch in zip(edges, probe.run()):
+            if batch.dtype != types.NO_TYPE:
+                seen[name] = (batch.dtype.name, batch.layout())
+    return seen
+
+
+def dtype_problems(graph: list[Op], observed: dict[str, tuple[str, str]]) -> list[str]:
+    """(d) operators off the CPU that are not in gpu_kernels.GPU_KERNELS, or whose input has a dtype or layout
+    their DALI 2.4 GPU kernel does not take."""
+    problems = []
+    for op in graph:
+        if op.device == "cpu":
+            continue
+        kernel = GPU_KERNELS.get(op.schema)
+        if kernel is None:
+            problems.append(f"{op}: {input_problem(op.schema, None, None)}")
+            continue
+        for edge in [e for e in op.inputs if e.argument is None][:kernel.inputs]:  # [:None]: every input
+            problem = input_problem(op.schema, *observed.get(edge.name, (None, None)))
+            if problem:
+                problems.append(f"{op}: {problem}")
+    return problems
+
+
+@pytest.fixture(scope="module")
+def observed(shards, mini_coco_shards):
+    """observed(name) -> observed_inputs of graph `name`'s cpu twin (run once per module)."""
+    made: dict[str, dict] = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = observed_inputs(GRAPHS[name][0](shards, mini_coco_shards)("cpu"), FEEDS.get(name))
+        return made[name]
 
     return get
 
@@ -342,6 +444,98 @@ def test_the_graph_equals_the_cpu_graph_but_for_devices_and_decoder_hints(graph,
     assert difference_problems(graph(name, "cpu"), graph(name, device)) == []
     _, outputs = graph(name, device)
     assert {e.device for e in outputs} == {"gpu"}  # what the iterator hands to torch lives on the GPU
+
+
+@pytest.mark.parametrize("name,device", CASES)
+def test_every_gpu_kernel_has_the_dtype_and_layout_it_receives(graph, observed, name, device):
+    ops_, _ = graph(name, device)
+    assert dtype_problems(ops_, observed(name)) == []
+
+
+def test_float16_output_erases_in_float32_and_casts_after(graph, observed):
+    """Issue 28: the fp16 training graph erases the float32 normalised image, then casts (what (d) reads)."""
+    ops_, _ = graph("train-ta_wide-random_erase-fp16", "gpu")
+    seen = observed("train-ta_wide-random_erase-fp16")
+    erase = next(op for op in ops_ if op.schema == "Erase")
+    assert (erase.device, seen[erase.inputs[0].name]) == ("gpu", ("FLOAT", "CHW"))
+    assert (ops_[-1].schema, ops_[-1].args["dtype"]) == ("Cast", int(types.FLOAT16))
+
+
+def test_the_dtype_check_fails_the_float16_erasing_graph_of_before(shards):
+    """The composition train_augment had before issue 28, normalise to float16 then erase, serializes and runs
+    on the CPU; (d) names the GPU erase that would have failed on the first batch."""
+    from dalifeed.format import ShardManifest
+    from dalifeed.pipelines import augment, graphs
+
+    manifest = ShardManifest.load(shards)
+    paths, indexes = [str(p) for p in manifest.shard_paths("train")], [str(p) for p in manifest.index_paths("train")]
+    cfg = AugmentConfig(image_size=32, random_erase=0.5, fp16=True)
+
+    @pipeline_def(batch_size=4, num_threads=1, device_id=None, seed=0)
+    def before(device):
+        jpegs, _ = graphs.read_shards(paths, indexes, shard_id=0, num_shards=1, shuffle=False, initial_fill=4)
+        images = graphs.resize_square(graphs.after_decode(graphs.decode_random_crop(jpegs, cfg, device), device), cfg)
+        return augment.random_erase(graphs.normalize(images, cfg), cfg)
+
+    gpu = parse_graph(before("gpu").serialize())[0]
+    assert backend_problems(gpu) == [] and schema_problems(gpu) == []  # the old checks let it through
+    problems = dtype_problems(gpu, observed_inputs(before("cpu")))
+    assert len(problems) == 1 and "(Erase, gpu): Erase gets FLOAT16; DALI 2.4's GPU kernel takes FLOAT, INT16" in \
+        problems[0], problems
+    assert dtype_problems(parse_graph(before("hybrid").serialize())[0], observed_inputs(before("cpu"))) == problems
+
+
+def test_an_operator_missing_from_the_kernel_table_is_named():
+    cpu_only_op_on_the_gpu, _ = _broken_graphs()
+    ops_, _ = parse_graph(cpu_only_op_on_the_gpu().serialize())
+    assert dtype_problems(ops_, {}) == [f"{ops_[-1]}: RandomBBoxCrop is not in dalifeed/pipelines/gpu_kernels.py: "
+                                        "read its GPU type list in DALI 2.4's source and add it"]
+
+
+# The kernels the installed DALI instantiates, from the mangled names in libdali_operators.so (Itanium C++ ABI:
+# h uint8_t, a int8_t, t uint16_t, s int16_t, j uint32_t, i int32_t, m uint64_t, l int64_t, f float, d double,
+# b bool; dali::float16 is a nested name, NS_7float16E). Schema -> (pattern, the group that is the input type).
+MANGLED = {b"h": "UINT8", b"a": "INT8", b"t": "UINT16", b"s": "INT16", b"j": "UINT32", b"i": "INT32", b"m": "UINT64",
+           b"l": "INT64", b"f": "FLOAT", b"d": "FLOAT64", b"b": "BOOL"}
+T = rb"(NS\d*_7float16E|[hatsjimlfdb])"
+WITNESSES = {
+    "Erase": (rb"12EraseImplGpuI" + T, 1),  # EraseImplGpu<T, ndim, channel_dim>
+    "CropMirrorNormalize": (rb"21SliceFlipNormalizeGPUI" + T + T, 2),  # <Out, In, spatial_ndim, channel_dim>
+    "Resize": (rb"15ResizeOpImplGPUI" + T + T, 2),  # <Out, In, spatial_ndim>
+    "Flip": (rb"7kernels7FlipGPUI" + T, 1),
+    "Pad": (rb"3PadINS_10GPUBackendEE8FillArgsINS_7kernels9SliceArgsI" + T, 1),
+    "Brightness": (rb"14MultiplyAddGpuI" + T + T, 2),  # brightness_contrast's GPU kernel <Out, In, ndim>
+    "Saturation": (rb"23LinearTransformationGpuI" + T + T, 2),  # color_twist's <Out, In, 3, 3, 2>
+    "WarpAffine": (rb"7WarpGPUINS\d*_13AffineMappingILi2EEELi2E" + T + T, 2),  # <Mapping, 2, Out, In, Border>
+    "Rotate": (rb"7WarpGPUINS\d*_13AffineMappingILi2EEELi2E" + T + T, 2),  # the same Warp kernels
+    "Filter": (rb"9FilterGpuI" + T + T, 2),  # <Out, In, W, ...>
+    "reductions__Min": (rb"6MinGPUI" + T + T, 2),
+    "reductions__Max": (rb"6MaxGPUI" + T + T, 2),
+    "reductions__Sum": (rb"6SumGPUI" + T + T, 2),
+    "reductions__Mean": (rb"7MeanGPUI" + T + T, 2),
+    "Cast": (rb"4cast7CastGPUI" + T + T, 2),
+    "CastLike": (rb"4cast7CastGPUI" + T + T, 2),
+    "_ArithmeticGenericOp": (rb"12InvokerBinOpILNS\d*_12ArithmeticOpE\d+E" + T + T + T, 2),  # <op, Out, Left, Right>
+}
+
+
+def instantiated(library: bytes, pattern: bytes, group: int) -> set[str]:
+    return {"FLOAT16" if b"float16" in m.group(group) else MANGLED[m.group(group)]
+            for m in re.finditer(pattern, library)}
+
+
+def test_the_kernel_table_is_what_the_installed_dali_instantiates():
+    """Every row of gpu_kernels.GPU_KERNELS with a templated GPU kernel lists exactly the input types the
+    installed DALI 2.4 wheel has kernels for; the rest (the decoders, equalize, and the type-agnostic copies)
+    rest on the source alone. And the CPU erase has the float16 kernel its GPU twin lacks: why only a GPU
+    failed."""
+    library = (Path(nvidia.dali.__file__).parent / "libdali_operators.so").read_bytes()
+    for schema, (pattern, group) in WITNESSES.items():
+        assert instantiated(library, pattern, group) == GPU_KERNELS[schema].types, schema
+    assert "FLOAT16" in instantiated(library, rb"12EraseImplCpuI" + T, 1)
+    assert set(GPU_KERNELS) - set(WITNESSES) == {"decoders__Image", "decoders__ImageRandomCrop", "decoders__ImageSlice",
+                                                 "Equalize", "_TensorSubscript", "_conditional__Split",
+                                                 "_conditional__Merge", "Constant"}
 
 
 def test_the_decoder_hints_apply_only_to_the_mixed_backend():

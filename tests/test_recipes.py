@@ -235,6 +235,23 @@ def test_loader_erases_a_rectangle_to_zero_after_normalising(photo_shards, chann
             assert 0.02 - 0.02 <= len(ys) / 48**2 <= 0.33 + 0.02
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_float16_erasing_is_the_float32_result_cast(photo_shards, channels_last):
+    """Erasing runs in float32 whatever the output (DALI 2.4's GPU erase has no float16 kernel: augment.ERASE_DTYPE):
+    a float16 loader hands out the float32 loader's images cast to float16, bit for bit, erased zeros included."""
+    cfg = AugmentConfig(image_size=48, auto_augment="ta_wide", random_erase=1.0)
+
+    def epoch(dtype):
+        loader = make_loader(photo_shards, "train", 8, device="cpu", augment=cfg, channels_last=channels_last, seed=1,
+                             dtype=dtype)
+        return torch.cat([images for images, _ in loader])
+
+    half, single = epoch(torch.float16), epoch(torch.float32)
+    assert half.dtype == torch.float16 and torch.equal(half, single.half())
+    erased = (half == 0).all(dim=1).flatten(1).float().mean(1)  # share of each image erased to 0 (NCHW views)
+    assert bool(((erased >= 0.02 - 0.02) & (erased <= 0.33 + 0.02) & (erased > 0)).all()), erased
+
+
 def test_policies_run_in_the_loader_and_change_the_images(photo_shards):
     # crop_ratio (1, 1) at scale 1 cannot fit a 4:3 photo: DALI falls back to the same centre crop every time,
     # and the reader (the graph's first random operator) shuffles alike: only the policy differs

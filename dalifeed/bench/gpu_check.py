@@ -7,10 +7,18 @@ Steps, in order (each adds its section to WORKDIR/gpu-check.json and gpu-check.m
 
 - tests       the `gpu`-marked tests (pytest -m gpu), from a source checkout
 - loaders     dali-bench with every loader on the ImageNet-like photo set: batch 256, 224 px, fp16 output
-- hw-decoder  dali-gpu at each --hw-loads value, with NVML's JPEG-engine utilisation: whether the hardware
-              decoder is used, and the best share for this GPU and these cores
-- train       a slice of dali-train (ResNet-50, --amp bf16 --channels-last) on the shards, against the same
-              command with --synthetic (one batch repeated): images/s, data wait, GPU utilisation
+- hw-decoder  dali-gpu at each --hw-loads value, at the DALI threads one rank of dali-train gets on this node
+              (budget.thread_budget with one rank per GPU, not every core), with NVML's JPEG-engine utilisation:
+              whether the hardware decoder is used, and the best share for this GPU and this rank's threads
+- train       a slice of dali-train (ResNet-50, --amp bf16 --channels-last) on the shards, run as the node runs
+              it (torchrun, one rank per GPU), against the same command with --synthetic (one batch repeated):
+              images/s of the node, data wait, GPU utilisation
+- recipe-imagenet, recipe-ra, recipe-ta_wide, recipe-erase, recipe-mixup-cutmix, recipe-torchvision-resnet50,
+  multilabel, detection
+              each recipe the graphs run (gpu_recipes.py), over every output the loader hands out (float32 and
+              float16, NCHW and NHWC): images/s on the GPU, and a checksum of its first batch against the CPU
+              path's (the hybrid loader: CPU decoding, the GPU's kernels, the same random draws); the
+              torchvision-resnet50 step also runs a training slice of `dali-train --recipe torchvision-resnet50`
 - checkpoint  a `mixed` loader's DALI checkpoint: time to save and restore, and whether the restored
               batches are bit-identical to the ones an uninterrupted loader yields
 - nccl        the collective code path (all-reduce, gather, DDP backward) at world size 1: one GPU cannot
@@ -45,6 +53,7 @@ from dalifeed.cliutil import default, run_command
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 from dalifeed.runtime import usable_cores
 
+from . import gpu_recipes
 from .config import BenchConfig
 from .gpu_report import decoder_memory_line, goals, render_markdown
 from .loaders import LOADERS
@@ -75,6 +84,9 @@ class GpuCheckConfig:
     width: int | None = None
     amp: str = "bf16"
     train_epochs: int = 4  # the first is warm-up (cuDNN autotuning, allocator); the rest are reported
+    train_ranks: int | None = None  # processes of the training slices; None: one per visible GPU (1 without)
+    recipe_batches: int = 10  # timed batches of each recipe case (after one that builds the pipeline)
+    coco_batch_size: int = 64  # multilabel and detection (COCO shards: ~12 x per_class / 10 images)
     allow_cpu: bool = False
 
     def validate(self, has_gpu: bool) -> None:
@@ -87,7 +99,8 @@ class GpuCheckConfig:
                                   "(or pass --allow-cpu to exercise the check itself on the CPU)")
         for name, value in (("--per-class", self.per_class), ("--batch-size", self.batch_size),
                             ("--repeats", self.repeats), ("--workers", self.workers),
-                            ("--train-epochs", self.train_epochs)):
+                            ("--train-epochs", self.train_epochs), ("--train-ranks", 1 if self.train_ranks is None else self.train_ranks),
+                            ("--recipe-batches", self.recipe_batches), ("--coco-batch-size", self.coco_batch_size)):
             if value < 1:
                 raise CheckUsageError(f"{name} must be >= 1, got {value}")
         if any(not 0 <= load <= 1 for load in self.hw_loads):
@@ -161,6 +174,10 @@ class CheckRun:
     def photo_set(self) -> tuple[Path, Path]:
         return photo_shards(self.cfg, self.log)
 
+    @cached_property
+    def coco_shards(self) -> Path:
+        return gpu_recipes.coco_shards(self.cfg, self.log)
+
     @property
     def photos(self) -> Path:
         return self.photo_set[0]
@@ -172,6 +189,12 @@ class CheckRun:
     @property
     def device(self) -> str:
         return "gpu" if self.has_gpu else "cpu"
+
+    @property
+    def train_ranks(self) -> int:
+        """Processes of a training slice: --train-ranks, else one per visible GPU (torchrun --nproc-per-node
+        gpu, as a node trains), else 1."""
+        return self.cfg.train_ranks or (torch.cuda.device_count() if self.has_gpu else 1)
 
 
 def photo_shards(cfg: GpuCheckConfig, log) -> tuple[Path, Path]:
@@ -208,12 +231,18 @@ def tests_step(run: CheckRun) -> dict:
             "failed": len(failures), "skipped": skipped, "failures": failures}
 
 
-def bench_config(run: CheckRun, loaders: list[str], out: str) -> BenchConfig:
-    """dali-bench's options for the photo set at gpu-check's batch, size, window and workers (fp16 batches)."""
+def bench_options(run: CheckRun, loaders: list[str], out: str) -> BenchConfig:
+    """dali-bench's options for the photo set at gpu-check's batch, size, window and workers (fp16 batches),
+    not yet validated (validation refuses dali-gpu where there is no GPU)."""
     cfg = run.cfg
-    bench = BenchConfig(imagefolder=run.photos / "train", shards=run.shards, loaders=loaders, out=cfg.workdir / out,
-                        batch_size=cfg.batch_size, image_size=cfg.image_size, seconds=cfg.seconds,
-                        repeats=cfg.repeats, workers=cfg.workers, fp16=True)
+    return BenchConfig(imagefolder=run.photos / "train", shards=run.shards, loaders=loaders, out=cfg.workdir / out,
+                       batch_size=cfg.batch_size, image_size=cfg.image_size, seconds=cfg.seconds,
+                       repeats=cfg.repeats, workers=cfg.workers, fp16=True)
+
+
+def bench_config(run: CheckRun, loaders: list[str], out: str) -> BenchConfig:
+    """`bench_options`, validated."""
+    bench = bench_options(run, loaders, out)
     bench.validate()
     return bench
 
@@ -233,11 +262,21 @@ def utilisation(sampler: ResourceSampler) -> dict:
             "jpeg_engine_util_percent": sampler.mean("jpeg_engine_util_percent")}
 
 
+def hw_decoder_config(run: CheckRun, threads: int) -> BenchConfig:
+    """dali-bench's options for the sweep: dali-gpu alone, at `threads` DALI threads (one rank's, not --workers)."""
+    return replace(bench_options(run, ["dali-gpu"], "hw"), workers=threads)
+
+
 def hw_decoder_step(run: CheckRun) -> dict:
-    """dali-gpu at each hardware-decoder share, with the JPEG engine's utilisation while it runs."""
+    """dali-gpu at each hardware-decoder share, with the JPEG engine's utilisation while it runs, at the DALI
+    threads one dali-train rank gets on this node: the share that keeps a rank fed depends on how many
+    threads feed its decoder, and a rank never has every core (budget.py)."""
     if not run.has_gpu:
         return {"skipped": "no GPU"}
-    checked = bench_config(run, ["dali-gpu"], "hw")  # same data for every load: checked once
+    budget = decoder_budget()  # dali-train's default for one rank per visible GPU
+    checked = hw_decoder_config(run, budget["threads"])  # same data for every load: checked once
+    checked.validate()
+    run.log(f"hw-decoder: {budget['budget']}")
     runs = []
     for load in run.cfg.hw_loads:
         bench = replace(checked, hw_decoder_load=load, out=run.cfg.workdir / f"hw-{load:g}")
@@ -250,11 +289,17 @@ def hw_decoder_step(run: CheckRun) -> dict:
     best = max(runs, key=lambda r: r["images_per_s"])
     engine = [r["jpeg_engine_util_percent"] for r in runs if r["hw_decoder_load"] > 0]
     used = None if not engine or None in engine else any(u > 0 for u in engine)
-    return {"runs": runs, "best_hw_decoder_load": best["hw_decoder_load"], "hardware_decoder_used": used}
+    return {"runs": runs, "best_hw_decoder_load": best["hw_decoder_load"], "hardware_decoder_used": used,
+            "threads": budget["threads"], "budget": budget["budget"]}
 
 
-def train_command(cfg: GpuCheckConfig, shards: Path, out: Path, has_gpu: bool, synthetic: bool) -> list[str]:
-    command = [sys.executable, "-m", "dalifeed.train.cli", "--data", str(shards), "--out", str(out),
+def train_command(cfg: GpuCheckConfig, shards: Path, out: Path, has_gpu: bool, synthetic: bool, ranks: int = 1,
+                  extra: list[str] | tuple = ()) -> list[str]:
+    """dali-train's command for a slice: under torchrun with `ranks` processes on this node (what a node runs;
+    dali-train sets each rank's GPU from LOCAL_RANK), or a plain process for one rank."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] \
+        if ranks > 1 else [sys.executable]
+    command = [*launcher, "-m", "dalifeed.train.cli", "--data", str(shards), "--out", str(out),
                "--model", cfg.model, "--epochs", str(cfg.train_epochs), "--batch-size", str(cfg.batch_size),
                "--image-size", str(cfg.image_size), "--amp", cfg.amp if has_gpu else "off", "--channels-last",
                "--val-split", "none", "--warmup-epochs", "0", "--device", "gpu" if has_gpu else "cpu"]
@@ -264,7 +309,7 @@ def train_command(cfg: GpuCheckConfig, shards: Path, out: Path, has_gpu: bool, s
         command += ["--width", str(cfg.width)]
     # a torch profiler trace of steps 3-7 of the first epoch (which the numbers leave out): where the time
     # goes when a goal is missed
-    return command + (["--synthetic"] if synthetic else ["--profile", "5"])
+    return command + (["--synthetic"] if synthetic else ["--profile", "5"]) + list(extra)
 
 
 def train_step(run: CheckRun) -> dict:
@@ -273,16 +318,17 @@ def train_step(run: CheckRun) -> dict:
     runs = {name: train_slice(run, name, synthetic) for name, synthetic in (("dali", False), ("synthetic", True))}
     share = runs["dali"]["images_per_s"] / runs["synthetic"]["images_per_s"]
     return {"model": cfg.model, "loader": "dali-gpu" if has_gpu else "dali-cpu", "amp": cfg.amp if has_gpu else "off",
-            "channels_last": True,
+            "channels_last": True, "ranks": run.train_ranks,
             "batch_size": cfg.batch_size, **runs, "dali_vs_synthetic": share}
 
 
-def train_slice(run: CheckRun, name: str, synthetic: bool) -> dict:
-    """One dali-train run in WORKDIR/train-NAME (a subprocess, GPU sampled meanwhile) and its steady epochs."""
+def train_slice(run: CheckRun, name: str, synthetic: bool, extra: list[str] | tuple = ()) -> dict:
+    """One dali-train run in WORKDIR/train-NAME on the node's ranks (subprocesses, GPU sampled meanwhile) and
+    its steady epochs; `extra`: more dali-train options."""
     out = run.cfg.workdir / f"train-{name}"
     if out.exists():
         shutil.rmtree(out)
-    command = train_command(run.cfg, run.shards, out, run.has_gpu, synthetic)
+    command = train_command(run.cfg, run.shards, out, run.has_gpu, synthetic, ranks=run.train_ranks, extra=extra)
     run.log(f"train ({name}): {shlex.join(command)}")
     out.mkdir(parents=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")])))
@@ -294,7 +340,7 @@ def train_slice(run: CheckRun, name: str, synthetic: bool) -> dict:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steady = records[1:] or records
     trace = out / "profile_trace.json"
-    return {"command": shlex.join(command), "epochs_reported": len(steady),
+    return {"command": shlex.join(command), "ranks": run.train_ranks, "epochs_reported": len(steady),
             "profile_trace": str(trace) if trace.is_file() else None,
             "images_per_s": statistics.median(r["images_per_s"] for r in steady),
             "images_per_s_epochs": [r["images_per_s"] for r in steady],
@@ -392,6 +438,7 @@ def nccl_step(run: CheckRun) -> dict:
 STEPS: dict[str, Callable[[CheckRun], dict]] = {
     "tests": tests_step, "loaders": loaders_step, "hw-decoder": hw_decoder_step, "train": train_step,
     "checkpoint": checkpoint_step, "nccl": nccl_step,
+    **{name: gpu_recipes.recipe_step(name) for name in gpu_recipes.RECIPES},  # each recipe the graphs run
 }
 
 
@@ -440,7 +487,8 @@ def run_check(cfg: GpuCheckConfig, log=print) -> dict:
 def failed(report: dict) -> bool:
     tests = report.get("tests") or {}
     checks = [report.get("checkpoint", {}).get("bit_identical", True), report.get("nccl", {}).get("ok", True)]
-    return bool(report.get("errors")) or bool(tests.get("failed")) or not all(checks)
+    return bool(report.get("errors")) or bool(tests.get("failed")) or not all(checks) or \
+        bool(gpu_recipes.failed_cases(report))
 
 
 def d(name: str):
@@ -468,8 +516,9 @@ def split_list(kind):
 @click.option("--seconds", type=float, default=d("seconds"), show_default=True, help="Each timed loader run.")
 @click.option("--repeats", type=int, default=d("repeats"), show_default=True, help="Timed runs per loader (median).")
 @click.option("--workers", type=int, default=d("workers"), show_default=True,
-              help="DataLoader workers and DALI threads of the loader race, the hw-decoder sweep and the checkpoint "
-                   "step (default: the CPUs this process may use); the training slice keeps dali-train's default.")
+              help="DataLoader workers and DALI threads of the loader race and the checkpoint step (default: the "
+                   "CPUs this process may use); the hw-decoder sweep, the recipe steps on a GPU and the training "
+                   "slices use what dali-train gives one rank of this node.")
 @click.option("--hw-loads", default=",".join(f"{v:g}" for v in d("hw_loads")), show_default=True,
               callback=split_list(float),
               help="hw_decoder_load values the hw-decoder step measures dali-gpu at.")
@@ -479,20 +528,47 @@ def split_list(kind):
               help="Precision of the training slice (on the CPU: off).")
 @click.option("--train-epochs", type=int, default=d("train_epochs"), show_default=True,
               help="Epochs of each training slice; the first is warm-up and not reported.")
+@click.option("--train-ranks", type=int, default=d("train_ranks"),
+              help="Processes (torchrun) of each training slice  [default: one per visible GPU; 1 without]")
+@click.option("--recipe-batches", type=int, default=d("recipe_batches"), show_default=True,
+              help="Timed batches of each recipe case, after the first (which builds the pipeline).")
+@click.option("--coco-batch-size", type=int, default=d("coco_batch_size"), show_default=True,
+              help="Batch of the multilabel and detection steps (at most --batch-size).")
 @click.option("--allow-cpu", is_flag=True, help="Run what can run without a GPU (to test the check itself).")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def main(debug: bool, **options) -> None:
     """Prove the GPU stack of this node: the gpu tests, every loader against the DataLoader, the hardware
     JPEG decoder's share, a ResNet-50 training slice against synthetic data, a mixed-decoder checkpoint
-    round trip and the collectives; writes WORKDIR/gpu-check.json and gpu-check.md and prints the latter.
+    round trip, the collectives, and every training recipe on the GPU against the CPU path; writes
+    WORKDIR/gpu-check.json and gpu-check.md and prints the latter.
+
+    \b
+    Steps (--steps), in order:
+      tests                        the gpu-marked tests (pytest -m gpu)
+      loaders                      dali-bench, every loader, batch 256, 224 px, fp16
+      hw-decoder                   dali-gpu at each --hw-loads, at one rank's DALI threads; the best
+      train                        dali-train ResNet-50 bf16 on the node's ranks vs --synthetic
+      checkpoint                   a mixed loader's DALI checkpoint restored bit for bit
+      nccl                         the collectives and a DDP backward (world size 1)
+      recipe-imagenet              AutoAugment (torchvision's ImageNet policy)
+      recipe-ra                    RandAugment
+      recipe-ta_wide               TrivialAugmentWide
+      recipe-erase                 random erasing
+      recipe-mixup-cutmix          mixup / cutmix on the device
+      recipe-torchvision-resnet50  --recipe torchvision-resnet50: loader cases + a training slice
+      multilabel                   COCO shards, multi-hot targets
+      detection                    COCO shards, boxes
+    Each recipe step runs float32 and float16, NCHW and NHWC (detection: float32): images/s on the GPU,
+    and a checksum of the first batch against the CPU path (hybrid vs cpu: the same draws).
 
     \b
     Example (on a GPU node, from the source checkout):
       make gpu-check                                    # every step
       python -m dalifeed.bench.gpu_check --steps train  # one step again; the report keeps the others
 
-    Exit codes: 0 every step ran and passed; 1 a step failed (named in the report), a gpu test failed, or a
-    restored checkpoint differed; 2 no GPU here (without --allow-cpu) or a bad option.
+    Exit codes: 0 every step ran and passed; 1 a step failed (named in the report), a gpu test failed, a
+    restored checkpoint differed, or a recipe's batch differed from the CPU path's; 2 no GPU here (without
+    --allow-cpu) or a bad option.
     """
     cfg = GpuCheckConfig(**options)
     report = run_command(lambda: run_check(cfg, log=lambda msg: click.echo(msg, err=True)), debug=debug,

@@ -3,6 +3,7 @@ gpu-check.json (a section no step wrote is left out)."""
 
 from __future__ import annotations
 
+from .gpu_recipes import RECIPES as RECIPE_STEPS
 from .report import markdown_table, render_table
 
 GOAL_SPEEDUP = 8.0  # dali-gpu against the DataLoader with workers = cores
@@ -86,7 +87,8 @@ def hw_decoder_section(hw: dict) -> list[str]:
     return ["### hw_decoder_load (dali-gpu)", "",
             *markdown_table(["hw_decoder_load", "images/s (median)", "runs", "JPEG engine %", "GPU %"], rows), "",
             f"Hardware JPEG decoder used: {HARDWARE_DECODER_USED[hw['hardware_decoder_used']]}. "
-            f"Best hw_decoder_load here: {hw['best_hw_decoder_load']:g}."]
+            f"Best hw_decoder_load here: {hw['best_hw_decoder_load']:g}"
+            + (f", at one rank's {hw['threads']} DALI threads ({hw['budget']})." if "threads" in hw else ".")]
 
 
 def train_section(train: dict) -> list[str]:
@@ -95,7 +97,8 @@ def train_section(train: dict) -> list[str]:
             for name, label in (("dali", train["loader"]), ("synthetic", "synthetic (one batch, repeated)"))]
     trace = train["dali"].get("profile_trace")
     where = f", a torch profiler trace of 5 steps of the {train['loader']} run in `{trace}`" if trace else ""
-    return [f"### {train['model']} training slice (amp {train['amp']}, channels-last, batch {train['batch_size']})",
+    ranks = f", {train['ranks']} rank(s)" if "ranks" in train else ""
+    return [f"### {train['model']} training slice (amp {train['amp']}, channels-last, batch {train['batch_size']}{ranks})",
             "", *markdown_table(["data", "images/s (median of epochs)", "data wait", "GPU %"], rows), "",
             f"{train['loader']} / synthetic: {train['dali_vs_synthetic']:.1%}; the commands are in gpu-check.json"
             f"{where}."]
@@ -115,6 +118,35 @@ def nccl_section(nccl: dict) -> list[str]:
             f"{nccl['backend']} at world size 1: {'ok' if nccl['ok'] else 'FAILED'} ({nccl['note']})."]
 
 
+def difference(value: float | None) -> str:
+    return "shapes differ" if value is None else f"{value:.4f}"
+
+
+def recipe_section(name: str):
+    """The section of recipe step `name` (gpu_recipes.py): a row per output, and its training slice if any."""
+    def render(section: dict) -> list[str]:
+        rows = []
+        for case in section["cases"]:
+            gpu = case.get("gpu_vs_cpu") or {}
+            rows.append([case["output"], f"{case['images_per_s']:.0f} ({case['device']})", f"{case['checksum']:.6g}",
+                         f"{case['cpu_checksum']:.6g}", difference(case.get("mean_abs_difference")),
+                         "yes" if case["matches_cpu"] else "NO",
+                         difference(gpu.get("mean_abs_difference")) if gpu else "-"])
+        lines = [f"### {name}: {section['recipe']}", "",
+                 f"batch {section['batch_size']}, {section['batches']} timed batches after the first; checksum: "
+                 f"the float64 sum of the first batch, against the cpu loader's with the same seed "
+                 f"({section['cases'][0]['compared_device']} loader compared):", "",
+                 *markdown_table(["output", "images/s", "checksum", "cpu checksum", "mean abs difference",
+                                  "matches cpu", "gpu (nvJPEG) vs cpu"], rows)]
+        train = section.get("train")
+        if train:
+            lines += ["", f"Training slice on {train['ranks']} rank(s): {train['images_per_s']:.0f} images/s "
+                          f"(median of epochs), data wait {train['data_wait_share']:.1%}: `{train['command']}`."]
+        return lines
+
+    return render
+
+
 def goals_section(goals: list[dict]) -> list[str]:
     rows = [[g["goal"], g["value"], "yes" if g["met"] else "no"] for g in goals]
     return ["### Goals", "", *markdown_table(["goal", "measured", "met"], rows)]
@@ -128,4 +160,5 @@ def errors_section(errors: dict) -> list[str]:
 SECTIONS = (("environment", node_section), ("decoder_memory", lambda budget: [decoder_memory_line(budget)]),
             ("tests", tests_section), ("loaders", loaders_section), ("hw_decoder", hw_decoder_section),
             ("train", train_section), ("checkpoint", checkpoint_section), ("nccl", nccl_section),
+            *((name.replace("-", "_"), recipe_section(name)) for name in RECIPE_STEPS),
             ("goals", goals_section), ("errors", errors_section))

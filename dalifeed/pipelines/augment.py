@@ -1,7 +1,8 @@
 """Automatic augmentation policies and random erasing in the DALI graph, with torchvision's semantics.
 
 `train_augment` (graphs.py) calls `apply_policy` on the uint8 HWC images after RandomResizedCrop (before the
-fused flip + normalise) and `random_erase` on the normalised output, which is where torchvision's
+fused flip + normalise) and `random_erase` on the normalised float32 output (cast to float16 after it when the
+loader hands out float16: ERASE_DTYPE), which is where torchvision's
 ClassificationPresetTrain puts `AutoAugment` / `RandAugment` / `TrivialAugmentWide` and `RandomErasing`. The one
 difference in order: torchvision flips before the policy, we flip after it (in crop_mirror_normalize, fused with
 the normalisation); every policy draws its signed magnitudes with random sign, so the two orders give the same
@@ -258,8 +259,17 @@ def random_erase_box(side: int, probability: float):
     return fn.cast(anchor, dtype=types.FLOAT), fn.cast(shape, dtype=types.FLOAT)
 
 
+# The type erasing runs in. DALI 2.4's GPU erase is instantiated for (uint8_t, int8_t, uint16_t, int16_t, uint32_t,
+# int32_t, uint64_t, int64_t, float) and fails on anything else ("Unsupported data type",
+# dali/operators/generic/erase/erase.cu, ERASE_SUPPORTED_TYPES; the installed libdali_operators.so holds
+# EraseImplGpu for exactly those, its CPU twin also for float16, which is why only a GPU saw it). Erasing the
+# float32 normalised image keeps torchvision's value=0 exact; erasing the uint8 image before normalising (less
+# memory traffic) could only write the mean colour, 0.008 off in normalised units (bench.loaders.ERASE_UINT8).
+ERASE_DTYPE = types.FLOAT
+
+
 def random_erase(images, cfg: "AugmentConfig"):
-    """torchvision's RandomErasing(p=cfg.random_erase, value=0) on normalised images (CHW or HWC)."""
+    """torchvision's RandomErasing(p=cfg.random_erase, value=0) on normalised ERASE_DTYPE images (CHW or HWC)."""
     anchor, shape = random_erase_box(cfg.image_size, cfg.random_erase)
     return fn.erase(images, anchor=anchor, shape=shape, axis_names="HW", fill_value=0.0)
 

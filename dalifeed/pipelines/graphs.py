@@ -195,13 +195,18 @@ def read_shards(paths: list[str], index_paths: list[str], *, shard_id: int, num_
 
 def train_augment(jpegs, cfg: AugmentConfig, device: str):
     """RandomResizedCrop + RandomHorizontalFlip + Normalize, with cfg.auto_augment's policy on the uint8
-    images before the (fused) flip and normalisation and cfg.random_erase's erasing after it (augment.py)."""
+    images before the (fused) flip and normalisation and cfg.random_erase's erasing after it, in float32, before
+    a float16 output is cast (augment.py)."""
     images = resize_square(after_decode(decode_random_crop(jpegs, cfg, device), device), cfg)
     if cfg.auto_augment:
         images = augment.apply_policy(images, cfg)
     mirror = fn.random.coin_flip(probability=0.5) if cfg.flip else 0
-    images = normalize(images, cfg, mirror=mirror)
-    return augment.random_erase(images, cfg) if cfg.random_erase else images
+    if not cfg.random_erase:
+        return normalize(images, cfg, mirror=mirror)
+    # erasing writes torchvision's value=0 into the normalised image, in float32: DALI 2.4's GPU erase has no
+    # float16 kernel (augment.ERASE_DTYPE), so a float16 output is cast after it (an exact 0 stays 0)
+    images = augment.random_erase(normalize(images, cfg, mirror=mirror, dtype=augment.ERASE_DTYPE), cfg)
+    return images if output_dtype(cfg) == augment.ERASE_DTYPE else fn.cast(images, dtype=output_dtype(cfg))
 
 
 def needs_conditionals(cfg: AugmentConfig, train: bool) -> bool:
@@ -268,12 +273,17 @@ def torchvision_centre_crop_pos(side, crop: int):
     return fn.cast(offset, dtype=types.FLOAT) / fn.cast(dmath.max(margin, 1), dtype=types.FLOAT)
 
 
-def normalize(images, cfg: AugmentConfig, mirror=0, crop=None, crop_pos=(0.5, 0.5)):
-    """(x / 255 - mean) / std in the output dtype and layout, fused with the crop (`crop_pos`: (y, x) in 0..1)
-    and flip."""
+def output_dtype(cfg: AugmentConfig):
+    """The DALI type of the images a classification graph hands out."""
+    return types.FLOAT16 if cfg.fp16 else types.FLOAT
+
+
+def normalize(images, cfg: AugmentConfig, mirror=0, crop=None, crop_pos=(0.5, 0.5), dtype=None):
+    """(x / 255 - mean) / std in `dtype` (default: the output dtype) and the output layout, fused with the crop
+    (`crop_pos`: (y, x) in 0..1) and flip."""
     crop_args = {"crop": crop, "crop_pos_y": crop_pos[0], "crop_pos_x": crop_pos[1]} if crop else {}
     return fn.crop_mirror_normalize(
-        images, dtype=types.FLOAT16 if cfg.fp16 else types.FLOAT,
+        images, dtype=output_dtype(cfg) if dtype is None else dtype,
         output_layout="HWC" if cfg.channels_last else "CHW",
         mean=[m * 255 for m in cfg.mean], std=[s * 255 for s in cfg.std], mirror=mirror, **crop_args,
     )
