@@ -23,6 +23,10 @@ FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 TAR_BLOCK = 512
 INDEX_VERSION = "v1.2"  # the version DALI's wds2idx writes and fn.readers.webdataset reads
+# --max-pixels: a generous default: 20000 x 15000 and other real satellite or pathology images pass, a
+# decompression bomb (a few KB of PNG that expands to gigabytes) does not. Each worker holds about 3 bytes per
+# pixel.
+DEFAULT_MAX_PIXELS = 300_000_000
 
 # Tar members of a sample (docs/format.md). webdataset, DALI and HF `datasets` all take everything after a
 # member's first dot as its extension (HF's column name), and webdataset and HF decode a member by its *last*
@@ -129,6 +133,25 @@ class ShardManifest:
         """For shards `shard-convert index` adopted, how DALI reads their ASCII labels (the manifest's
         `webdataset.label.dali`: `{"ext", "from": "member" or "name", "digits"}`); None for dalifeed's own."""
         return self.extra.get("webdataset", {}).get("label", {}).get("dali")
+
+    def index_command(self, decode: bool = False) -> str | None:
+        """For shards `shard-convert index` adopted, the command that indexes them again with the options
+        they were indexed with (with `decode`, adding --decode); None for dalifeed's own."""
+        if self.kind != "webdataset":
+            return None
+        opts = self.options
+        args = ["shard-convert index"] + (["--decode"] if decode or opts.get("decode") else [])
+        if opts.get("split"):
+            args.append(f"--split {opts['split']}")
+        if opts.get("label_member", "cls") != "cls":
+            args.append(f"--label-member {opts['label_member']}")
+        if opts.get("label_key"):
+            args.append(f"--label-key {opts['label_key']}")
+        if opts.get("classes_file"):
+            args.append(f"--classes-file {opts['classes_file']}")
+        if opts.get("max_pixels", DEFAULT_MAX_PIXELS) != DEFAULT_MAX_PIXELS:
+            args.append(f"--max-pixels {opts['max_pixels']}")
+        return " ".join(args + [self.location])
 
     @property
     def num_classes(self) -> int:

@@ -315,6 +315,53 @@ def test_verify_decode_finds_a_kept_image_dali_cannot_decode(tmp_path):
     assert len(problems) == 1 and "sample 009: DALI cannot decode its image" in problems[0]
 
 
+def test_index_decode_leaves_a_truncated_jpeg_out_and_training_finishes_the_epoch(tmp_path):
+    """A JPEG cut in half passes the header rule: without --decode the loader stops at it and names the command
+    that repairs the index; `index --decode` leaves it out with its reason (the tar untouched), and then
+    the loader reads every other sample and dali-train finishes its epoch."""
+    root = tmp_path / "cut"
+    root.mkdir()
+    labels = {}
+    with tarfile.open(root / "train-000000.tar", "w") as tar:
+        for i in range(15):
+            key, label = f"{i:03d}", i % 3
+            whole = solid(label, size=(64, 64))
+            data = whole[:len(whole) // 2] if key == "006" else whole  # its scan cut off halfway
+            add_member(tar, f"{key}.jpg", data)
+            add_member(tar, f"{key}.cls", str(label).encode())
+            labels[key] = label
+    write_shardwriter(root, "val", 4, per_shard=10, seed=1)
+    before = tree_sha256(root)
+    manifest = index_folder(IndexConfig(root))
+    assert manifest.num_samples("train") == 15 and manifest.skipped == []  # headers only: it is kept
+    from dalifeed.pipelines import ShardDataError
+
+    with pytest.raises(ShardDataError, match=rf"train-000000.tar: sample 006: DALI cannot decode its .jpg .*; leave "
+                                             rf"the samples that do not decode out of the index \(the tars are not "
+                                             rf"changed\): shard-convert index --decode {root}$"):
+        loader_labels_and_red(root, "train", 5)
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", "--decode", "--workers", "2", str(root)],
+                            capture_output=True, text=True, env=ENV)
+    assert result.returncode == 0, result.stderr
+    assert "Indexed 18 of 19 samples" in result.stdout and "left out 1 (1 image undecodable)" in result.stdout
+    manifest = ShardManifest.load(root)
+    assert [e["path"] for e in manifest.skipped] == ["train-000000.tar:006"]
+    assert manifest.skipped[0]["reason"].startswith("image undecodable: corrupt or truncated image: ")
+    assert manifest.options["decode"] is True and manifest.num_samples("train") == 14
+    assert tree_sha256(root) == before
+    assert verify_shards(root).problems == []  # the same index, --decode's verdict taken from the manifest
+    del labels["006"]
+    got, reds = loader_labels_and_red(root, "train", 5)
+    assert sorted(got) == sorted(labels.values()) and got == reds
+    run = subprocess.run([str(VENV_BIN / "dali-train"), "--data", str(root), "--out", str(tmp_path / "run"),
+                          "--epochs", "1", "--model", "resnet18", "--image-size", "16", "--batch-size", "7",
+                          "--device", "cpu", "--dali-threads", "1", "--progress-every", "0"],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["epoch"] == 0 and records[-1]["val_samples"] == 4
+
+
 def test_index_tars_in_object_storage_in_place(tmp_path, s3_bucket):
     """`shard-convert index s3://...`: each tar streamed once, indexes and manifest written beside them in the
     store, the tar objects unchanged; the loader reads them from the store (DALI's S3 client)."""

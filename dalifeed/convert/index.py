@@ -28,12 +28,15 @@ import shlex
 import tarfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from .. import s3
 from ..atomic import write_atomic
 from ..format import INDEX_VERSION, MANIFEST_NAME, ShardInfo, ShardManifest, SplitInfo
-from .images import DEFAULT_MAX_PIXELS, read_jpeg_frame, sniff_format
+from ..runtime import usable_cores
+from .images import DEFAULT_MAX_PIXELS, ImageError, decode_check, read_jpeg_frame, sniff_format
+from .shards import ordered_map
 
 KIND = "webdataset"
 IMAGE_EXTS = ("jpg", "jpeg")  # the first of these a sample has is its image; DALI reads it as `jpg`
@@ -70,6 +73,8 @@ class IndexConfig:
     label_key: str | None = None  # with label_member json: the key holding the label (an int, or a class name)
     classes_file: Path | None = None  # one class name a line; line i is class i
     max_pixels: int = DEFAULT_MAX_PIXELS
+    decode: bool = False  # decode every image (PIL, in worker processes) and leave out what does not decode
+    workers: int = field(default_factory=usable_cores)  # for decode; the output does not depend on it
 
     def __post_init__(self) -> None:
         self.src = s3.normalize(str(self.src)) if s3.is_s3_url(self.src) else Path(self.src)
@@ -83,6 +88,8 @@ class IndexConfig:
             raise IndexUsageError(f"--label-member {self.label_member!r}: not a member extension")
         if self.classes_file is not None and not Path(self.classes_file).is_file():
             raise IndexUsageError(f"--classes-file {self.classes_file}: no such file")
+        if self.workers < 1:
+            raise IndexUsageError(f"--workers must be >= 1, got {self.workers}")
 
     @property
     def label_from_member(self) -> bool:
@@ -90,7 +97,8 @@ class IndexConfig:
         return self.label_member == "cls"
 
     def to_json(self) -> dict:
-        doc = asdict(self)
+        """The options the index depends on (the manifest's `options`): not the worker count."""
+        doc = {k: v for k, v in asdict(self).items() if k != "workers"}
         return {**doc, "src": str(self.src), "classes_file": str(self.classes_file) if self.classes_file else None}
 
 
@@ -190,7 +198,8 @@ def read_tar_samples(folder: TarFolder, name: str, wanted: set[str], cfg: IndexC
                      keep_images: bool = False) -> ScannedTar:
     """The samples of tar `name` in order, each judged (`judge`) as soon as its last member is read, and the
     tar's size and sha256, from one sequential read. The bytes of the members `judge` needs (`wanted`) are
-    dropped once it has, unless `keep_images` (verify --decode): a tar's images are never all held.
+    dropped once it has, unless `keep_images` (index and verify --decode: then one tar's images are held,
+    never more).
     IndexDataError naming the tar if it cannot be read to its end."""
     samples: list[Sample] = []
 
@@ -504,11 +513,43 @@ def count_reasons(skipped: list[dict]) -> str:
     return "; ".join(f"{n} {r}" for r, n in reasons.most_common()) or "none"
 
 
-def scan_split(folder: TarFolder, names: list[str], cfg: IndexConfig, keep_images: bool = False) -> list[ScannedTar]:
+def scan_split(folder: TarFolder, names: list[str], cfg: IndexConfig) -> list[ScannedTar]:
     wanted = set(IMAGE_EXTS) | {cfg.label_member}
-    tars = [read_tar_samples(folder, name, wanted, cfg, keep_images) for name in names]
+    tars = []
+    for name in names:
+        tar = read_tar_samples(folder, name, wanted, cfg, keep_images=cfg.decode)
+        if cfg.decode:  # one tar's images held at a time
+            leave_out_undecodable(tar, cfg)
+        tars.append(tar)
     mark_keys_across_tars(tars)
     return tars
+
+
+def leave_out_undecodable(tar: ScannedTar, cfg: IndexConfig) -> None:
+    """Decode the image of every sample of `tar` judged usable (`cfg.workers` processes, as the conversion
+    decodes: `images.decode_check`, PIL's full decode) and leave out those that do not decode, with PIL's
+    reason; then drop the images. On the damage tried (a JPEG cut anywhere after its headers, a missing EOI)
+    PIL and DALI's decoder reject the same files; `verify --decode` runs DALI's own."""
+    usable = [s for s in tar.samples if s.reason is None]
+    images = [s.data[image_member(s).ext] for s in usable]
+    for sample, why in zip(usable, ordered_map(partial(decode_problem, max_pixels=cfg.max_pixels), images,
+                                               cfg.workers)):
+        if why is not None:
+            sample.reason = f"{UNDECODABLE}: {why}"
+    for sample in tar.samples:
+        sample.data = {}
+
+
+UNDECODABLE = "image undecodable"  # the reason's first words, which verify reads back from the manifest
+
+
+def decode_problem(data: bytes, max_pixels: int) -> str | None:
+    """Why `data` does not decode in full (runs in a worker process), or None."""
+    try:
+        decode_check(data, max_pixels)
+    except ImageError as e:
+        return str(e)
+    return None
 
 
 def tars_to_index(folder: TarFolder, forced_split: str | None) -> tuple[dict[str, list[str]], CompressedTars]:
@@ -615,9 +656,12 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
     opts = manifest.options
     folder = TarFolder(manifest.url or manifest.root)
     cfg = IndexConfig(folder.location, opts.get("split"), opts.get("label_member", "cls"), opts.get("label_key"),
-                      None, opts.get("max_pixels") or DEFAULT_MAX_PIXELS)
+                      None, opts.get("max_pixels") or DEFAULT_MAX_PIXELS, workers=1)
+    # `index --decode`'s verdicts, taken from the manifest rather than decoded again: a tar whose sha256 is
+    # the manifest's holds the bytes they were made on
+    undecoded = {e["path"]: e["reason"] for e in manifest.skipped if e["reason"].startswith(UNDECODABLE + ":")}
     lookup = {name: i for i, name in enumerate(manifest.classes)}
-    again = f"index it again: shard-convert index {manifest.location}"
+    again = f"index it again: {manifest.index_command()}"
     problems: list[str] = []
     for info in manifest.splits.values():
         undecodable: dict[tuple[str, str], str] = {}  # (tar, key) -> DALI's reason
@@ -626,6 +670,9 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
             for shard in info.shards:
                 tar = read_tar_samples(folder, shard.path, set(IMAGE_EXTS) | {cfg.label_member}, cfg,
                                        keep_images=decoder is not None)
+                for sample in tar.samples:
+                    if sample.reason is None:
+                        sample.reason = undecoded.get(f"{tar.name}:{sample.key}")
                 if decoder is not None:  # one tar's images at a time
                     undecodable.update(decode_failures(tar, decoder))
                 tars.append(tar)
