@@ -278,6 +278,34 @@ def test_compressed_tars_in_object_storage(tmp_path, s3_bucket):
         index_folder(IndexConfig(url))
 
 
+def test_dotted_keys_are_explained_with_an_example_and_the_fix(tmp_path):
+    """80 images named `img.N.v2.jpg` / `pic.N.v2.jpg` group into 2 samples (key `img`, `pic`): as webdataset
+    and DALI group them. The error says so, names an example and the rename; beside good samples, the summary
+    does."""
+    root = tmp_path / "dots"
+    root.mkdir()
+    with tarfile.open(root / "train-000000.tar", "w") as tar:
+        for prefix in ("img", "pic"):
+            for i in range(40):
+                add_member(tar, f"{prefix}.{i}.v2.jpg", solid(i % 3))
+                add_member(tar, f"{prefix}.{i}.v2.cls", str(i % 3).encode())
+    example = ("train-000000.tar:img: dotted key: 40 image(s) such as 'img.0.v2.jpg' have key 'img' and extension "
+               "'0.v2.jpg': webdataset and DALI take the text before the first dot of a file name as its sample's "
+               "key, so they became one sample; rename the files so the key has no dots, e.g. 'img_0_v2.jpg'")
+    with pytest.raises(IndexDataError) as error:
+        index_folder(IndexConfig(root))
+    assert str(error.value) == f"{root}: no sample can be trained on: 2 found, all left out (2 dotted key). {example}"
+    with tarfile.open(root / "train-000001.tar", "w") as tar:
+        for i in range(3):
+            add_member(tar, f"ok{i}.jpg", solid(1))
+            add_member(tar, f"ok{i}.cls", b"1")
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(root)], capture_output=True, text=True,
+                            env=ENV)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].startswith("Indexed 3 of 5 samples in 1 tars (train 3)")
+    assert "left out 2 (2 dotted key)" in result.stdout and result.stdout.splitlines()[1] == example
+
+
 def test_dali_train_on_indexed_shardwriter_tars(tmp_path):
     """Done means: ShardWriter tars, `shard-convert index`, then dali-train trains and evaluates on them."""
     write_shardwriter(tmp_path / "ds", "train", 24, per_shard=10)

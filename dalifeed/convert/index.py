@@ -40,6 +40,8 @@ from .shards import ordered_map
 
 KIND = "webdataset"
 IMAGE_EXTS = ("jpg", "jpeg")  # the first of these a sample has is its image; DALI reads it as `jpg`
+# The last extensions that make `name.more.EXT` an image file whose dotted name split it from its key
+DOTTED_IMAGE_EXTS = {"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"}
 NAME_LABEL_EXT = "dalifeed.label"  # the empty index component whose name carries the label (module docstring)
 LABEL_DIGITS = 10  # width of the decimal label in that name, and the longest `.cls` text the graph parses
 # `train-000000.tar`, `val_00012.tar`: split prefix, separator, shard number. `00000.tar` (img2dataset) has none.
@@ -256,8 +258,8 @@ def image_problem(sample: Sample, max_pixels: int) -> str | None:
     """Why the sample's image is left out (the conversion's header rule, docs/format.md), or None."""
     member = image_member(sample)
     if member is None:
-        others = ", ".join(sorted({"." + m.ext for m in sample.members}))
-        return f"no image: no .jpg or .jpeg member (has {others})"
+        return dotted_key_problem(sample) or \
+            f"no image: no .jpg or .jpeg member (has {', '.join(sorted({'.' + m.ext for m in sample.members}))})"
     data = sample.data[member.ext]
     frame = read_jpeg_frame(data)
     if frame is None:
@@ -272,6 +274,23 @@ def image_problem(sample: Sample, max_pixels: int) -> str | None:
     if sum(m.ext == member.ext for m in sample.members) > 1:
         return f"image twice: two .{member.ext} members"
     return None
+
+
+def dotted_key_problem(sample: Sample) -> str | None:
+    """Image files whose names have dots before their extension (`img.0.v2.jpg`): webdataset and DALI cut a
+    member's name at the first dot of its file name, so their key is `img` and their extension `0.v2.jpg`,
+    and all such images in a row became one sample without a `.jpg`. Says so, with an example and the fix;
+    None if the sample has no such member."""
+    dotted = [m for m in sample.members if "." in m.ext and m.ext.rsplit(".", 1)[1].lower() in DOTTED_IMAGE_EXTS]
+    if not dotted:
+        return None
+    example = dotted[0].name
+    folder, _, base = example.rpartition("/")
+    stem, _, last = base.rpartition(".")
+    renamed = (folder + "/" if folder else "") + stem.replace(".", "_") + "." + last
+    return (f"dotted key: {len(dotted)} image(s) such as {example!r} have key {sample.key!r} and extension "
+            f"{dotted[0].ext!r}: webdataset and DALI take the text before the first dot of a file name as its "
+            f"sample's key, so they became one sample; rename the files so the key has no dots, e.g. {renamed!r}")
 
 
 def read_label(sample: Sample, cfg: IndexConfig) -> tuple[int | str | None, str | None]:
@@ -491,7 +510,7 @@ class IndexSummary:
         text = (f"Indexed {self.samples} of {self.found} samples in {self.shards} tars ({splits}), "
                 f"{len(manifest.classes)} classes; left out {len(samples)} ({count_reasons(samples)}). The tars "
                 f"are unchanged; manifest: {manifest.location}/{MANIFEST_NAME}.")
-        return "\n".join([text, *(f"Note: {w}" for w in manifest.warnings)])
+        return "\n".join([text, *explained(samples), *(f"Note: {w}" for w in manifest.warnings)])
 
     def compressed_error(self) -> str | None:
         """The error line when compressed tars were left out (the command exits 1 after writing the rest)."""
@@ -500,6 +519,15 @@ class IndexSummary:
         return (f"{len(self.compressed)} compressed tar(s) not indexed ({first_few(list(self.compressed))}): DALI "
                 f"reads only uncompressed tars; the other tars are indexed. Decompress each, then run index "
                 f"again: {first_few(list(self.compressed.values()), '; ')}")
+
+
+EXPLAINED = ("dotted key",)  # reasons whose count alone does not say what happened: the summary shows one whole
+
+
+def explained(skipped: list[dict]) -> list[str]:
+    """For each reason of EXPLAINED among the `skipped` entries, its first entry in full."""
+    return [f"{first['path']}: {first['reason']}" for why in EXPLAINED
+            for first in [next((e for e in skipped if e["reason"].startswith(why + ":")), None)] if first]
 
 
 def first_few(items: list[str], sep: str = ", ", shown: int = 3) -> str:
@@ -582,8 +610,10 @@ def index_folder(cfg: IndexConfig) -> ShardManifest:
             sample.label, sample.reason = class_index(sample.label, classes, lookup)
     compressed_skipped = compressed.skipped(folder)
     if not any(s.reason is None for s in every):
-        raise IndexDataError(f"{cfg.src}: no sample can be trained on: {len(every)} found, all left out ("
-                             + count_reasons([{"reason": s.reason} for s in every] + compressed_skipped) + ")")
+        left_out = [{"path": f"{tar.name}:{s.key}", "reason": s.reason}
+                    for tars in scanned.values() for tar in tars for s in tar.samples]
+        raise IndexDataError(" ".join([f"{cfg.src}: no sample can be trained on: {len(every)} found, all left out ("
+                                       f"{count_reasons(left_out + compressed_skipped)}).", *explained(left_out)]))
     splits, skipped, warnings, extensions = {}, [], compressed.notes(), {}
     for split, tars in scanned.items():
         info = SplitInfo(class_counts=[0] * len(classes))
