@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -53,6 +54,22 @@ COCO_META = {"image_id": int, "file_name": str, "width": int, "height": int, "re
 IMAGEFOLDER_MEMBERS = (IMAGE_MEMBER, CLASS_MEMBER, CLASS_I64_MEMBER, META_MEMBER)  # in tar order
 COCO_MEMBERS = (IMAGE_MEMBER, META_MEMBER, COCO_BOXES_MEMBER, COCO_LABELS_MEMBER, COCO_CROWD_BOXES_MEMBER,
                 COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER)
+
+
+# What a split may be called: it becomes part of file names (`<split>-000000.tar`, job records), so no path
+# separator, no `..`, no leading dot (a hidden file), no space (DALI's index separates fields by spaces).
+SPLIT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def check_split_name(name: str) -> str:
+    """`name` if it can name a split; else ValueError saying why, starting with the name (the caller puts
+    the option or file it came from before it). The one rule every command that takes a split name uses."""
+    if not name:
+        raise ValueError(f"{name!r}: a split name cannot be empty")
+    if not SPLIT_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"{name!r}: not a split name: it becomes part of file names (<split>-000000.tar): use "
+                         f"letters, digits, '_', '-' and '.', not first and not '..'")
+    return name
 
 
 class ManifestError(Exception):

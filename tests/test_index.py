@@ -306,6 +306,21 @@ def test_dotted_keys_are_explained_with_an_example_and_the_fix(tmp_path):
     assert "left out 2 (2 dotted key)" in result.stdout and result.stdout.splitlines()[1] == example
 
 
+def test_a_classes_file_shorter_than_the_labels_is_refused(tmp_path):
+    """3 class names for labels 0..9 would leave 75 of 100 samples out: a usage error (exit 2), nothing written."""
+    labels = write_shardwriter(tmp_path / "ds", "train", 100, per_shard=60, classes=10)
+    (tmp_path / "classes.txt").write_text("cat\ndog\nbird\n")
+    beyond = sum(label >= 3 for label in labels)
+    assert max(labels) == 9 and beyond == 75  # the seed's draw
+    with pytest.raises(IndexUsageError, match=rf"^--classes-file {tmp_path / 'classes.txt'} names 3 classes \(0..2\) "
+                                              rf"but the labels go up to 9: 75 of 100 samples would be left out; "):
+        index_folder(IndexConfig(tmp_path / "ds", classes_file=tmp_path / "classes.txt"))
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tmp_path / "ds"), "--classes-file",
+                             str(tmp_path / "classes.txt")], capture_output=True, text=True, env=ENV)
+    assert result.returncode == 2 and "names 3 classes (0..2) but the labels go up to 9" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["train-000000.tar", "train-000001.tar"]
+
+
 def test_dali_train_on_indexed_shardwriter_tars(tmp_path):
     """Done means: ShardWriter tars, `shard-convert index`, then dali-train trains and evaluates on them."""
     write_shardwriter(tmp_path / "ds", "train", 24, per_shard=10)

@@ -310,7 +310,7 @@ def count_job_records(manifest: ShardManifest) -> int:
                                                 "class index or a class name).")
 @click.option("--classes-file", type=click.Path(path_type=Path), default=None,
               help="Class names, one a line: line i names class i. Default: the integers 0..max for integer "
-                   "labels, the names found, sorted, for class names.")
+                   "labels, the names found, sorted, for class names. Refused if integer labels go beyond it.")
 @click.option("--max-pixels", type=int, default=IndexConfig.max_pixels, show_default=True,
               help="Leave out images with more pixels than this (read from the JPEG header).")
 @click.option("--decode", is_flag=True,

@@ -33,15 +33,16 @@ from pathlib import Path
 
 from .. import s3
 from ..atomic import write_atomic
-from ..format import INDEX_VERSION, MANIFEST_NAME, ShardInfo, ShardManifest, SplitInfo
+from ..format import INDEX_VERSION, MANIFEST_NAME, ShardInfo, ShardManifest, SplitInfo, check_split_name
 from ..runtime import usable_cores
 from .images import DEFAULT_MAX_PIXELS, ImageError, decode_check, read_jpeg_frame, sniff_format
 from .shards import ordered_map
 
 KIND = "webdataset"
 IMAGE_EXTS = ("jpg", "jpeg")  # the first of these a sample has is its image; DALI reads it as `jpg`
-# The last extensions that make `name.more.EXT` an image file whose dotted name split it from its key
-DOTTED_IMAGE_EXTS = {"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"}
+# Extensions of image files: never the label member, and the last extension that makes `name.more.EXT` an
+# image whose dotted name split it from its key (`dotted_key_problem`)
+IMAGE_FILE_EXTS = {"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"}
 NAME_LABEL_EXT = "dalifeed.label"  # the empty index component whose name carries the label (module docstring)
 LABEL_DIGITS = 10  # width of the decimal label in that name, and the longest `.cls` text the graph parses
 # `train-000000.tar`, `val_00012.tar`: split prefix, separator, shard number. `00000.tar` (img2dataset) has none.
@@ -88,6 +89,15 @@ class IndexConfig:
             raise IndexUsageError(f"--label-key applies to --label-member json, not {self.label_member}")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.label_member):
             raise IndexUsageError(f"--label-member {self.label_member!r}: not a member extension")
+        if self.label_member.lower() in IMAGE_FILE_EXTS:
+            raise IndexUsageError(f"--label-member {self.label_member}: an image's extension; the label member is "
+                                  f"the one holding the class: cls (an integer), json (with --label-key) or txt "
+                                  f"(a class name)")
+        if self.split is not None:
+            try:
+                check_split_name(self.split)
+            except ValueError as e:
+                raise IndexUsageError(f"--split {e}") from None
         if self.classes_file is not None and not Path(self.classes_file).is_file():
             raise IndexUsageError(f"--classes-file {self.classes_file}: no such file")
         if self.workers < 1:
@@ -281,7 +291,7 @@ def dotted_key_problem(sample: Sample) -> str | None:
     member's name at the first dot of its file name, so their key is `img` and their extension `0.v2.jpg`,
     and all such images in a row became one sample without a `.jpg`. Says so, with an example and the fix;
     None if the sample has no such member."""
-    dotted = [m for m in sample.members if "." in m.ext and m.ext.rsplit(".", 1)[1].lower() in DOTTED_IMAGE_EXTS]
+    dotted = [m for m in sample.members if "." in m.ext and m.ext.rsplit(".", 1)[1].lower() in IMAGE_FILE_EXTS]
     if not dotted:
         return None
     example = dotted[0].name
@@ -444,9 +454,15 @@ def read_classes_file(path: Path) -> list[str]:
 def decide_classes(labels: list[int | str], classes_file: Path | None) -> list[str]:
     """Class i's name: line i of the classes file; else, for integer labels, the integers 0..max; else the
     class names seen, sorted as ImageFolder sorts its folders."""
-    if classes_file is not None:
-        return read_classes_file(classes_file)
     ints = [v for v in labels if isinstance(v, int)]
+    if classes_file is not None:
+        names = read_classes_file(classes_file)
+        beyond = sum(v >= len(names) for v in ints)
+        if beyond:  # the file is short, not the data wrong: most likely a file for another dataset or version
+            raise IndexUsageError(f"--classes-file {classes_file} names {len(names)} classes (0..{len(names) - 1}) "
+                                  f"but the labels go up to {max(ints)}: {beyond} of {len(labels)} samples would be "
+                                  f"left out; give a file with a line for each class")
+        return names
     names = sorted({v for v in labels if isinstance(v, str)})
     if ints and names:
         raise IndexDataError(f"labels are both integers ({ints[0]}) and class names ({names[0]!r}): give "
