@@ -135,6 +135,9 @@ class ShardManifest:
     # s3://bucket/prefix when the shards live in object storage (dalifeed.shardfolder): `root` then holds the
     # cached manifest and indexes, and the tars are read from the store
     url: str | None = field(default=None, repr=False, compare=False)
+    # The folder the tars are in when it is not the manifest's (the manifest's `tars`, an absolute path):
+    # `shard-convert index --index-dir` writes the indexes and manifest apart from tars in a read-only folder
+    tar_root: Path | None = None
 
     @property
     def location(self) -> str:
@@ -142,8 +145,8 @@ class ShardManifest:
         return self.url or str(self.root)
 
     def shard_location(self, shard: ShardInfo) -> str:
-        """Where DALI reads a tar from: an s3:// URL or a local path."""
-        return f"{self.url}/{shard.path}" if self.url else str(self.root / shard.path)
+        """Where DALI reads a tar from: an s3:// URL or a local path. The one place a tar's path is made."""
+        return f"{self.url}/{shard.path}" if self.url else str((self.tar_root or self.root) / shard.path)
 
     @property
     def dali_text_label(self) -> dict | None:
@@ -158,6 +161,8 @@ class ShardManifest:
             return None
         opts = self.options
         args = ["shard-convert index"] + (["--decode"] if decode or opts.get("decode") else [])
+        if self.tar_root is not None:
+            args.append(f"--index-dir {self.root}")
         if opts.get("split"):
             args.append(f"--split {opts['split']}")
         if opts.get("label_member", "cls") != "cls":
@@ -168,7 +173,7 @@ class ShardManifest:
             args.append(f"--classes-file {opts['classes_file']}")
         if opts.get("max_pixels", DEFAULT_MAX_PIXELS) != DEFAULT_MAX_PIXELS:
             args.append(f"--max-pixels {opts['max_pixels']}")
-        return " ".join(args + [self.location])
+        return " ".join(args + [str(self.tar_root) if self.tar_root is not None else self.location])
 
     @property
     def num_classes(self) -> int:
@@ -178,7 +183,8 @@ class ShardManifest:
         return self.split_info(split).samples
 
     def shard_paths(self, split: str) -> list[Path]:
-        return [self.root / s.path for s in self.split_info(split).shards]
+        """The local paths of a split's tars (of a folder on disk)."""
+        return [Path(self.shard_location(s)) for s in self.split_info(split).shards]
 
     def index_paths(self, split: str) -> list[Path]:
         return [self.root / s.index for s in self.split_info(split).shards]
@@ -203,6 +209,7 @@ class ShardManifest:
             "skipped": self.skipped,
             "found": self.found,
             "warnings": self.warnings,
+            **({"tars": str(self.tar_root)} if self.tar_root is not None else {}),
             **self.extra,
         }
 
@@ -238,7 +245,7 @@ class ShardManifest:
         if doc.get("version") != FORMAT_VERSION:
             raise ManifestError(f"{path}: manifest version {doc.get('version')!r}, this dalifeed reads {FORMAT_VERSION}")
         known = {"format", "version", "kind", "source", "options", "classes", "splits", "reencoded", "skipped", "found",
-                 "warnings", "job", "summary"}
+                 "warnings", "job", "summary", "tars"}
         try:
             splits = {
                 name: SplitInfo([ShardInfo.from_json(s) for s in info["shards"]], info.get("class_counts"),
@@ -257,6 +264,7 @@ class ShardManifest:
                 found=doc.get("found", 0),
                 warnings=doc.get("warnings", []),
                 extra={k: v for k, v in doc.items() if k not in known},
+                tar_root=Path(doc["tars"]) if doc.get("tars") else None,
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(f"{path}: malformed manifest ({e!r})") from None
@@ -320,11 +328,11 @@ def file_sha256(path: Path, chunk: int = 2**22) -> str:
     return digest.hexdigest()
 
 
-def check_shard(root: Path, shard: ShardInfo, sha256: bool = False) -> list[str]:
-    """What is wrong with one shard's files against the manifest, one `<file>: <what>` line each: the tar's
-    presence and size, its index's presence, sample count and reach, and (when asked, reading every byte)
-    the tar's sha256. Costs two stats and two small reads per shard without sha256."""
-    tar, idx = root / shard.path, root / shard.index
+def check_shard(manifest: ShardManifest, shard: ShardInfo, sha256: bool = False) -> list[str]:
+    """What is wrong with one shard's files on disk against the manifest, one `<file>: <what>` line each: the
+    tar's presence and size, its index's presence, sample count and reach, and (when asked, reading every
+    byte) the tar's sha256. Costs two stats and two small reads per shard without sha256."""
+    tar, idx = Path(manifest.shard_location(shard)), manifest.root / shard.index
     if not tar.is_file():
         return [f"{tar}: missing"]
     problems = []
@@ -359,4 +367,4 @@ def check_index(idx: Path, shard: ShardInfo, tar_size: int, tar_name: str) -> li
 
 def check_split_files(manifest: ShardManifest, split: str, sha256: bool = False) -> list[str]:
     """`check_shard` over every shard of a split."""
-    return [p for shard in manifest.split_info(split).shards for p in check_shard(manifest.root, shard, sha256)]
+    return [p for shard in manifest.split_info(split).shards for p in check_shard(manifest, shard, sha256)]

@@ -432,6 +432,8 @@ CASES = [
     (["index", "src", "--split", "x..y"], 2, "--split 'x..y': not a split name"),
     (["index", "src", "--split", ""], 2, "--split '': a split name cannot be empty"),
     (["index", "src", "--label-member", "png"], 2, "--label-member png: an image's extension; the label member is"),
+    (["index", "src", "--index-dir", "afile"], 2, "--index-dir afile: not a folder"),
+    (["index", "s3://bucket/tars", "--index-dir", "idx"], 2, "--index-dir works with a local SRC and a local folder"),
 ]
 
 

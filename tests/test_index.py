@@ -321,6 +321,63 @@ def test_a_classes_file_shorter_than_the_labels_is_refused(tmp_path):
     assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["train-000000.tar", "train-000001.tar"]
 
 
+def test_a_folder_that_takes_no_file_is_refused_before_reading_naming_index_dir():
+    """/proc takes no new file, as a read-only dataset folder: one line, exit 2, before any tar is read."""
+    with pytest.raises(IndexUsageError, match=r"^/proc: cannot write the indexes and the manifest there \(.*\): "
+                                              r"give --index-dir DIR to write them elsewhere"):
+        index_folder(IndexConfig("/proc"))
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", "/proc"], capture_output=True, text=True,
+                            env=ENV)
+    assert result.returncode == 2 and "give --index-dir DIR" in result.stderr
+
+
+def test_index_dir_keeps_indexes_and_manifest_apart_from_read_only_tars(tmp_path):
+    """--index-dir: the tars' folder gets no file; the manifest records where the tars are, and the loader,
+    verify, info and dali-bench's webdataset loader read them from there."""
+    import torch
+
+    from dalifeed.bench.loaders import webdataset_loader
+    from dalifeed.pipelines import AugmentConfig
+
+    tars = tmp_path / "readonly"
+    labels = write_shardwriter(tars, "train", 13, per_shard=5)
+    write_shardwriter(tars, "val", 4, per_shard=5, seed=1)
+    listing = sorted(p.name for p in tars.iterdir())
+    before = tree_sha256(tars)
+    tars.chmod(0o555)  # read-only (root writes anyway: the listing below is what proves nothing was written)
+    try:
+        result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tars), "--index-dir",
+                                 str(tmp_path / "idx")], capture_output=True, text=True, env=ENV)
+        assert result.returncode == 0, result.stderr
+        assert sorted(p.name for p in tars.iterdir()) == listing and tree_sha256(tars) == before
+    finally:
+        tars.chmod(0o755)
+    out = tmp_path / "idx"
+    assert sorted(p.name for p in out.iterdir()) == sorted(["manifest.json", "train-000000.idx", "train-000001.idx",
+                                                            "train-000002.idx", "val-000000.idx"])
+    manifest = ShardManifest.load(out)
+    assert json.loads((out / "manifest.json").read_text())["tars"] == str(tars.resolve())
+    assert manifest.shard_location(manifest.splits["train"].shards[0]) == str(tars.resolve() / "train-000000.tar")
+    for tar in sorted(tars.glob("*.tar")):  # DALI's own tool writes the same index
+        assert (out / tar.with_suffix(".idx").name).read_text() == wds2idx(tar, tmp_path / "ref.idx")
+    assert verify_shards(out).problems == []
+    info = subprocess.run([str(VENV_BIN / "shard-convert"), "info", str(out)], capture_output=True, text=True, env=ENV)
+    assert f"  tars: in {tars.resolve()} (the indexes and manifest here)" in info.stdout
+    assert "train: 13 samples in 3 shards" in info.stdout and "DALI indexes all present" in info.stdout
+    got, reds = loader_labels_and_red(out, "train", 4)
+    assert sorted(got) == sorted(labels) and got == reds
+    bench = webdataset_loader(out, "train", 4, 0, torch.device("cpu"), AugmentConfig(image_size=16))
+    assert sum(len(batch_labels) for _, batch_labels in bench) == 12  # 13 samples, whole batches of 4
+    assert manifest.index_command() == f"shard-convert index --index-dir {out} {tars.resolve()}"
+    (tars / "train-000001.tar").write_bytes((tars / "train-000001.tar").read_bytes()[:-4096])  # damaged later
+    assert any("train-000001.tar: " in p and "(changed since it was indexed: index it again: shard-convert index "
+               f"--index-dir {out} {tars.resolve()})" in p for p in verify_shards(out).problems)
+    other = tmp_path / "other"
+    write_shardwriter(other, "train", 3, per_shard=5)
+    with pytest.raises(IndexUsageError, match=rf"--index-dir {out}: holds the index of other tars \({tars.resolve()}\)"):
+        index_folder(IndexConfig(other, index_dir=out))
+
+
 def test_dali_train_on_indexed_shardwriter_tars(tmp_path):
     """Done means: ShardWriter tars, `shard-convert index`, then dali-train trains and evaluates on them."""
     write_shardwriter(tmp_path / "ds", "train", 24, per_shard=10)

@@ -320,11 +320,17 @@ def count_job_records(manifest: ShardManifest) -> int:
 @click.option("--workers", type=int, default=None,
               help="Worker processes that decode with --decode (default: the CPUs this process may use). The "
                    "result does not depend on it.")
+@click.option("--index-dir", type=click.Path(path_type=Path), default=None,
+              help="Write the DALI indexes and manifest.json into this folder (created if missing) instead of beside "
+                   "the tars: for tars in a read-only folder. The manifest records where the tars are (their "
+                   "absolute folder); dali-train, verify, info, dali-bench and make_loader then take DIR as the "
+                   "shard folder. Local SRC only.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
-def index_cmd(src: Path, split, label_member, label_key, classes_file, max_pixels, decode, workers, debug):
+def index_cmd(src: Path, split, label_member, label_key, classes_file, max_pixels, decode, workers, index_dir, debug):
     """Adopt the WebDataset tars in SRC (written by webdataset's ShardWriter, img2dataset or any other tool)
-    in place: write a DALI index beside each tar and SRC/manifest.json, without changing a byte of any tar.
-    SRC may be s3://bucket/prefix (each tar is streamed once; the indexes and manifest are written there).
+    in place: write a DALI index beside each tar and SRC/manifest.json (or into --index-dir), without
+    changing a byte of any tar. SRC may be s3://bucket/prefix (each tar is streamed once; the indexes and
+    manifest are written there).
 
     \b
     Every sample is kept or left out with a reason in the manifest's `skipped` (shard-convert info counts
@@ -343,7 +349,8 @@ def index_cmd(src: Path, split, label_member, label_key, classes_file, max_pixel
     """
     manifest = run_command(
         lambda: index_folder(IndexConfig(src, split, label_member, label_key, classes_file, max_pixels, decode,
-                                         **({"workers": workers} if workers is not None else {}))),
+                                         **({"workers": workers} if workers is not None else {}),
+                                         index_dir=index_dir)),
         debug=debug, usage_errors=(IndexUsageError,),
         runtime_errors=(IndexDataError, WorkerCrashed, StorageError, OSError),
         stopped=lambda e: "the tars are unchanged; run the same command again")

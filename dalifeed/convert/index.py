@@ -32,7 +32,7 @@ from functools import partial
 from pathlib import Path
 
 from .. import s3
-from ..atomic import write_atomic
+from ..atomic import temp_name, write_atomic
 from ..format import INDEX_VERSION, MANIFEST_NAME, ShardInfo, ShardManifest, SplitInfo, check_split_name
 from ..runtime import usable_cores
 from .images import DEFAULT_MAX_PIXELS, ImageError, decode_check, read_jpeg_frame, sniff_format
@@ -78,6 +78,7 @@ class IndexConfig:
     max_pixels: int = DEFAULT_MAX_PIXELS
     decode: bool = False  # decode every image (PIL, in worker processes) and leave out what does not decode
     workers: int = field(default_factory=usable_cores)  # for decode; the output does not depend on it
+    index_dir: Path | None = None  # where the indexes and manifest go; default: beside the tars, in `src`
 
     def __post_init__(self) -> None:
         self.src = s3.normalize(str(self.src)) if s3.is_s3_url(self.src) else Path(self.src)
@@ -102,6 +103,15 @@ class IndexConfig:
             raise IndexUsageError(f"--classes-file {self.classes_file}: no such file")
         if self.workers < 1:
             raise IndexUsageError(f"--workers must be >= 1, got {self.workers}")
+        if self.index_dir is not None:
+            if isinstance(self.src, str) or s3.is_s3_url(self.index_dir):
+                raise IndexUsageError("--index-dir works with a local SRC and a local folder only (tars in a store "
+                                      "get their indexes beside them, in the store)")
+            self.index_dir = Path(self.index_dir)
+            if self.index_dir.exists() and not self.index_dir.is_dir():
+                raise IndexUsageError(f"--index-dir {self.index_dir}: not a folder")
+            if self.index_dir.resolve() == self.src.resolve():
+                self.index_dir = None  # beside the tars: the default
 
     @property
     def label_from_member(self) -> bool:
@@ -111,7 +121,8 @@ class IndexConfig:
     def to_json(self) -> dict:
         """The options the index depends on (the manifest's `options`): not the worker count."""
         doc = {k: v for k, v in asdict(self).items() if k != "workers"}
-        return {**doc, "src": str(self.src), "classes_file": str(self.classes_file) if self.classes_file else None}
+        return {**doc, "src": str(self.src), "classes_file": str(self.classes_file) if self.classes_file else None,
+                "index_dir": str(self.index_dir) if self.index_dir else None}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -172,6 +183,20 @@ class TarFolder:
             return (s3.get_bytes(self.where(name)) if self.remote else (self.location / name).read_bytes()).decode()
         except (s3.ObjectProblem, FileNotFoundError):
             return None
+
+    def check_writable(self, fix: str) -> None:
+        """IndexUsageError, before any tar is read, when a local folder takes no new file (read-only); `fix`
+        says what to do instead."""
+        if self.remote:
+            return  # a store's permissions show at the first PUT
+        try:
+            self.location.mkdir(parents=True, exist_ok=True)
+            probe = temp_name(self.location / MANIFEST_NAME)  # what the atomic writes create first
+            probe.open("wb").close()
+            probe.unlink()
+        except OSError as e:
+            raise IndexUsageError(f"{self.location}: cannot write the indexes and the manifest there "
+                                  f"({e.strerror or e}): {fix}") from None
 
     def write(self, name: str, data: bytes) -> None:
         """Written whole (atomically on disk; an object PUT is whole by itself)."""
@@ -613,9 +638,13 @@ def tars_to_index(folder: TarFolder, forced_split: str | None) -> tuple[dict[str
 
 
 def index_folder(cfg: IndexConfig) -> ShardManifest:
-    """Index every tar of `cfg.src` in place and write its manifest (last). The tars are only read."""
+    """Index every tar of `cfg.src` in place and write its manifest (last), beside the tars or in
+    `cfg.index_dir`. The tars are only read."""
     folder = TarFolder(cfg.src)
-    refuse_converted_folder(folder)
+    out = TarFolder(cfg.index_dir) if cfg.index_dir is not None else folder
+    out.check_writable("give --index-dir DIR to write them elsewhere (the tars are read where they are)"
+                       if out is folder else "give another --index-dir")
+    refuse_converted_folder(out, None if out is folder else str(cfg.src.resolve()))
     tar_names, compressed = tars_to_index(folder, cfg.split)
     scanned = {split: scan_split(folder, names, cfg) for split, names in tar_names.items()}
     every = [s for tars in scanned.values() for tar in tars for s in tar.samples]
@@ -642,36 +671,41 @@ def index_folder(cfg: IndexConfig) -> ShardManifest:
                 continue
             for s in kept:
                 info.class_counts[s.label] += 1
-            info.shards.append(write_index(folder, tar, index_text(tar.samples, cfg)))
+            info.shards.append(write_index(out, tar, index_text(tar.samples, cfg)))
         if info.shards:
             splits[split] = info
     remote = folder.remote
     manifest = ShardManifest(
-        root=Path(".") if remote else cfg.src, kind=KIND, source=cfg.src if remote else str(cfg.src.resolve()),
+        root=Path(".") if remote else out.location, kind=KIND, source=cfg.src if remote else str(cfg.src.resolve()),
         options=cfg.to_json(), classes=classes, splits=splits, skipped=compressed_skipped + skipped,
         found=len(every) + len(compressed_skipped), warnings=warnings,
         extra={"webdataset": {"label": {"member": cfg.label_member, "key": cfg.label_key,
                                         "dali": dali_label(cfg)},
                               "extensions": extensions}},
-        url=cfg.src if remote else None,
+        url=cfg.src if remote else None, tar_root=None if out is folder else cfg.src.resolve(),
     )
-    folder.write(MANIFEST_NAME, (json.dumps(manifest.to_json(), indent=2) + "\n").encode())  # last
+    out.write(MANIFEST_NAME, (json.dumps(manifest.to_json(), indent=2) + "\n").encode())  # last
     manifest.summary = IndexSummary(sum(i.samples for i in splits.values()), len(every),
                                     sum(len(i.shards) for i in splits.values()),
                                     {name: i.samples for name, i in splits.items()}, compressed.commands(folder))
     return manifest
 
 
-def refuse_converted_folder(folder: TarFolder) -> None:
-    """A folder shard-convert wrote has a manifest richer than the one `index` would write over it."""
+def refuse_converted_folder(folder: TarFolder, tars: str | None = None) -> None:
+    """A folder shard-convert wrote has a manifest richer than the one `index` would write over it; an
+    --index-dir (`tars`: the tar folder it is for) may hold the index of those tars only."""
     text = folder.read_text(MANIFEST_NAME)
     try:
-        kind = json.loads(text).get("kind") if text else None
+        doc = json.loads(text) if text else {}
+        kind = doc.get("kind")
     except (ValueError, AttributeError):
         return  # not a manifest of ours: index writes one
     if kind not in (None, KIND):
         raise IndexUsageError(f"{folder.location}: already a dalifeed shard folder ({kind} shards written by "
-                          f"shard-convert); there is nothing to index")
+                              f"shard-convert); there is nothing to index")
+    if tars is not None and kind == KIND and doc.get("tars", doc.get("source")) != tars:
+        raise IndexUsageError(f"--index-dir {folder.location}: holds the index of other tars "
+                              f"({doc.get('tars', doc.get('source'))}); give each folder of tars its own --index-dir")
 
 
 def dali_label(cfg: IndexConfig) -> dict:
@@ -700,7 +734,8 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
     options (each tar is read once). With `decoder` (a DaliDecoder), every kept image is also decoded by
     DALI, as training would."""
     opts = manifest.options
-    folder = TarFolder(manifest.url or manifest.root)
+    folder = TarFolder(manifest.url or manifest.tar_root or manifest.root)  # the tars
+    indexes = TarFolder(manifest.url or manifest.root)  # the indexes and the manifest
     cfg = IndexConfig(folder.location, opts.get("split"), opts.get("label_member", "cls"), opts.get("label_key"),
                       None, opts.get("max_pixels") or DEFAULT_MAX_PIXELS, workers=1)
     # `index --decode`'s verdicts, taken from the manifest rather than decoded again: a tar whose sha256 is
@@ -736,12 +771,11 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
             for sample in tar.samples:
                 if sample.reason is None:
                     sample.label, sample.reason = class_index(sample.label, manifest.classes, lookup)
-            text = folder.read_text(shard.index)
+            text = indexes.read_text(shard.index)
             if text is None:
-                problems.append(f"{folder.where(shard.index)}: missing (shard-convert index {manifest.location} "
-                                f"writes it)")
+                problems.append(f"{indexes.where(shard.index)}: missing ({manifest.index_command()} writes it)")
             elif text != index_text(tar.samples, cfg):
-                problems.append(f"{folder.where(shard.index)}: not the index of {tar.name} ({again})")
+                problems.append(f"{indexes.where(shard.index)}: not the index of {tar.name} ({again})")
             for sample in tar.samples:
                 why = undecodable.get((tar.name, sample.key))
                 if sample.reason is None and why is not None:
