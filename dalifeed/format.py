@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -23,6 +24,10 @@ FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 TAR_BLOCK = 512
 INDEX_VERSION = "v1.2"  # the version DALI's wds2idx writes and fn.readers.webdataset reads
+# --max-pixels: a generous default: 20000 x 15000 and other real satellite or pathology images pass, a
+# decompression bomb (a few KB of PNG that expands to gigabytes) does not. Each worker holds about 3 bytes per
+# pixel.
+DEFAULT_MAX_PIXELS = 300_000_000
 
 # Tar members of a sample (docs/format.md). webdataset, DALI and HF `datasets` all take everything after a
 # member's first dot as its extension (HF's column name), and webdataset and HF decode a member by its *last*
@@ -49,6 +54,22 @@ COCO_META = {"image_id": int, "file_name": str, "width": int, "height": int, "re
 IMAGEFOLDER_MEMBERS = (IMAGE_MEMBER, CLASS_MEMBER, CLASS_I64_MEMBER, META_MEMBER)  # in tar order
 COCO_MEMBERS = (IMAGE_MEMBER, META_MEMBER, COCO_BOXES_MEMBER, COCO_LABELS_MEMBER, COCO_CROWD_BOXES_MEMBER,
                 COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER)
+
+
+# What a split may be called: it becomes part of file names (`<split>-000000.tar`, job records), so no path
+# separator, no `..`, no leading dot (a hidden file), no space (DALI's index separates fields by spaces).
+SPLIT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def check_split_name(name: str) -> str:
+    """`name` if it can name a split; else ValueError saying why, starting with the name (the caller puts
+    the option or file it came from before it). The one rule every command that takes a split name uses."""
+    if not name:
+        raise ValueError(f"{name!r}: a split name cannot be empty")
+    if not SPLIT_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"{name!r}: not a split name: it becomes part of file names (<split>-000000.tar): use "
+                         f"letters, digits, '_', '-' and '.', not first and not '..'")
+    return name
 
 
 class ManifestError(Exception):
@@ -114,6 +135,9 @@ class ShardManifest:
     # s3://bucket/prefix when the shards live in object storage (dalifeed.shardfolder): `root` then holds the
     # cached manifest and indexes, and the tars are read from the store
     url: str | None = field(default=None, repr=False, compare=False)
+    # The folder the tars are in when it is not the manifest's (the manifest's `tars`, an absolute path):
+    # `shard-convert index --index-dir` writes the indexes and manifest apart from tars in a read-only folder
+    tar_root: Path | None = None
 
     @property
     def location(self) -> str:
@@ -121,14 +145,35 @@ class ShardManifest:
         return self.url or str(self.root)
 
     def shard_location(self, shard: ShardInfo) -> str:
-        """Where DALI reads a tar from: an s3:// URL or a local path."""
-        return f"{self.url}/{shard.path}" if self.url else str(self.root / shard.path)
+        """Where DALI reads a tar from: an s3:// URL or a local path. The one place a tar's path is made."""
+        return f"{self.url}/{shard.path}" if self.url else str((self.tar_root or self.root) / shard.path)
 
     @property
     def dali_text_label(self) -> dict | None:
         """For shards `shard-convert index` adopted, how DALI reads their ASCII labels (the manifest's
         `webdataset.label.dali`: `{"ext", "from": "member" or "name", "digits"}`); None for dalifeed's own."""
         return self.extra.get("webdataset", {}).get("label", {}).get("dali")
+
+    def index_command(self, decode: bool = False) -> str | None:
+        """For shards `shard-convert index` adopted, the command that indexes them again with the options
+        they were indexed with (with `decode`, adding --decode); None for dalifeed's own."""
+        if self.kind != "webdataset":
+            return None
+        opts = self.options
+        args = ["shard-convert index"] + (["--decode"] if decode or opts.get("decode") else [])
+        if self.tar_root is not None:
+            args.append(f"--index-dir {self.root}")
+        if opts.get("split"):
+            args.append(f"--split {opts['split']}")
+        if opts.get("label_member", "cls") != "cls":
+            args.append(f"--label-member {opts['label_member']}")
+        if opts.get("label_key"):
+            args.append(f"--label-key {opts['label_key']}")
+        if opts.get("classes_file"):
+            args.append(f"--classes-file {opts['classes_file']}")
+        if opts.get("max_pixels", DEFAULT_MAX_PIXELS) != DEFAULT_MAX_PIXELS:
+            args.append(f"--max-pixels {opts['max_pixels']}")
+        return " ".join(args + [str(self.tar_root) if self.tar_root is not None else self.location])
 
     @property
     def num_classes(self) -> int:
@@ -138,7 +183,8 @@ class ShardManifest:
         return self.split_info(split).samples
 
     def shard_paths(self, split: str) -> list[Path]:
-        return [self.root / s.path for s in self.split_info(split).shards]
+        """The local paths of a split's tars (of a folder on disk)."""
+        return [Path(self.shard_location(s)) for s in self.split_info(split).shards]
 
     def index_paths(self, split: str) -> list[Path]:
         return [self.root / s.index for s in self.split_info(split).shards]
@@ -163,6 +209,7 @@ class ShardManifest:
             "skipped": self.skipped,
             "found": self.found,
             "warnings": self.warnings,
+            **({"tars": str(self.tar_root)} if self.tar_root is not None else {}),
             **self.extra,
         }
 
@@ -198,7 +245,7 @@ class ShardManifest:
         if doc.get("version") != FORMAT_VERSION:
             raise ManifestError(f"{path}: manifest version {doc.get('version')!r}, this dalifeed reads {FORMAT_VERSION}")
         known = {"format", "version", "kind", "source", "options", "classes", "splits", "reencoded", "skipped", "found",
-                 "warnings", "job", "summary"}
+                 "warnings", "job", "summary", "tars"}
         try:
             splits = {
                 name: SplitInfo([ShardInfo.from_json(s) for s in info["shards"]], info.get("class_counts"),
@@ -217,6 +264,7 @@ class ShardManifest:
                 found=doc.get("found", 0),
                 warnings=doc.get("warnings", []),
                 extra={k: v for k, v in doc.items() if k not in known},
+                tar_root=Path(doc["tars"]) if doc.get("tars") else None,
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(f"{path}: malformed manifest ({e!r})") from None
@@ -280,11 +328,11 @@ def file_sha256(path: Path, chunk: int = 2**22) -> str:
     return digest.hexdigest()
 
 
-def check_shard(root: Path, shard: ShardInfo, sha256: bool = False) -> list[str]:
-    """What is wrong with one shard's files against the manifest, one `<file>: <what>` line each: the tar's
-    presence and size, its index's presence, sample count and reach, and (when asked, reading every byte)
-    the tar's sha256. Costs two stats and two small reads per shard without sha256."""
-    tar, idx = root / shard.path, root / shard.index
+def check_shard(manifest: ShardManifest, shard: ShardInfo, sha256: bool = False) -> list[str]:
+    """What is wrong with one shard's files on disk against the manifest, one `<file>: <what>` line each: the
+    tar's presence and size, its index's presence, sample count and reach, and (when asked, reading every
+    byte) the tar's sha256. Costs two stats and two small reads per shard without sha256."""
+    tar, idx = Path(manifest.shard_location(shard)), manifest.root / shard.index
     if not tar.is_file():
         return [f"{tar}: missing"]
     problems = []
@@ -319,4 +367,4 @@ def check_index(idx: Path, shard: ShardInfo, tar_size: int, tar_name: str) -> li
 
 def check_split_files(manifest: ShardManifest, split: str, sha256: bool = False) -> list[str]:
     """`check_shard` over every shard of a split."""
-    return [p for shard in manifest.split_info(split).shards for p in check_shard(manifest.root, shard, sha256)]
+    return [p for shard in manifest.split_info(split).shards for p in check_shard(manifest, shard, sha256)]

@@ -145,7 +145,7 @@ def _check_shard(manifest: ShardManifest, shard: ShardInfo, sha256: bool) -> lis
 def open_tar(manifest: ShardManifest, shard: ShardInfo) -> BinaryIO:
     """A shard's tar as a read-only binary stream: the file, or one GET streamed from the store."""
     if manifest.url is None:
-        return open(manifest.root / shard.path, "rb")
+        return open(manifest.shard_location(shard), "rb")
     return s3.ObjectStream(manifest.shard_location(shard))
 
 

@@ -362,6 +362,9 @@ def workspace(tmp_path_factory) -> Path:
                                "--annotations", str(instances)]).exit_code == 0
     (ws / "badjob" / ".dalifeed-jobs").mkdir(parents=True)
     (ws / "badjob" / ".dalifeed-jobs" / "job-0000-of-0002.json").write_text('{"job": ')
+    (ws / "evilsplit" / ".dalifeed-jobs").mkdir(parents=True)
+    (ws / "evilsplit" / ".dalifeed-jobs" / "job-0000-of-0001.json").write_text(
+        '{"job": {"index": 0, "count": 1}, "splits": {"../evil": {"shards": []}}}')
     return ws
 
 
@@ -419,6 +422,18 @@ CASES = [
     (["export-coco", "cocoshards", "/proc/x.json"], 2, "/proc/x.json: cannot write a file in /proc"),
     (["merge", "empty"], 2, "empty: no job records"),
     (["merge", "badjob"], 2, "job-0000-of-0002.json: unreadable job record"),
+    # a split name becomes part of file names: one rule (format.check_split_name) wherever one is given
+    (["merge", "evilsplit"], 2, "job-0000-of-0001.json: unreadable job record ('../evil': not a split name"),
+    (["coco", "out", *COCO_IN, "--split", "../evil"], 2, "split '../evil': not a split name: it becomes part of file"),
+    (["coco", "out", *COCO_IN, "--split", ".hidden"], 2, "split '.hidden': not a split name"),
+    (["coco", "out", *COCO_IN, "--split", "a b"], 2, "split 'a b': not a split name"),
+    (["index", "src", "--split", "../evil"], 2, "--split '../evil': not a split name: it becomes part of file names"),
+    (["index", "src", "--split", "a/b"], 2, "--split 'a/b': not a split name"),
+    (["index", "src", "--split", "x..y"], 2, "--split 'x..y': not a split name"),
+    (["index", "src", "--split", ""], 2, "--split '': a split name cannot be empty"),
+    (["index", "src", "--label-member", "png"], 2, "--label-member png: an image's extension; the label member is"),
+    (["index", "src", "--index-dir", "afile"], 2, "--index-dir afile: not a folder"),
+    (["index", "s3://bucket/tars", "--index-dir", "idx"], 2, "--index-dir works with a local SRC and a local folder"),
 ]
 
 

@@ -280,6 +280,106 @@ def test_compressed_tars_in_object_storage(tmp_path, s3_bucket):
         index_folder(IndexConfig(url))
 
 
+def test_dotted_keys_are_explained_with_an_example_and_the_fix(tmp_path):
+    """80 images named `img.N.v2.jpg` / `pic.N.v2.jpg` group into 2 samples (key `img`, `pic`): as webdataset
+    and DALI group them. The error says so, names an example and the rename; beside good samples, the summary
+    does."""
+    root = tmp_path / "dots"
+    root.mkdir()
+    with tarfile.open(root / "train-000000.tar", "w") as tar:
+        for prefix in ("img", "pic"):
+            for i in range(40):
+                add_member(tar, f"{prefix}.{i}.v2.jpg", solid(i % 3))
+                add_member(tar, f"{prefix}.{i}.v2.cls", str(i % 3).encode())
+    example = ("train-000000.tar:img: dotted key: 40 image(s) such as 'img.0.v2.jpg' have key 'img' and extension "
+               "'0.v2.jpg': webdataset and DALI take the text before the first dot of a file name as its sample's "
+               "key, so they became one sample; rename the files so the key has no dots, e.g. 'img_0_v2.jpg'")
+    with pytest.raises(IndexDataError) as error:
+        index_folder(IndexConfig(root))
+    assert str(error.value) == f"{root}: no sample can be trained on: 2 found, all left out (2 dotted key). {example}"
+    with tarfile.open(root / "train-000001.tar", "w") as tar:
+        for i in range(3):
+            add_member(tar, f"ok{i}.jpg", solid(1))
+            add_member(tar, f"ok{i}.cls", b"1")
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(root)], capture_output=True, text=True,
+                            env=ENV)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].startswith("Indexed 3 of 5 samples in 1 tars (train 3)")
+    assert "left out 2 (2 dotted key)" in result.stdout and result.stdout.splitlines()[1] == example
+
+
+def test_a_classes_file_shorter_than_the_labels_is_refused(tmp_path):
+    """3 class names for labels 0..9 would leave 75 of 100 samples out: a usage error (exit 2), nothing written."""
+    labels = write_shardwriter(tmp_path / "ds", "train", 100, per_shard=60, classes=10)
+    (tmp_path / "classes.txt").write_text("cat\ndog\nbird\n")
+    beyond = sum(label >= 3 for label in labels)
+    assert max(labels) == 9 and beyond == 75  # the seed's draw
+    with pytest.raises(IndexUsageError, match=rf"^--classes-file {tmp_path / 'classes.txt'} names 3 classes \(0..2\) "
+                                              rf"but the labels go up to 9: 75 of 100 samples would be left out; "):
+        index_folder(IndexConfig(tmp_path / "ds", classes_file=tmp_path / "classes.txt"))
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tmp_path / "ds"), "--classes-file",
+                             str(tmp_path / "classes.txt")], capture_output=True, text=True, env=ENV)
+    assert result.returncode == 2 and "names 3 classes (0..2) but the labels go up to 9" in result.stderr
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == ["train-000000.tar", "train-000001.tar"]
+
+
+def test_a_folder_that_takes_no_file_is_refused_before_reading_naming_index_dir():
+    """/proc takes no new file, as a read-only dataset folder: one line, exit 2, before any tar is read."""
+    with pytest.raises(IndexUsageError, match=r"^/proc: cannot write the indexes and the manifest there \(.*\): "
+                                              r"give --index-dir DIR to write them elsewhere"):
+        index_folder(IndexConfig("/proc"))
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", "/proc"], capture_output=True, text=True,
+                            env=ENV)
+    assert result.returncode == 2 and "give --index-dir DIR" in result.stderr
+
+
+def test_index_dir_keeps_indexes_and_manifest_apart_from_read_only_tars(tmp_path):
+    """--index-dir: the tars' folder gets no file; the manifest records where the tars are, and the loader,
+    verify, info and dali-bench's webdataset loader read them from there."""
+    import torch
+
+    from dalifeed.bench.loaders import webdataset_loader
+    from dalifeed.pipelines import AugmentConfig
+
+    tars = tmp_path / "readonly"
+    labels = write_shardwriter(tars, "train", 13, per_shard=5)
+    write_shardwriter(tars, "val", 4, per_shard=5, seed=1)
+    listing = sorted(p.name for p in tars.iterdir())
+    before = tree_sha256(tars)
+    tars.chmod(0o555)  # read-only (root writes anyway: the listing below is what proves nothing was written)
+    try:
+        result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tars), "--index-dir",
+                                 str(tmp_path / "idx")], capture_output=True, text=True, env=ENV)
+        assert result.returncode == 0, result.stderr
+        assert sorted(p.name for p in tars.iterdir()) == listing and tree_sha256(tars) == before
+    finally:
+        tars.chmod(0o755)
+    out = tmp_path / "idx"
+    assert sorted(p.name for p in out.iterdir()) == sorted(["manifest.json", "train-000000.idx", "train-000001.idx",
+                                                            "train-000002.idx", "val-000000.idx"])
+    manifest = ShardManifest.load(out)
+    assert json.loads((out / "manifest.json").read_text())["tars"] == str(tars.resolve())
+    assert manifest.shard_location(manifest.splits["train"].shards[0]) == str(tars.resolve() / "train-000000.tar")
+    for tar in sorted(tars.glob("*.tar")):  # DALI's own tool writes the same index
+        assert (out / tar.with_suffix(".idx").name).read_text() == wds2idx(tar, tmp_path / "ref.idx")
+    assert verify_shards(out).problems == []
+    info = subprocess.run([str(VENV_BIN / "shard-convert"), "info", str(out)], capture_output=True, text=True, env=ENV)
+    assert f"  tars: in {tars.resolve()} (the indexes and manifest here)" in info.stdout
+    assert "train: 13 samples in 3 shards" in info.stdout and "DALI indexes all present" in info.stdout
+    got, reds = loader_labels_and_red(out, "train", 4)
+    assert sorted(got) == sorted(labels) and got == reds
+    bench = webdataset_loader(out, "train", 4, 0, torch.device("cpu"), AugmentConfig(image_size=16))
+    assert sum(len(batch_labels) for _, batch_labels in bench) == 12  # 13 samples, whole batches of 4
+    assert manifest.index_command() == f"shard-convert index --index-dir {out} {tars.resolve()}"
+    (tars / "train-000001.tar").write_bytes((tars / "train-000001.tar").read_bytes()[:-4096])  # damaged later
+    assert any("train-000001.tar: " in p and "(changed since it was indexed: index it again: shard-convert index "
+               f"--index-dir {out} {tars.resolve()})" in p for p in verify_shards(out).problems)
+    other = tmp_path / "other"
+    write_shardwriter(other, "train", 3, per_shard=5)
+    with pytest.raises(IndexUsageError, match=rf"--index-dir {out}: holds the index of other tars \({tars.resolve()}\)"):
+        index_folder(IndexConfig(other, index_dir=out))
+
+
 def test_dali_train_on_indexed_shardwriter_tars(tmp_path):
     """Done means: ShardWriter tars, `shard-convert index`, then dali-train trains and evaluates on them."""
     write_shardwriter(tmp_path / "ds", "train", 24, per_shard=10)
@@ -315,6 +415,53 @@ def test_verify_decode_finds_a_kept_image_dali_cannot_decode(tmp_path):
     assert verify_shards(root).problems == []
     problems = verify_shards(root, decode=True).problems
     assert len(problems) == 1 and "sample 009: DALI cannot decode its image" in problems[0]
+
+
+def test_index_decode_leaves_a_truncated_jpeg_out_and_training_finishes_the_epoch(tmp_path):
+    """A JPEG cut in half passes the header rule: without --decode the loader stops at it and names the command
+    that repairs the index; `index --decode` leaves it out with its reason (the tar untouched), and then
+    the loader reads every other sample and dali-train finishes its epoch."""
+    root = tmp_path / "cut"
+    root.mkdir()
+    labels = {}
+    with tarfile.open(root / "train-000000.tar", "w") as tar:
+        for i in range(15):
+            key, label = f"{i:03d}", i % 3
+            whole = solid(label, size=(64, 64))
+            data = whole[:len(whole) // 2] if key == "006" else whole  # its scan cut off halfway
+            add_member(tar, f"{key}.jpg", data)
+            add_member(tar, f"{key}.cls", str(label).encode())
+            labels[key] = label
+    write_shardwriter(root, "val", 4, per_shard=10, seed=1)
+    before = tree_sha256(root)
+    manifest = index_folder(IndexConfig(root))
+    assert manifest.num_samples("train") == 15 and manifest.skipped == []  # headers only: it is kept
+    from dalifeed.pipelines import ShardDataError
+
+    with pytest.raises(ShardDataError, match=rf"train-000000.tar: sample 006: DALI cannot decode its .jpg .*; leave "
+                                             rf"the samples that do not decode out of the index \(the tars are not "
+                                             rf"changed\): shard-convert index --decode {root}$"):
+        loader_labels_and_red(root, "train", 5)
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", "--decode", "--workers", "2", str(root)],
+                            capture_output=True, text=True, env=ENV)
+    assert result.returncode == 0, result.stderr
+    assert "Indexed 18 of 19 samples" in result.stdout and "left out 1 (1 image undecodable)" in result.stdout
+    manifest = ShardManifest.load(root)
+    assert [e["path"] for e in manifest.skipped] == ["train-000000.tar:006"]
+    assert manifest.skipped[0]["reason"].startswith("image undecodable: corrupt or truncated image: ")
+    assert manifest.options["decode"] is True and manifest.num_samples("train") == 14
+    assert tree_sha256(root) == before
+    assert verify_shards(root).problems == []  # the same index, --decode's verdict taken from the manifest
+    del labels["006"]
+    got, reds = loader_labels_and_red(root, "train", 5)
+    assert sorted(got) == sorted(labels.values()) and got == reds
+    run = subprocess.run([str(VENV_BIN / "dali-train"), "--data", str(root), "--out", str(tmp_path / "run"),
+                          "--epochs", "1", "--model", "resnet18", "--image-size", "16", "--batch-size", "7",
+                          "--device", "cpu", "--dali-threads", "1", "--progress-every", "0"],
+                         capture_output=True, text=True, env=ENV, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["epoch"] == 0 and records[-1]["val_samples"] == 4
 
 
 def test_index_tars_in_object_storage_in_place(tmp_path, s3_bucket):

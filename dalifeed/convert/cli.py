@@ -310,21 +310,35 @@ def count_job_records(manifest: ShardManifest) -> int:
                                                 "class index or a class name).")
 @click.option("--classes-file", type=click.Path(path_type=Path), default=None,
               help="Class names, one a line: line i names class i. Default: the integers 0..max for integer "
-                   "labels, the names found, sorted, for class names.")
+                   "labels, the names found, sorted, for class names. Refused if integer labels go beyond it.")
 @click.option("--max-pixels", type=int, default=IndexConfig.max_pixels, show_default=True,
               help="Leave out images with more pixels than this (read from the JPEG header).")
+@click.option("--decode", is_flag=True,
+              help="Also decode every image in full (as shard-convert imagefolder does) and leave the ones that do "
+                   "not decode (a truncated or corrupt JPEG, which would stop a training run) out of the index, with "
+                   "the reason ('image undecodable'). The tars stay unchanged. Slower: the default reads headers.")
+@click.option("--workers", type=int, default=None,
+              help="Worker processes that decode with --decode (default: the CPUs this process may use). The "
+                   "result does not depend on it.")
+@click.option("--index-dir", type=click.Path(path_type=Path), default=None,
+              help="Write the DALI indexes and manifest.json into this folder (created if missing) instead of beside "
+                   "the tars: for tars in a read-only folder. The manifest records where the tars are (their "
+                   "absolute folder); dali-train, verify, info, dali-bench and make_loader then take DIR as the "
+                   "shard folder. Local SRC only.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
-def index_cmd(src: Path, split, label_member, label_key, classes_file, max_pixels, debug):
+def index_cmd(src: Path, split, label_member, label_key, classes_file, max_pixels, decode, workers, index_dir, debug):
     """Adopt the WebDataset tars in SRC (written by webdataset's ShardWriter, img2dataset or any other tool)
-    in place: write a DALI index beside each tar and SRC/manifest.json, without changing a byte of any tar.
-    SRC may be s3://bucket/prefix (each tar is streamed once; the indexes and manifest are written there).
+    in place: write a DALI index beside each tar and SRC/manifest.json (or into --index-dir), without
+    changing a byte of any tar. SRC may be s3://bucket/prefix (each tar is streamed once; the indexes and
+    manifest are written there).
 
     \b
     Every sample is kept or left out with a reason in the manifest's `skipped` (shard-convert info counts
     them): no image, no label, an image not every decoder reads alike (the header rule of conversion:
-    PNG, CMYK, lossless, 12-bit ... JPEGs), a duplicate key, a key split across two tars. The index lists
-    the kept samples only, so training never meets the others. Then verify, info, dali-train, dali-bench
-    and make_loader work on SRC. See docs/format.md ("Shards from elsewhere").
+    PNG, CMYK, lossless, 12-bit ... JPEGs), with --decode an image that does not decode, a duplicate key,
+    a key split across two tars. The index lists the kept samples only, so training never meets the
+    others. Then verify, info, dali-train, dali-bench and make_loader work on SRC. See docs/format.md
+    ("Shards from elsewhere").
 
     \b
     Compressed tars (.tar.gz, .tgz, .tar.xz, .txz, .tar.zst, .tzst, .tar.bz2, .tbz2) cannot be read by DALI:
@@ -334,8 +348,11 @@ def index_cmd(src: Path, split, label_member, label_key, classes_file, max_pixel
     not counted.
     """
     manifest = run_command(
-        lambda: index_folder(IndexConfig(src, split, label_member, label_key, classes_file, max_pixels)),
-        debug=debug, usage_errors=(IndexUsageError,), runtime_errors=(IndexDataError, StorageError, OSError),
+        lambda: index_folder(IndexConfig(src, split, label_member, label_key, classes_file, max_pixels, decode,
+                                         **({"workers": workers} if workers is not None else {}),
+                                         index_dir=index_dir)),
+        debug=debug, usage_errors=(IndexUsageError,),
+        runtime_errors=(IndexDataError, WorkerCrashed, StorageError, OSError),
         stopped=lambda e: "the tars are unchanged; run the same command again")
     click.echo(manifest.summary.describe(manifest))
     compressed = manifest.summary.compressed_error()

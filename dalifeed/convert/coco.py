@@ -35,7 +35,7 @@ import numpy as np
 
 from ..format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
                       COCO_LABELS_MEMBER, COCO_MEMBERS, COCO_META, IMAGE_MEMBER, META_MEMBER, ShardManifest,
-                      listing_digest, meta_problems)
+                      check_split_name, listing_digest, meta_problems)
 from ..shardfolder import open_shard_folder, read_samples
 from .core import Plan, ShardOptions, UsageError, convert, stat_source
 from .images import ImageError, to_jpeg
@@ -70,8 +70,10 @@ class CocoConfig(ShardOptions):
         if len(set(self.split)) != len(self.split):
             raise UsageError(f"split names repeat: {', '.join(self.split)} (name them with --split)")
         for name in self.split:
-            if not name or not name.replace("_", "").isalnum():
-                raise UsageError(f"split name {name!r}: use letters, digits and _ only (--split NAME)")
+            try:
+                check_split_name(name)
+            except ValueError as e:
+                raise UsageError(f"split {e} (--split NAME)") from None
         for folder in self.images:
             if not folder.is_dir():
                 raise UsageError(f"{folder}: image folder does not exist" if not folder.exists()

@@ -17,9 +17,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-# A generous default: 20000 x 15000 and other real satellite or pathology images pass, a decompression
-# bomb (a few KB of PNG that expands to gigabytes) does not. Each worker holds about 3 bytes per pixel.
-DEFAULT_MAX_PIXELS = 300_000_000
+from ..format import DEFAULT_MAX_PIXELS  # noqa: F401  (the converters import it from here)
 
 EXIF_ORIENTATION = 0x0112
 

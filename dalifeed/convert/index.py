@@ -28,15 +28,21 @@ import shlex
 import tarfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from .. import s3
-from ..atomic import write_atomic
-from ..format import INDEX_VERSION, MANIFEST_NAME, ShardInfo, ShardManifest, SplitInfo
-from .images import DEFAULT_MAX_PIXELS, read_jpeg_frame, sniff_format
+from ..atomic import temp_name, write_atomic
+from ..format import INDEX_VERSION, MANIFEST_NAME, ShardInfo, ShardManifest, SplitInfo, check_split_name
+from ..runtime import usable_cores
+from .images import DEFAULT_MAX_PIXELS, ImageError, decode_check, read_jpeg_frame, sniff_format
+from .shards import ordered_map
 
 KIND = "webdataset"
 IMAGE_EXTS = ("jpg", "jpeg")  # the first of these a sample has is its image; DALI reads it as `jpg`
+# Extensions of image files: never the label member, and the last extension that makes `name.more.EXT` an
+# image whose dotted name split it from its key (`dotted_key_problem`)
+IMAGE_FILE_EXTS = {"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"}
 NAME_LABEL_EXT = "dalifeed.label"  # the empty index component whose name carries the label (module docstring)
 LABEL_DIGITS = 10  # width of the decimal label in that name, and the longest `.cls` text the graph parses
 # `train-000000.tar`, `val_00012.tar`: split prefix, separator, shard number. `00000.tar` (img2dataset) has none.
@@ -70,6 +76,9 @@ class IndexConfig:
     label_key: str | None = None  # with label_member json: the key holding the label (an int, or a class name)
     classes_file: Path | None = None  # one class name a line; line i is class i
     max_pixels: int = DEFAULT_MAX_PIXELS
+    decode: bool = False  # decode every image (PIL, in worker processes) and leave out what does not decode
+    workers: int = field(default_factory=usable_cores)  # for decode; the output does not depend on it
+    index_dir: Path | None = None  # where the indexes and manifest go; default: beside the tars, in `src`
 
     def __post_init__(self) -> None:
         self.src = s3.normalize(str(self.src)) if s3.is_s3_url(self.src) else Path(self.src)
@@ -81,8 +90,28 @@ class IndexConfig:
             raise IndexUsageError(f"--label-key applies to --label-member json, not {self.label_member}")
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.label_member):
             raise IndexUsageError(f"--label-member {self.label_member!r}: not a member extension")
+        if self.label_member.lower() in IMAGE_FILE_EXTS:
+            raise IndexUsageError(f"--label-member {self.label_member}: an image's extension; the label member is "
+                                  f"the one holding the class: cls (an integer), json (with --label-key) or txt "
+                                  f"(a class name)")
+        if self.split is not None:
+            try:
+                check_split_name(self.split)
+            except ValueError as e:
+                raise IndexUsageError(f"--split {e}") from None
         if self.classes_file is not None and not Path(self.classes_file).is_file():
             raise IndexUsageError(f"--classes-file {self.classes_file}: no such file")
+        if self.workers < 1:
+            raise IndexUsageError(f"--workers must be >= 1, got {self.workers}")
+        if self.index_dir is not None:
+            if isinstance(self.src, str) or s3.is_s3_url(self.index_dir):
+                raise IndexUsageError("--index-dir works with a local SRC and a local folder only (tars in a store "
+                                      "get their indexes beside them, in the store)")
+            self.index_dir = Path(self.index_dir)
+            if self.index_dir.exists() and not self.index_dir.is_dir():
+                raise IndexUsageError(f"--index-dir {self.index_dir}: not a folder")
+            if self.index_dir.resolve() == self.src.resolve():
+                self.index_dir = None  # beside the tars: the default
 
     @property
     def label_from_member(self) -> bool:
@@ -90,8 +119,10 @@ class IndexConfig:
         return self.label_member == "cls"
 
     def to_json(self) -> dict:
-        doc = asdict(self)
-        return {**doc, "src": str(self.src), "classes_file": str(self.classes_file) if self.classes_file else None}
+        """The options the index depends on (the manifest's `options`): not the worker count."""
+        doc = {k: v for k, v in asdict(self).items() if k != "workers"}
+        return {**doc, "src": str(self.src), "classes_file": str(self.classes_file) if self.classes_file else None,
+                "index_dir": str(self.index_dir) if self.index_dir else None}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -153,6 +184,20 @@ class TarFolder:
         except (s3.ObjectProblem, FileNotFoundError):
             return None
 
+    def check_writable(self, fix: str) -> None:
+        """IndexUsageError, before any tar is read, when a local folder takes no new file (read-only); `fix`
+        says what to do instead."""
+        if self.remote:
+            return  # a store's permissions show at the first PUT
+        try:
+            self.location.mkdir(parents=True, exist_ok=True)
+            probe = temp_name(self.location / MANIFEST_NAME)  # what the atomic writes create first
+            probe.open("wb").close()
+            probe.unlink()
+        except OSError as e:
+            raise IndexUsageError(f"{self.location}: cannot write the indexes and the manifest there "
+                                  f"({e.strerror or e}): {fix}") from None
+
     def write(self, name: str, data: bytes) -> None:
         """Written whole (atomically on disk; an object PUT is whole by itself)."""
         if self.remote:
@@ -190,7 +235,8 @@ def read_tar_samples(folder: TarFolder, name: str, wanted: set[str], cfg: IndexC
                      keep_images: bool = False) -> ScannedTar:
     """The samples of tar `name` in order, each judged (`judge`) as soon as its last member is read, and the
     tar's size and sha256, from one sequential read. The bytes of the members `judge` needs (`wanted`) are
-    dropped once it has, unless `keep_images` (verify --decode): a tar's images are never all held.
+    dropped once it has, unless `keep_images` (index and verify --decode: then one tar's images are held,
+    never more).
     IndexDataError naming the tar if it cannot be read to its end."""
     samples: list[Sample] = []
 
@@ -247,8 +293,8 @@ def image_problem(sample: Sample, max_pixels: int) -> str | None:
     """Why the sample's image is left out (the conversion's header rule, docs/format.md), or None."""
     member = image_member(sample)
     if member is None:
-        others = ", ".join(sorted({"." + m.ext for m in sample.members}))
-        return f"no image: no .jpg or .jpeg member (has {others})"
+        return dotted_key_problem(sample) or \
+            f"no image: no .jpg or .jpeg member (has {', '.join(sorted({'.' + m.ext for m in sample.members}))})"
     data = sample.data[member.ext]
     frame = read_jpeg_frame(data)
     if frame is None:
@@ -263,6 +309,23 @@ def image_problem(sample: Sample, max_pixels: int) -> str | None:
     if sum(m.ext == member.ext for m in sample.members) > 1:
         return f"image twice: two .{member.ext} members"
     return None
+
+
+def dotted_key_problem(sample: Sample) -> str | None:
+    """Image files whose names have dots before their extension (`img.0.v2.jpg`): webdataset and DALI cut a
+    member's name at the first dot of its file name, so their key is `img` and their extension `0.v2.jpg`,
+    and all such images in a row became one sample without a `.jpg`. Says so, with an example and the fix;
+    None if the sample has no such member."""
+    dotted = [m for m in sample.members if "." in m.ext and m.ext.rsplit(".", 1)[1].lower() in IMAGE_FILE_EXTS]
+    if not dotted:
+        return None
+    example = dotted[0].name
+    folder, _, base = example.rpartition("/")
+    stem, _, last = base.rpartition(".")
+    renamed = (folder + "/" if folder else "") + stem.replace(".", "_") + "." + last
+    return (f"dotted key: {len(dotted)} image(s) such as {example!r} have key {sample.key!r} and extension "
+            f"{dotted[0].ext!r}: webdataset and DALI take the text before the first dot of a file name as its "
+            f"sample's key, so they became one sample; rename the files so the key has no dots, e.g. {renamed!r}")
 
 
 def read_label(sample: Sample, cfg: IndexConfig) -> tuple[int | str | None, str | None]:
@@ -416,9 +479,15 @@ def read_classes_file(path: Path) -> list[str]:
 def decide_classes(labels: list[int | str], classes_file: Path | None) -> list[str]:
     """Class i's name: line i of the classes file; else, for integer labels, the integers 0..max; else the
     class names seen, sorted as ImageFolder sorts its folders."""
-    if classes_file is not None:
-        return read_classes_file(classes_file)
     ints = [v for v in labels if isinstance(v, int)]
+    if classes_file is not None:
+        names = read_classes_file(classes_file)
+        beyond = sum(v >= len(names) for v in ints)
+        if beyond:  # the file is short, not the data wrong: most likely a file for another dataset or version
+            raise IndexUsageError(f"--classes-file {classes_file} names {len(names)} classes (0..{len(names) - 1}) "
+                                  f"but the labels go up to {max(ints)}: {beyond} of {len(labels)} samples would be "
+                                  f"left out; give a file with a line for each class")
+        return names
     names = sorted({v for v in labels if isinstance(v, str)})
     if ints and names:
         raise IndexDataError(f"labels are both integers ({ints[0]}) and class names ({names[0]!r}): give "
@@ -482,7 +551,7 @@ class IndexSummary:
         text = (f"Indexed {self.samples} of {self.found} samples in {self.shards} tars ({splits}), "
                 f"{len(manifest.classes)} classes; left out {len(samples)} ({count_reasons(samples)}). The tars "
                 f"are unchanged; manifest: {manifest.location}/{MANIFEST_NAME}.")
-        return "\n".join([text, *(f"Note: {w}" for w in manifest.warnings)])
+        return "\n".join([text, *explained(samples), *(f"Note: {w}" for w in manifest.warnings)])
 
     def compressed_error(self) -> str | None:
         """The error line when compressed tars were left out (the command exits 1 after writing the rest)."""
@@ -491,6 +560,15 @@ class IndexSummary:
         return (f"{len(self.compressed)} compressed tar(s) not indexed ({first_few(list(self.compressed))}): DALI "
                 f"reads only uncompressed tars; the other tars are indexed. Decompress each, then run index "
                 f"again: {first_few(list(self.compressed.values()), '; ')}")
+
+
+EXPLAINED = ("dotted key",)  # reasons whose count alone does not say what happened: the summary shows one whole
+
+
+def explained(skipped: list[dict]) -> list[str]:
+    """For each reason of EXPLAINED among the `skipped` entries, its first entry in full."""
+    return [f"{first['path']}: {first['reason']}" for why in EXPLAINED
+            for first in [next((e for e in skipped if e["reason"].startswith(why + ":")), None)] if first]
 
 
 def first_few(items: list[str], sep: str = ", ", shown: int = 3) -> str:
@@ -504,11 +582,43 @@ def count_reasons(skipped: list[dict]) -> str:
     return "; ".join(f"{n} {r}" for r, n in reasons.most_common()) or "none"
 
 
-def scan_split(folder: TarFolder, names: list[str], cfg: IndexConfig, keep_images: bool = False) -> list[ScannedTar]:
+def scan_split(folder: TarFolder, names: list[str], cfg: IndexConfig) -> list[ScannedTar]:
     wanted = set(IMAGE_EXTS) | {cfg.label_member}
-    tars = [read_tar_samples(folder, name, wanted, cfg, keep_images) for name in names]
+    tars = []
+    for name in names:
+        tar = read_tar_samples(folder, name, wanted, cfg, keep_images=cfg.decode)
+        if cfg.decode:  # one tar's images held at a time
+            leave_out_undecodable(tar, cfg)
+        tars.append(tar)
     mark_keys_across_tars(tars)
     return tars
+
+
+def leave_out_undecodable(tar: ScannedTar, cfg: IndexConfig) -> None:
+    """Decode the image of every sample of `tar` judged usable (`cfg.workers` processes, as the conversion
+    decodes: `images.decode_check`, PIL's full decode) and leave out those that do not decode, with PIL's
+    reason; then drop the images. On the damage tried (a JPEG cut anywhere after its headers, a missing EOI)
+    PIL and DALI's decoder reject the same files; `verify --decode` runs DALI's own."""
+    usable = [s for s in tar.samples if s.reason is None]
+    images = [s.data[image_member(s).ext] for s in usable]
+    for sample, why in zip(usable, ordered_map(partial(decode_problem, max_pixels=cfg.max_pixels), images,
+                                               cfg.workers)):
+        if why is not None:
+            sample.reason = f"{UNDECODABLE}: {why}"
+    for sample in tar.samples:
+        sample.data = {}
+
+
+UNDECODABLE = "image undecodable"  # the reason's first words, which verify reads back from the manifest
+
+
+def decode_problem(data: bytes, max_pixels: int) -> str | None:
+    """Why `data` does not decode in full (runs in a worker process), or None."""
+    try:
+        decode_check(data, max_pixels)
+    except ImageError as e:
+        return str(e)
+    return None
 
 
 def tars_to_index(folder: TarFolder, forced_split: str | None) -> tuple[dict[str, list[str]], CompressedTars]:
@@ -528,9 +638,13 @@ def tars_to_index(folder: TarFolder, forced_split: str | None) -> tuple[dict[str
 
 
 def index_folder(cfg: IndexConfig) -> ShardManifest:
-    """Index every tar of `cfg.src` in place and write its manifest (last). The tars are only read."""
+    """Index every tar of `cfg.src` in place and write its manifest (last), beside the tars or in
+    `cfg.index_dir`. The tars are only read."""
     folder = TarFolder(cfg.src)
-    refuse_converted_folder(folder)
+    out = TarFolder(cfg.index_dir) if cfg.index_dir is not None else folder
+    out.check_writable("give --index-dir DIR to write them elsewhere (the tars are read where they are)"
+                       if out is folder else "give another --index-dir")
+    refuse_converted_folder(out, None if out is folder else str(cfg.src.resolve()))
     tar_names, compressed = tars_to_index(folder, cfg.split)
     scanned = {split: scan_split(folder, names, cfg) for split, names in tar_names.items()}
     every = [s for tars in scanned.values() for tar in tars for s in tar.samples]
@@ -541,8 +655,10 @@ def index_folder(cfg: IndexConfig) -> ShardManifest:
             sample.label, sample.reason = class_index(sample.label, classes, lookup)
     compressed_skipped = compressed.skipped(folder)
     if not any(s.reason is None for s in every):
-        raise IndexDataError(f"{cfg.src}: no sample can be trained on: {len(every)} found, all left out ("
-                             + count_reasons([{"reason": s.reason} for s in every] + compressed_skipped) + ")")
+        left_out = [{"path": f"{tar.name}:{s.key}", "reason": s.reason}
+                    for tars in scanned.values() for tar in tars for s in tar.samples]
+        raise IndexDataError(" ".join([f"{cfg.src}: no sample can be trained on: {len(every)} found, all left out ("
+                                       f"{count_reasons(left_out + compressed_skipped)}).", *explained(left_out)]))
     splits, skipped, warnings, extensions = {}, [], compressed.notes(), {}
     for split, tars in scanned.items():
         info = SplitInfo(class_counts=[0] * len(classes))
@@ -555,36 +671,41 @@ def index_folder(cfg: IndexConfig) -> ShardManifest:
                 continue
             for s in kept:
                 info.class_counts[s.label] += 1
-            info.shards.append(write_index(folder, tar, index_text(tar.samples, cfg)))
+            info.shards.append(write_index(out, tar, index_text(tar.samples, cfg)))
         if info.shards:
             splits[split] = info
     remote = folder.remote
     manifest = ShardManifest(
-        root=Path(".") if remote else cfg.src, kind=KIND, source=cfg.src if remote else str(cfg.src.resolve()),
+        root=Path(".") if remote else out.location, kind=KIND, source=cfg.src if remote else str(cfg.src.resolve()),
         options=cfg.to_json(), classes=classes, splits=splits, skipped=compressed_skipped + skipped,
         found=len(every) + len(compressed_skipped), warnings=warnings,
         extra={"webdataset": {"label": {"member": cfg.label_member, "key": cfg.label_key,
                                         "dali": dali_label(cfg)},
                               "extensions": extensions}},
-        url=cfg.src if remote else None,
+        url=cfg.src if remote else None, tar_root=None if out is folder else cfg.src.resolve(),
     )
-    folder.write(MANIFEST_NAME, (json.dumps(manifest.to_json(), indent=2) + "\n").encode())  # last
+    out.write(MANIFEST_NAME, (json.dumps(manifest.to_json(), indent=2) + "\n").encode())  # last
     manifest.summary = IndexSummary(sum(i.samples for i in splits.values()), len(every),
                                     sum(len(i.shards) for i in splits.values()),
                                     {name: i.samples for name, i in splits.items()}, compressed.commands(folder))
     return manifest
 
 
-def refuse_converted_folder(folder: TarFolder) -> None:
-    """A folder shard-convert wrote has a manifest richer than the one `index` would write over it."""
+def refuse_converted_folder(folder: TarFolder, tars: str | None = None) -> None:
+    """A folder shard-convert wrote has a manifest richer than the one `index` would write over it; an
+    --index-dir (`tars`: the tar folder it is for) may hold the index of those tars only."""
     text = folder.read_text(MANIFEST_NAME)
     try:
-        kind = json.loads(text).get("kind") if text else None
+        doc = json.loads(text) if text else {}
+        kind = doc.get("kind")
     except (ValueError, AttributeError):
         return  # not a manifest of ours: index writes one
     if kind not in (None, KIND):
         raise IndexUsageError(f"{folder.location}: already a dalifeed shard folder ({kind} shards written by "
-                          f"shard-convert); there is nothing to index")
+                              f"shard-convert); there is nothing to index")
+    if tars is not None and kind == KIND and doc.get("tars", doc.get("source")) != tars:
+        raise IndexUsageError(f"--index-dir {folder.location}: holds the index of other tars "
+                              f"({doc.get('tars', doc.get('source'))}); give each folder of tars its own --index-dir")
 
 
 def dali_label(cfg: IndexConfig) -> dict:
@@ -613,11 +734,15 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
     options (each tar is read once). With `decoder` (a DaliDecoder), every kept image is also decoded by
     DALI, as training would."""
     opts = manifest.options
-    folder = TarFolder(manifest.url or manifest.root)
+    folder = TarFolder(manifest.url or manifest.tar_root or manifest.root)  # the tars
+    indexes = TarFolder(manifest.url or manifest.root)  # the indexes and the manifest
     cfg = IndexConfig(folder.location, opts.get("split"), opts.get("label_member", "cls"), opts.get("label_key"),
-                      None, opts.get("max_pixels") or DEFAULT_MAX_PIXELS)
+                      None, opts.get("max_pixels") or DEFAULT_MAX_PIXELS, workers=1)
+    # `index --decode`'s verdicts, taken from the manifest rather than decoded again: a tar whose sha256 is
+    # the manifest's holds the bytes they were made on
+    undecoded = {e["path"]: e["reason"] for e in manifest.skipped if e["reason"].startswith(UNDECODABLE + ":")}
     lookup = {name: i for i, name in enumerate(manifest.classes)}
-    again = f"index it again: shard-convert index {manifest.location}"
+    again = f"index it again: {manifest.index_command()}"
     problems: list[str] = []
     for info in manifest.splits.values():
         undecodable: dict[tuple[str, str], str] = {}  # (tar, key) -> DALI's reason
@@ -626,6 +751,9 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
             for shard in info.shards:
                 tar = read_tar_samples(folder, shard.path, set(IMAGE_EXTS) | {cfg.label_member}, cfg,
                                        keep_images=decoder is not None)
+                for sample in tar.samples:
+                    if sample.reason is None:
+                        sample.reason = undecoded.get(f"{tar.name}:{sample.key}")
                 if decoder is not None:  # one tar's images at a time
                     undecodable.update(decode_failures(tar, decoder))
                 tars.append(tar)
@@ -643,12 +771,11 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
             for sample in tar.samples:
                 if sample.reason is None:
                     sample.label, sample.reason = class_index(sample.label, manifest.classes, lookup)
-            text = folder.read_text(shard.index)
+            text = indexes.read_text(shard.index)
             if text is None:
-                problems.append(f"{folder.where(shard.index)}: missing (shard-convert index {manifest.location} "
-                                f"writes it)")
+                problems.append(f"{indexes.where(shard.index)}: missing ({manifest.index_command()} writes it)")
             elif text != index_text(tar.samples, cfg):
-                problems.append(f"{folder.where(shard.index)}: not the index of {tar.name} ({again})")
+                problems.append(f"{indexes.where(shard.index)}: not the index of {tar.name} ({again})")
             for sample in tar.samples:
                 why = undecodable.get((tar.name, sample.key))
                 if sample.reason is None and why is not None:

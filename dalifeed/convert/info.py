@@ -29,12 +29,15 @@ def folder_info(manifest: ShardManifest) -> dict:
         "warnings": manifest.warnings, "counts": manifest.extra.get("counts", {}),
         "category_ids": manifest.extra.get("coco", {}).get("category_ids"),
         "split_folders": manifest.extra.get("split_folders"),
+        "tars": str(manifest.tar_root) if manifest.tar_root is not None else None,
     }
 
 
 def describe_folder(info: dict) -> str:
     options = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in info["options"].items() if v is not None)
     lines = [f"{info['folder']}: {info['kind']} shards of {info['source']}", f"  made with: {options}"]
+    if info.get("tars"):
+        lines.append(f"  tars: in {info['tars']} (the indexes and manifest here)")
     for name, split in info["splits"].items():
         indexes = "all present" if not split["indexes_missing"] else \
             f"{len(split['indexes_missing'])} MISSING (e.g. {split['indexes_missing'][0]})"

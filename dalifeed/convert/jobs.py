@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..atomic import write_json_atomic
-from ..format import ShardManifest, SplitInfo
+from ..format import ShardManifest, SplitInfo, check_split_name
 from ..runtime import FolderInUse, folder_lock
 from ..s3 import is_s3_url
 from .shards import JOBS_DIR, PROGRESS_DIR, Totals, describe_difference
@@ -168,6 +168,8 @@ def read_job_record(path: Path) -> dict:
         doc = json.loads(path.read_text())
         if not isinstance(doc.get("job", {}).get("count"), int) or not isinstance(doc["job"].get("index"), int):
             raise ValueError("no job index and count")
+        for split in doc.get("splits", {}):  # names the merged manifest gives its splits
+            check_split_name(split)
     except (OSError, ValueError, AttributeError, KeyError) as e:
         raise MergeError(f"{path}: unreadable job record ({e}); run that job again") from None
     return doc

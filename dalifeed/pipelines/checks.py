@@ -198,20 +198,26 @@ def is_pipeline_failure(error: BaseException) -> bool:
 
 
 def explain_dali_error(error: BaseException, *, location: str, split: str, remote: bool, tars: list[str],
-                       indexes: list[str], suspects: Iterable[SampleRef], decoder: DaliDecoder) \
-        -> ShardDataError | StorageError:
+                       indexes: list[str], suspects: Iterable[SampleRef], decoder: DaliDecoder,
+                       reindex: str | None = None) -> ShardDataError | StorageError:
     """One line for a pipeline that failed reading split `split` of the shard folder at `location` (`remote`:
     an s3:// one) from `tars` with `indexes`: the tar, and the sample when DALI names it or a re-decode of
     `suspects` (the samples the reader may have reached, most likely first) with `decoder` finds it; or what
-    DALI's S3 client met."""
+    DALI's S3 client met. `reindex`: for tars `shard-convert index` adopted, its command with --decode, which
+    leaves an undecodable sample out of the index (the tars stay as they are): what the line then says to run."""
     summary = summarize_dali_error(error)
     if remote and (summary.startswith("S3 ") or "curlCode" in summary):  # the store, not the data
         return StorageError(f"{location}: DALI could not read from the store: {_store_detail(error)}")
-    line = _named_sample_line(summary) or _bad_index_line(summary, tars, indexes)
-    if not line:
+    undecodable = _named_sample_line(summary)
+    line = None if undecodable else _bad_index_line(summary, tars, indexes)
+    if not line and not undecodable:
         found = find_undecodable(suspects, decoder)
-        line = f"{found[0].tar}: sample {found[0].key}: DALI cannot decode its .{found[0].ext} ({found[1]})" \
-            if found else f"{location}: DALI failed reading split {split!r} ({summary})"
+        undecodable = f"{found[0].tar}: sample {found[0].key}: DALI cannot decode its .{found[0].ext} ({found[1]})" \
+            if found else None
+    if undecodable and reindex:
+        return ShardDataError(f"{undecodable}; leave the samples that do not decode out of the index (the tars "
+                              f"are not changed): {reindex}")
+    line = line or undecodable or f"{location}: DALI failed reading split {split!r} ({summary})"
     return ShardDataError(f"{line}; {VERIFY_HINT.format(root=location)}")
 
 

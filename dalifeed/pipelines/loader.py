@@ -287,7 +287,8 @@ class DaliLoader:
         return explain_dali_error(
             error, location=self.manifest.location, split=self.split, remote=bool(self.manifest.url), tars=tars,
             indexes=indexes, suspects=self._suspects(shards, tars, indexes),
-            decoder=DaliDecoder(o.device, o.device_id, num_threads=o.num_threads))
+            decoder=DaliDecoder(o.device, o.device_id, num_threads=o.num_threads),
+            reindex=self.manifest.index_command(decode=True))
 
     def _suspects(self, shards: list[ShardInfo], tars: list[str], indexes: list[str]) -> Iterator[SampleRef]:
         """This rank's samples of the epoch (`shards` read from `tars` with `indexes`) that DALI may have read
