@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from dalifeed.runtime import Stopped
-from dalifeed.train.stop import Stop
+from dalifeed.train.stop import Seen, StepChecks, Stop, agree_to_skip
 
 PY = sys.executable
 # 405 train samples, batch 4 on each of 2 ranks: 50 steps an epoch, a mid-epoch checkpoint every 3
@@ -184,20 +184,23 @@ def test_a_repeated_sigterm_is_the_same_request_and_a_second_ctrl_c_stops_at_onc
 
 
 # what each of two ranks brings to three optimizer steps: (its step was finite, the signal it got)
-VOTES = [[(1.0, 0), (1.0, 0)],  # all well: every rank steps, no stop
+VOTES = [[(1.0, 0), (1.0, 0)],  # all well: every rank steps
          [(1.0, 0), (0.0, 0)],  # rank 1 saw a NaN: every rank skips
-         [(1.0, signal.SIGTERM), (1.0, 0)]]  # rank 0 got SIGTERM: every rank stops
+         [(1.0, signal.SIGTERM), (1.0, 0)]]  # rank 0 got SIGTERM: every rank stops at the next check
 
 
 def _agree_on_rank(rank: int, port: int, results: Path) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    stop, answers = Stop(), []
+    stop, checks, skipped = Stop(), StepChecks(torch.device("cpu")), []
     for step in VOTES:
         finite, stop.requested = step[rank]
-        answers.append((stop.agree(torch.tensor([finite])), stop.agreed))
-    torch.save(answers, results / f"rank{rank}.pt")
+        skipped.append(agree_to_skip(torch.tensor(finite)))
+        checks.count(skipped[-1])
+    agreed_before = stop.agreed  # a signal is agreed on at a check, not after every step
+    seen = checks.read(stop, step=len(VOTES))
+    torch.save(([float(s) for s in skipped], agreed_before, seen, stop.agreed), results / f"rank{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -211,8 +214,8 @@ def test_the_ranks_agree_on_a_non_finite_step_and_on_a_stop_any_of_them_saw(tmp_
     for p in procs:
         p.join(timeout=120)
         assert p.exitcode == 0
-    expected = [(True, 0), (False, 0), (True, signal.SIGTERM)]
-    assert [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)] == [expected, expected]
+    expected = ([0.0, 1.0, 0.0], 0, Seen(steps=3, skipped=1, streak=0, worst=1), signal.SIGTERM)
+    assert [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)] == [expected, expected]
 
 
 SBATCH = Path(__file__).parent.parent / "examples" / "slurm" / "train.sbatch"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,7 +24,8 @@ from dalifeed.train.cli import main as train_cli
 from dalifeed.train.distributed import Dist
 from dalifeed.train.loop import epoch_score
 from dalifeed.train.models import build_model
-from dalifeed.train.parts import amp_dtype, build_model as build_run_model, warmup_cosine
+from dalifeed.train.parts import (amp_dtype, build_model as build_run_model, build_optimizer, param_groups,
+                                  skips_on_device, warmup_cosine)
 from dalifeed.train.progress import RunLog
 from dalifeed.train.trainer import Run
 
@@ -162,13 +165,18 @@ def test_resume_mid_epoch_equals_an_uninterrupted_run(shards, tmp_path, monkeypa
     assert "midway" not in torch.load(run / "last.pt", weights_only=False)  # the finished run ends on an epoch
 
 
-def test_a_resumed_log_replays_epochs_without_writing_them_twice(tmp_path):
+def test_a_resumed_log_replays_epochs_without_writing_them_twice(tmp_path, monkeypatch):
     """A crash between an epoch's metrics line and its checkpoint replays that epoch on resume: its first
     metrics line and TensorBoard events must give way to the replay's."""
     log = RunLog(tmp_path, enabled=True, resume_epoch=None)
     for epoch in range(3):
         log.write({"epoch": epoch, "top1": 0.1 * epoch})
     log.close()
+    # The resumed run is a later process: TensorBoard reads event files in name order, and a name is
+    # <seconds>.<host>.<pid>.<writer count>, so two writers of one process in one second sort by their count
+    # as text (writer 10 before writer 9), which only this test's timing could produce.
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 60)
     log = RunLog(tmp_path, enabled=True, resume_epoch=1)  # last.pt says: epochs 0 done
     for epoch in (1, 2):
         log.write({"epoch": epoch, "top1": 0.5 + 0.1 * epoch})
@@ -239,10 +247,12 @@ class Linear(torch.nn.Module):
 
 
 def linear_run(batches, accum_steps: int = 1, clip: float | None = None, lr: float = 0.5, nesterov: bool = True) -> Run:
-    """A Run of `Linear` on `batches` (a list stands in for the loader), SGD at a constant `lr`, on the CPU."""
+    """A Run of `Linear` on `batches` (a list stands in for the loader), SGD at a constant `lr`, on the CPU
+    (fused, as dali-train's optimizer is: the loop skips a non-finite step through it)."""
     model = Linear()
     cfg = TrainConfig(data=".", out=".", accum_steps=accum_steps, clip_grad=clip, label_smoothing=0.0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=nesterov)
+    optimizer = skips_on_device(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=nesterov,
+                                                fused=True))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     return Run(cfg, Dist(0, 1, 0, torch.device("cpu")), model, optimizer, scheduler,
                torch.amp.GradScaler("cpu", enabled=False), train_loader=batches)
@@ -275,7 +285,6 @@ def test_clip_grad_bounds_the_update(shards):
     assert (free - start).norm() > 10 * (clipped - start).norm()
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # the skipped first step
 def test_a_finite_loss_with_a_non_finite_gradient_is_not_applied(shards):
     batches = real_batches(shards, 8)[:1]
     run = linear_run(batches, nesterov=False)
@@ -284,6 +293,48 @@ def test_a_finite_loss_with_a_non_finite_gradient_is_not_applied(shards):
     stats = train_one_epoch(run)
     assert stats.bad_steps == 1 and torch.equal(run.model.fc.weight, start)
     assert run.state.step == 1 and run.state.bad_streak == 1  # the schedule still counts the step
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_an_optimizer_saved_unfused_resumes_fused_and_skips_on_the_device(optimizer):
+    """Checkpoints written before the optimizer was fused hold its state as torch's default (foreach)
+    implementation keeps it: param groups saying fused False, AdamW's step counts on the CPU, and no SGD
+    momentum buffer when the first step was skipped. Loaded into dali-train's optimizer, it must still skip a
+    step on the device (weights and state unchanged) and otherwise step as the unfused one does."""
+    cfg = TrainConfig(data=".", out=".", optimizer=optimizer, momentum=0.9, weight_decay=0.0)
+    old_model, new_model = Linear(), Linear()
+    kind = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    old = kind(param_groups(old_model, 0.0), lr=0.1, **({"momentum": 0.9, "nesterov": True} if optimizer == "sgd" else {}))
+    if optimizer == "adamw":  # AdamW: one step taken, its count on the CPU
+        old_model.fc.weight.grad = torch.ones_like(old_model.fc.weight)
+        old_model.fc.bias.grad = torch.ones_like(old_model.fc.bias)
+        old.step()
+    # SGD: no step taken, no momentum buffer. Through a file, as a checkpoint comes: a state_dict shares its
+    # tensors with the optimizer, and two optimizers stepping one step count would each count twice.
+    buffer = io.BytesIO()
+    torch.save(old.state_dict(), buffer)
+    saved = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    assert all(group["fused"] is not True for group in saved["param_groups"])
+    new_model.load_state_dict(old_model.state_dict())
+    fused = build_optimizer(cfg, new_model, lr=0.1)
+    fused.load_state_dict(saved)
+    skips_on_device(fused)
+
+    before = {k: v.clone() for k, v in new_model.state_dict().items()}
+    for p in new_model.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    fused.found_inf = torch.ones(())
+    fused.step()
+    assert all(torch.equal(before[k], v) for k, v in new_model.state_dict().items())
+
+    for a, b in zip(old_model.parameters(), new_model.parameters()):
+        a.grad = torch.linspace(-1, 1, a.numel()).reshape(a.shape)
+        b.grad = a.grad.clone()
+    fused.found_inf = torch.zeros(())
+    old.step()
+    fused.step()
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(old_model.parameters(), new_model.parameters()))
+    assert not torch.equal(before["fc.weight"], new_model.fc.weight)
 
 
 def test_amp_modes():
@@ -328,7 +379,11 @@ def test_non_finite_loss_skips_then_aborts(shards, tmp_path):
                                             "resnet18", "--image-size", "16", "--batch-size", "8", "--lr", "1e12",
                                             "--warmup-epochs", "0", "--epochs", "3", "--max-bad-steps", "2"])
     assert result.exit_code == 1
-    assert "training diverged: loss or gradients were not finite for 2 steps in a row" in result.output
+    # read at a check (not after every step): the run of skipped steps it found, at least --max-bad-steps
+    diverged = re.search(r"training diverged: loss or gradients were not finite for (\d+) steps in a row by "
+                         r"epoch 0 step (\d+) \(--max-bad-steps 2\)", result.output)
+    assert diverged and 2 <= int(diverged[1]) <= int(diverged[2]), result.output
+    assert not (tmp_path / "nan" / "last.pt").exists()  # stopped within epoch 0, before its checkpoint
 
 
 def test_pretrained_weights_load_and_a_different_head_is_replaced(tmp_path):

@@ -188,7 +188,7 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
     RUN/metrics.jsonl, save RUN/last.pt (and RUN/best.pt on a new best top-1). In between: a bar on a
     terminal, a progress line every --progress-every seconds in a log. Resuming continues where the last
     checkpoint was taken (an epoch's end, mid-epoch with --checkpoint-every, or where Ctrl-C / SIGTERM
-    stopped it: the current step finishes and a checkpoint is saved) and replays exactly what an
+    stopped it: within about 2 s every rank stops after the same step and a checkpoint is saved) and replays exactly what an
     uninterrupted run would have done. One run at a time per --out. See docs/training.md.
 
     Exit codes: 0 done; 2 usage (bad option, unusable --out or checkpoint, --out in use, a node whose NVIDIA

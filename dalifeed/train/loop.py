@@ -1,12 +1,18 @@
 """The training loop, in the order it runs: `train_one_epoch(run, stats)` -> `optimizer_step` for each
-accumulation window, then `evaluate` on the validation split. `trainer.fit` calls both once an epoch; `Run`
-(trainer.py) holds what they use."""
+accumulation window and a `check` now and then, then `evaluate` on the validation split. `trainer.fit` calls
+both once an epoch; `Run` (trainer.py) holds what they use.
+
+A step never waits for the device: whether it is applied is decided on the device (`optimizer_step`), the loss
+is summed there, and the host reads what happened at a check (stop.py) or when progress is shown (progress.py).
+The counting test: tests/test_train_sync.py."""
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +23,7 @@ from .distributed import Dist, all_reduce_sum, gather_objects, log
 from .mixdata import evaluate_each
 from .mixup import BatchMixer, soft_cross_entropy
 from .progress import EpochProgress
+from .stop import agree_to_skip
 
 if TYPE_CHECKING:
     from .trainer import Run
@@ -63,8 +70,9 @@ def train_one_epoch(run: Run, stats: EpochStats | None = None) -> EpochStats:
     stats = stats or EpochStats()
     steps = run.steps_per_epoch
     progress = EpochProgress(run, steps, stats)
+    run.checks.start_epoch(run.state.bad_streak, run.state.step)
     losses = torch.zeros(2, device=dist.device)  # this step's (sum of micro-step losses, count), on the device
-    finite = torch.ones(1, device=dist.device)  # 0 once a micro-step's loss is not finite
+    finite = torch.ones((), device=dist.device)  # 0 once a micro-step's loss is not finite
     mixer = BatchMixer(cfg.mixup_alpha, cfg.cutmix_alpha, seed=cfg.seed, rank=dist.rank)
     wait_start = time.perf_counter()
     for i, (images, labels) in enumerate(run.train_loader, start=stats.steps * cfg.accum_steps):
@@ -90,24 +98,45 @@ def train_one_epoch(run: Run, stats: EpochStats | None = None) -> EpochStats:
         losses += torch.stack([loss.detach().float().nan_to_num(0.0), torch.ones((), device=dist.device)])
         stats.images += labels.shape[0]
         if last_micro:
-            taken = optimizer_step(run, finite, stats)
+            skipped = optimizer_step(run, finite)
+            run.checks.count(skipped)
             stats.steps += 1
-            progress.step_done(stats, losses, taken, run.optimizer.param_groups[0]["lr"])
+            progress.step_done(stats, losses, skipped, run.optimizer.param_groups[0]["lr"])
             losses.zero_()
             finite.fill_(1.0)
             if run.profiler is not None:
                 run.profiler.step()
             periodic = cfg.checkpoint_every and run.state.step % cfg.checkpoint_every == 0
+            if periodic or run.checks.due(run.state.step):
+                check(run, stats)  # before a checkpoint too: a diverged run stops without saving
             if (run.stop.agreed or periodic) and stats.steps < steps:
                 run.save_midway(progress.snapshot(stats))
             if run.stop.agreed:
                 break
         wait_start = time.perf_counter()
+    check(run, stats)  # the steps since the last check, before the epoch's metrics and checkpoint
     if dist.device.type == "cuda":
         torch.cuda.synchronize(dist.device)
     progress.close(stats)
     stats.loss /= max(1, stats.steps - stats.bad_steps)  # mean over the steps that were taken
     return stats
+
+
+def check(run: Run, stats: EpochStats) -> None:
+    """The host's look at the steps since the previous check (`StepChecks.read`, the one host sync): skipped
+    steps are counted in `stats.bad_steps` and warned about, a stop any rank was asked for is agreed
+    (`run.stop.agreed`), and `--max-bad-steps` skipped steps in a row stop the run."""
+    state = run.state
+    seen = run.checks.read(run.stop, state.step)
+    stats.bad_steps += seen.skipped
+    state.bad_streak = seen.streak
+    if seen.skipped:
+        log(f"warning: non-finite loss or gradient in {seen.skipped} of the {seen.steps} optimizer steps up to "
+            f"epoch {state.epoch} step {state.step}: skipped ({seen.streak} in a row now)")
+    if seen.worst >= run.cfg.max_bad_steps:
+        raise TrainingDiverged(f"training diverged: loss or gradients were not finite for {seen.worst} steps in a "
+                               f"row by epoch {state.epoch} step {state.step} (--max-bad-steps "
+                               f"{run.cfg.max_bad_steps}); lower --lr, add --clip-grad, or use --amp bf16/off")
 
 
 def autocast(dist: Dist, dtype: torch.dtype | None):
@@ -123,51 +152,65 @@ def task_loss(cfg: TrainConfig, logits: torch.Tensor, targets: torch.Tensor) -> 
     return F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
 
 
-def optimizer_step(run: Run, finite: torch.Tensor, stats: EpochStats) -> bool:
+def optimizer_step(run: Run, finite: torch.Tensor) -> torch.Tensor:
     """Apply the window's gradients, unless some rank saw a non-finite loss or gradient in it: then every rank
-    skips (so weights stay equal). Returns whether it stepped."""
-    if not run.scaler.is_enabled():  # fp16's GradScaler skips non-finite gradients itself and lowers its scale
+    skips (so weights stay equal), on the device. Returns whether it skipped (1.0 or 0.0, on the device, the
+    same on every rank), unread: nothing here waits for the device.
+
+    The skip is the fused optimizer's (parts.build_optimizer): given `found_inf`, its kernel leaves weights and
+    state as they were when the flag is set, as GradScaler has it do for fp16 (torch/amp/grad_scaler.py). With
+    fp16 the GradScaler decides alone, from the gradients it unscales (a non-finite loss has non-finite
+    gradients), and lowers its scale as usual; the loss's flag then counts the step as skipped. The schedule
+    steps either way: it follows steps taken or not, so that a resumed run lines up."""
+    if not run.scaler.is_enabled():  # fp16's GradScaler checks the gradients itself
         # a finite loss can still back-propagate inf/NaN gradients, and one such update poisons the weights
-        finite = finite * torch.isfinite(grad_norm(run.model)).float().to(finite.device)
-    if not run.stop.agree(finite):  # every rank finite? (and did any rank get a stop signal?)
-        skip_step(run, stats)
-        return False
-    run.state.bad_streak = 0
+        finite = finite * torch.isfinite(grad_norm(run.model)).float()
+    skipped = agree_to_skip(finite)
     if run.cfg.clip_grad:
         run.scaler.unscale_(run.optimizer)  # clip the true gradients, not the fp16-scaled ones
         torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.clip_grad)
+    if not run.scaler.is_enabled():
+        run.optimizer.found_inf = skipped
     run.scaler.step(run.optimizer)
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
     run.state.step += 1
     if run.ema is not None:
-        run.ema.update_parameters(run.model)
-    return True
+        update_ema(run.ema, run.model, run.cfg.ema, taken=1.0 - skipped)
+    return skipped
 
 
-def skip_step(run: Run, stats: EpochStats) -> None:
-    """A window with a non-finite loss or gradient: its gradients are dropped and it is counted; after
-    `--max-bad-steps` in a row the run stops. The schedule steps anyway: it follows steps taken or not, so
-    that a resumed run lines up."""
-    state = run.state
-    run.optimizer.zero_grad(set_to_none=True)
-    stats.bad_steps += 1
-    state.bad_streak += 1
-    log(f"warning: non-finite loss or gradient at epoch {state.epoch} step {state.step}: step skipped "
-        f"({state.bad_streak} in a row)")
-    if state.bad_streak >= run.cfg.max_bad_steps:
-        raise TrainingDiverged(f"training diverged: loss or gradients were not finite for {state.bad_streak} steps "
-                               f"in a row (epoch {state.epoch}, step {state.step}); lower --lr, add --clip-grad, or "
-                               f"use --amp bf16/off")
-    state.step += 1
-    run.scheduler.step()
+@torch.no_grad()
+def update_ema(ema: torch.optim.swa_utils.AveragedModel, model: torch.nn.Module, decay: float,
+               taken: torch.Tensor) -> None:
+    """--ema after an optimizer step: the average of the weights (and buffers) moves 1 - decay of the way to
+    the model's, takes them on its first update, and stays after a skipped step (`taken` 0.0 on the device).
+    The arithmetic of torch's `get_ema_multi_avg_fn`; not `AveragedModel.update_parameters`, which decides its
+    first update on the host (`n_averaged == 0`), copies its count to the device every step (each a host sync
+    on a GPU) and could skip a step only if the host read whether it was."""
+    first = ema.n_averaged == 0  # on the device: trainer.make_model puts the count there
+    weight = taken * torch.where(first, 1.0, 1.0 - decay)  # 1: a copy (lerp's exact end), 0: unchanged
+    floats, others = defaultdict(lambda: ([], [])), []
+    for averaged, current in zip(chain(ema.module.parameters(), ema.module.buffers()),
+                                 chain(model.parameters(), model.buffers())):
+        if averaged.is_floating_point():
+            floats[averaged.dtype][0].append(averaged)
+            floats[averaged.dtype][1].append(current.detach())
+        else:
+            others.append((averaged, current))
+    for dtype, (averaged, current) in floats.items():
+        torch._foreach_lerp_(averaged, current, weight.to(dtype))
+    for averaged, current in others:  # BatchNorm's num_batches_tracked: as get_ema_multi_avg_fn does integers
+        moved = torch.where(first, current, averaged * decay + current * (1 - decay))
+        averaged.copy_(torch.where(taken > 0, moved, averaged))
+    ema.n_averaged += taken.long()
 
 
 def grad_norm(model: torch.nn.Module) -> torch.Tensor:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if not grads:
-        return torch.zeros(())
+        return torch.zeros((), device=next(model.parameters()).device)
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
 

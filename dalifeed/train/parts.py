@@ -90,10 +90,35 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """SGD or AdamW, fused: a fused optimizer takes a `found_inf` flag on the device and leaves weights and state
+    untouched when it is set, so a non-finite step is skipped without the host reading whether it is one
+    (loop.optimizer_step; GradScaler relies on the same for fp16). Fused kernels exist on CUDA and, since torch
+    2.4, on the CPU; the results equal the default (foreach) implementation's to rounding."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=lr)
-    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov and cfg.momentum > 0)
+        return skips_on_device(torch.optim.AdamW(groups, lr=lr, fused=True))
+    return skips_on_device(torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum,
+                                           nesterov=cfg.nesterov and cfg.momentum > 0, fused=True))
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """`optimizer` (built fused, or loaded from a checkpoint) made able to skip any step on the device:
+    - fused in every group: `load_state_dict` takes a checkpoint's groups, and one saved before fusing says
+      fused False, whose step would refuse `found_inf`;
+    - SGD's momentum buffers exist before the first step: fused SGD's first step takes them from
+      `torch.empty_like` and fills them, so a skipped first step would leave them uninitialised
+      (torch/optim/sgd.py `_fused_sgd`; seen here: 1e18 in a buffer). Zeros give the same first step
+      (buffer = momentum x 0 + gradient);
+    - AdamW's step counts on the parameter's device in float32, where its fused kernel counts (and a skipped
+      step is subtracted again); an unfused checkpoint kept them on the CPU."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, None
+        for p in group["params"]:
+            if "step" in optimizer.state.get(p, {}):
+                optimizer.state[p]["step"] = optimizer.state[p]["step"].to(p.device, torch.float32)
+            if group.get("momentum") and optimizer.state[p].get("momentum_buffer") is None:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
 
 
 def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):

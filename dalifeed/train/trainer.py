@@ -2,7 +2,7 @@
 model, optimiser, schedule, precision, restored from a checkpoint when resuming), `fit` drives its epochs:
 `train_one_epoch` and `validation_record` (loop.py), a metrics line and a checkpoint (`Run.finish_epoch`).
 Only rank 0 prints and writes. Single process or under torchrun, CPU (gloo) or GPU (NCCL). SIGINT and SIGTERM
-finish the current step, save a mid-epoch checkpoint and stop (stop.py). Whether a command starts a run or
+stop every rank after the same step (the next check, within about 2 s), with a mid-epoch checkpoint (stop.py). Whether a command starts a run or
 continues one is `resume.resolve_run`'s decision, made before `main`."""
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from .config import ConfigError, TrainConfig
 from .distributed import Dist, gather_objects, log, setup, teardown
 from .loop import EpochStats, TrainState, epoch_score, train_one_epoch, validation_record
 from .parts import (amp_dtype, build_model, build_optimizer, check_batch_fits, load_manifest, loader_device,
-                    make_profiler, warmup_cosine)
+                    make_profiler, skips_on_device, warmup_cosine)
 from .progress import RunLog
-from .stop import Stop, TrainingStopped
+from .stop import StepChecks, Stop, TrainingStopped
 from .synthetic import SyntheticLoader
 
 
@@ -135,8 +135,9 @@ def make_model(cfg: TrainConfig, dist: Dist, num_classes: int) -> tuple[torch.nn
     model = model.to(dist.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
     if not cfg.ema:
         return model, None
+    # device=: its update count lives beside the weights, where loop.update_ema reads it without a host sync
     return model, torch.optim.swa_utils.AveragedModel(
-        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
+        model, device=dist.device, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
 
 
 def make_loaders(cfg: TrainConfig, dist: Dist, threads: int) -> tuple[object, object | None]:
@@ -163,6 +164,7 @@ def restore(run: Run, saved: dict) -> None:
     position inside an epoch when it was saved mid-epoch."""
     run.model.load_state_dict(saved["model"])
     run.optimizer.load_state_dict(saved["optimizer"])
+    skips_on_device(run.optimizer)  # a checkpoint's param groups replace the optimizer's, "fused" included
     run.scheduler.load_state_dict(saved["scheduler"])
     run.scaler.load_state_dict(saved["scaler"])
     if run.ema is not None:
@@ -225,10 +227,13 @@ class Run:
     profiler: object | None = None
     midway: dict | None = None  # the mid-epoch checkpoint this run resumes inside, until its epoch starts
     stop: Stop = field(default_factory=Stop)
+    checks: StepChecks | None = None  # skipped steps tallied on the device, and when the host reads them
 
     def __post_init__(self):
         if self.train_model is None:
             self.train_model = self.model
+        if self.checks is None:
+            self.checks = StepChecks(self.dist.device)
 
     @property
     def out(self) -> Path:
