@@ -177,5 +177,20 @@ def test_docs_memory_table_is_what_the_budget_and_decoder_memory_give():
         assert row in doc, f"docs/gpu.md's memory table lacks (or has other numbers than): {row}"
 
 
+def test_docs_defaults_table_is_defaults_py():
+    """docs/gpu.md's table of the GPU path's defaults and their published sources is what the code uses."""
+    from dalifeed.pipelines import defaults
+    from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+
+    doc = (Path(__file__).parents[1] / "docs" / "gpu.md").read_text()
+    for row in defaults.defaults_table():
+        assert "| " + " | ".join(row) + " |" in doc, f"docs/gpu.md's defaults table lacks: {row}"
+    assert MIXED_DECODE_MAX_THREADS == defaults.MIXED_DECODE_THREADS == 6
+    assert DEFAULT_HW_DECODER_LOAD == defaults.HW_DECODER_LOAD == 0.99
+    assert [defaults.prefetch_queue_depth(d) for d in ("gpu", "hybrid", "cpu")] == [5, 2, 2]
+    h100 = defaults.PUBLISHED[0]
+    assert (h100.threads, h100.hw_decoder_load, h100.prefetch_queue_depth) == (6, 0.99, 5)
+
+
 if __name__ == "__main__":  # print the rows for docs/gpu.md
     print("\n".join(memory_table_rows()))

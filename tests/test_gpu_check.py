@@ -137,7 +137,7 @@ def test_report_states_what_the_mixed_decoder_of_a_dali_train_rank_reserves(tmp_
 def test_docs_quote_gpu_checks_decoder_line_for_8_gpus_on_64_cpus():
     line = decoder_memory_line(decoder_budget(cores=64, gpus=8, environ={}))
     doc = " ".join((Path(__file__).parents[1] / "docs" / "gpu.md").read_text().split())
-    assert "threads per pipeline: 4" in line and "88 MiB of GPU and 120 MiB of pinned" in line
+    assert "threads per pipeline: 6" in line and "132 MiB of GPU and 180 MiB of pinned" in line
     assert line in doc
 
 
@@ -186,9 +186,9 @@ def test_gpu_devices_are_refused_in_one_line_without_a_gpu(shards, tmp_path, dev
 def test_help_lists_every_step():
     result = CliRunner().invoke(gpu_check_cli, ["--help"])
     assert result.exit_code == 0
-    listed = [line.split()[0] for line in result.output.split("Steps (--steps), in order:")[1].splitlines()[1:15]]
+    listed = [line.split()[0] for line in result.output.split("Steps (--steps), in order:")[1].splitlines()[1:16]]
     assert listed == list(STEPS)
-    assert list(STEPS)[6:] == ["recipe-imagenet", "recipe-ra", "recipe-ta_wide", "recipe-erase", "recipe-mixup-cutmix",
+    assert list(STEPS)[7:] == ["recipe-imagenet", "recipe-ra", "recipe-ta_wide", "recipe-erase", "recipe-mixup-cutmix",
                                "recipe-torchvision-resnet50", "multilabel", "detection"]
 
 
@@ -272,3 +272,25 @@ def test_the_hw_decoder_sweep_runs_at_one_ranks_dali_threads(tmp_path):
     threads = decoder_budget()["threads"]
     bench = hw_decoder_config(run, threads)
     assert bench.loaders == ["dali-gpu"] and bench.workers == threads != 64
+
+
+def test_the_defaults_step_measures_threads_and_prefetch_within_a_ranks_cpus(tmp_path):
+    """gpu-check's `defaults` step times the training graph at the DALI threads one rank may use (of 4, 6 and 8;
+    here fewer CPUs than 4, so the rank's share) and prefetch queues of 2 and 5, and reports the best beside
+    what dalifeed would use on this node."""
+    from dalifeed.bench.gpu_check import decoder_budget
+    from dalifeed.bench.gpu_defaults import thread_choices
+
+    assert thread_choices(64) == [4, 6, 8] and thread_choices(6) == [4, 6] and thread_choices(2) == [2]
+    workdir = tmp_path / "gc"
+    result = CliRunner().invoke(gpu_check_cli, ["--workdir", str(workdir), "--allow-cpu", *SMALL,
+                                                "--recipe-batches", "2", "--steps", "defaults"])
+    assert result.exit_code == 0, result.output
+    found = json.loads((workdir / "gpu-check.json").read_text())["defaults"]
+    budget = decoder_budget()
+    expected_threads = thread_choices(max(1, budget["cores"] // budget["ranks_on_node"]))
+    assert [(r["threads"], r["prefetch_queue_depth"]) for r in found["runs"]] == \
+        [(t, d) for t in expected_threads for d in (2, 5)]
+    assert found["best"] in found["runs"] and all(r["images_per_s"] > 0 for r in found["runs"])
+    assert found["default"] == {"threads": budget["threads"], "prefetch_queue_depth": 2}  # the CPU path: DALI's 2
+    assert "### Loader defaults" in (workdir / "gpu-check.md").read_text()

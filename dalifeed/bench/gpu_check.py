@@ -10,6 +10,8 @@ Steps, in order (each adds its section to WORKDIR/gpu-check.json and gpu-check.m
 - hw-decoder  dali-gpu at each --hw-loads value, at the DALI threads one rank of dali-train gets on this node
               (budget.thread_budget with one rank per GPU, not every core), with NVML's JPEG-engine utilisation:
               whether the hardware decoder is used, and the best share for this GPU and this rank's threads
+- defaults    the training graph on the GPU at 4, 6 and 8 DALI threads (as the rank's CPUs allow) and prefetch
+              queues of 2 and 5: the best, against the published defaults dalifeed uses (pipelines/defaults.py)
 - train       a slice of dali-train (ResNet-50, --amp bf16 --channels-last) on the shards, run as the node runs
               it (torchrun, one rank per GPU), against the same command with --synthetic (one batch repeated):
               images/s of the node, data wait, GPU utilisation
@@ -54,6 +56,7 @@ from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 from dalifeed.runtime import usable_cores
 
 from . import gpu_recipes
+from .gpu_defaults import defaults_step
 from .config import BenchConfig
 from .gpu_report import decoder_memory_line, goals, render_markdown
 from .loaders import LOADERS
@@ -290,7 +293,7 @@ def hw_decoder_step(run: CheckRun) -> dict:
     engine = [r["jpeg_engine_util_percent"] for r in runs if r["hw_decoder_load"] > 0]
     used = None if not engine or None in engine else any(u > 0 for u in engine)
     return {"runs": runs, "best_hw_decoder_load": best["hw_decoder_load"], "hardware_decoder_used": used,
-            "threads": budget["threads"], "budget": budget["budget"]}
+            "default_hw_decoder_load": DEFAULT_HW_DECODER_LOAD, "threads": budget["threads"], "budget": budget["budget"]}
 
 
 def train_command(cfg: GpuCheckConfig, shards: Path, out: Path, has_gpu: bool, synthetic: bool, ranks: int = 1,
@@ -436,8 +439,8 @@ def nccl_step(run: CheckRun) -> dict:
 
 # --steps NAME -> the step; its section in gpu-check.json is NAME with "_" for "-" (hw-decoder: hw_decoder)
 STEPS: dict[str, Callable[[CheckRun], dict]] = {
-    "tests": tests_step, "loaders": loaders_step, "hw-decoder": hw_decoder_step, "train": train_step,
-    "checkpoint": checkpoint_step, "nccl": nccl_step,
+    "tests": tests_step, "loaders": loaders_step, "hw-decoder": hw_decoder_step, "defaults": defaults_step,
+    "train": train_step, "checkpoint": checkpoint_step, "nccl": nccl_step,
     **{name: gpu_recipes.recipe_step(name) for name in gpu_recipes.RECIPES},  # each recipe the graphs run
 }
 
@@ -547,6 +550,7 @@ def main(debug: bool, **options) -> None:
       tests                        the gpu-marked tests (pytest -m gpu)
       loaders                      dali-bench, every loader, batch 256, 224 px, fp16
       hw-decoder                   dali-gpu at each --hw-loads, at one rank's DALI threads; the best
+      defaults                     DALI threads 4/6/8 x prefetch 2/5: the best against the defaults
       train                        dali-train ResNet-50 bf16 on the node's ranks vs --synthetic
       checkpoint                   a mixed loader's DALI checkpoint restored bit for bit
       nccl                         the collectives and a DDP backward (world size 1)

@@ -174,17 +174,23 @@ def mixed(case: Case, batch, step: int, num_classes: int):
     return batch if mixer is None else mixer(images, labels, num_classes, epoch=0, step=step)
 
 
-def images_per_s(case: Case, data: Path, device: str, count: int, num_classes: int) -> float:
-    """images/s of `count` batches after the first (which includes the pipeline's build), mixing included."""
-    loader = case.loader(data, device)
+def timed_rate(loader, count: int, device: str, images_of: Callable[[int, object], int] = lambda step, b: len(b[0])):
+    """images/s of `count` batches of `loader` after the first (which includes the pipeline's build);
+    `images_of(step, batch)` does what the step does with a batch and says how many images it held."""
     stream = batches(loader, count + 1)
     next(stream)
     started, images = time.perf_counter(), 0
     for step, batch in enumerate(stream):
-        images += len(mixed(case, batch, step, num_classes)[0])
+        images += images_of(step, batch)
     if device != "cpu":
         torch.cuda.synchronize()  # the one wait: what was queued is done
     return images / (time.perf_counter() - started)
+
+
+def images_per_s(case: Case, data: Path, device: str, count: int, num_classes: int) -> float:
+    """images/s of the case's loader on `device`, mixing on the device included."""
+    return timed_rate(case.loader(data, device), count, device,
+                      lambda step, batch: len(mixed(case, batch, step, num_classes)[0]))
 
 
 def first_batch(case: Case, data: Path, device: str, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:

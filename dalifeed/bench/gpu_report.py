@@ -88,7 +88,20 @@ def hw_decoder_section(hw: dict) -> list[str]:
             *markdown_table(["hw_decoder_load", "images/s (median)", "runs", "JPEG engine %", "GPU %"], rows), "",
             f"Hardware JPEG decoder used: {HARDWARE_DECODER_USED[hw['hardware_decoder_used']]}. "
             f"Best hw_decoder_load here: {hw['best_hw_decoder_load']:g}"
-            + (f", at one rank's {hw['threads']} DALI threads ({hw['budget']})." if "threads" in hw else ".")]
+            + (f", at one rank's {hw['threads']} DALI threads ({hw['budget']})" if "threads" in hw else "")
+            + (f"; dalifeed's default: {hw['default_hw_decoder_load']:g} (`--hw-decoder-load` sets it)."
+               if "default_hw_decoder_load" in hw else ".")]
+
+
+def defaults_section(found: dict) -> list[str]:
+    rows = [[str(r["threads"]), str(r["prefetch_queue_depth"]), f"{r['images_per_s']:.0f}"] for r in found["runs"]]
+    best, default = found["best"], found["default"]
+    return ["### Loader defaults (training graph, `%s`)" % found["device"], "",
+            *markdown_table(["DALI threads", "prefetch queue", "images/s"], rows), "",
+            f"Best here: {best['threads']} threads, prefetch queue {best['prefetch_queue_depth']}; dalifeed's default "
+            f"here: {default['threads']} threads, prefetch queue {default['prefetch_queue_depth']} "
+            f"(hw_decoder_load {found['hw_decoder_load']:g}; docs/gpu.md, \"Defaults from NVIDIA's published "
+            f"configurations\"). `dali-train --dali-threads N` and `make_loader(prefetch_queue_depth=...)` set them."]
 
 
 def train_section(train: dict) -> list[str]:
@@ -159,6 +172,7 @@ def errors_section(errors: dict) -> list[str]:
 # (key in gpu-check.json, its section), in the order of gpu-check.md
 SECTIONS = (("environment", node_section), ("decoder_memory", lambda budget: [decoder_memory_line(budget)]),
             ("tests", tests_section), ("loaders", loaders_section), ("hw_decoder", hw_decoder_section),
+            ("defaults", defaults_section),
             ("train", train_section), ("checkpoint", checkpoint_section), ("nccl", nccl_section),
             *((name.replace("-", "_"), recipe_section(name)) for name in RECIPE_STEPS),
             ("goals", goals_section), ("errors", errors_section))

@@ -5,13 +5,12 @@ node inherits all 64 CPUs, so "one thread per CPU" is 8 x 64 busy threads per no
 the CPUs this process may use (`runtime.usable_cores`) by the ranks on this node, and caps the result
 where more threads stop helping:
 
-- `gpu` (nvJPEG, `mixed` decoding): 4. The GPU and its JPEG engine decode; the CPU threads only parse
-  the files, run the reader and Huffman-decode the share of JPEGs not sent to the hardware decoder. DALI
-  runs its own ResNet-50 pipeline with 3 threads per GPU in its data-pipeline performance tests
-  (`qa/TL2_RN50_data_perf/test.sh`: `test_RN50_data_pipeline.py --workers 3`) and with 4 in its ResNet-50
-  and EfficientNet training examples (`--workers` default 4; the EfficientNet readme: "halved to
-  accommodate DALI" from the PyTorch loader's 8). Each mixed-decoder thread also holds its own nvJPEG
-  buffers, so threads beyond the need cost GPU and pinned memory (docs/gpu.md).
+- `gpu` (nvJPEG, `mixed` decoding): 6, what NVIDIA's published DGX-A100 and DGX-H100 ResNet-50
+  configurations give each GPU (MLPerf Training `config_DGXA100.sh`, `config_DGXH100.sh`: DALI_THREADS=6;
+  defaults.py lists the files). The GPU and its JPEG engine decode; the CPU threads parse the files, run
+  the reader and Huffman-decode the share of JPEGs not sent to the hardware decoder. (DALI's own examples
+  use 3-4, DeepLearningExamples 5.) Each mixed-decoder thread also holds its own nvJPEG buffers, so threads
+  beyond the need cost GPU and pinned memory (docs/gpu.md).
 - `cpu` and `hybrid` (libjpeg-turbo decoding on the CPU): 16. Here the CPU threads are the decoder:
   ~520 images/s per thread for RandomResizedCrop(224) (decode, resize, normalise; docs/benchmarks.md:
   1,042 images/s on 2 threads), so one GPU training ResNet-50 at ~2,500 images/s (an A100) needs about 5
@@ -30,7 +29,9 @@ from typing import Mapping
 
 from dalifeed.runtime import usable_cores
 
-MIXED_DECODE_MAX_THREADS = 4
+from .defaults import MIXED_DECODE_THREADS
+
+MIXED_DECODE_MAX_THREADS = MIXED_DECODE_THREADS
 CPU_DECODE_MAX_THREADS = 16
 
 

@@ -167,7 +167,8 @@ def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size:
                           world_size: int = 1, seed: int = 0, device: str = "auto", train: bool | None = None,
                           size: int | None = None, min_size: int | None = None, max_size: int | None = None,
                           crop: bool = True, flip: bool = True, include_crowd: bool = False,
-                          num_threads: int | None = None, prefetch_queue_depth: int = 2, initial_fill: int = 1024,
+                          num_threads: int | None = None, prefetch_queue_depth: int | None = None,
+                          initial_fill: int = 1024,
                           device_id: int | None = None, checkpointing: bool = False, check: str = "size",
                           hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> DaliLoader:
     """Detection batches of `split` of a COCO shard folder (a path, or s3://bucket/prefix: DALI then reads the

@@ -55,6 +55,7 @@ from dalifeed.shardcache import shard_cache_of
 from dalifeed.shardfolder import check_split, open_shard_folder
 from dalifeed.stack import StackReport, choose_device, stack_report
 
+from . import defaults
 from .budget import thread_budget
 from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, explain_dali_error, indexed_samples,
                      is_pipeline_failure)
@@ -111,16 +112,19 @@ class LoaderOptions:
 
 
 def loader_options(split: str, batch_size: int, *, train: bool | None, device: str, device_id: int | None,
-                   num_threads: int | None, **rest) -> LoaderOptions:
+                   num_threads: int | None, prefetch_queue_depth: int | None = None, **rest) -> LoaderOptions:
     """`LoaderOptions` from a factory's arguments: `train` by the split rule (`trains`), the device resolved
     (`resolve_device`), on a GPU the current CUDA device unless `device_id` says, the thread budget of
-    this rank unless `num_threads` says; `rest` (rank, world_size, seed, ...) as given."""
+    this rank unless `num_threads` says, the device's prefetch depth unless `prefetch_queue_depth` says
+    (defaults.py: NVIDIA's published 5 with `mixed` decoding, DALI's 2 otherwise); `rest` (rank,
+    world_size, seed, ...) as given."""
     resolved = resolve_device(device)
     if uses_gpu(resolved) and device_id is None:
         device_id = torch.cuda.current_device()
     return LoaderOptions(batch_size, trains(split, train), device=resolved,
                          device_id=device_id if uses_gpu(resolved) else None,
-                         num_threads=num_threads or thread_budget(resolved).threads, **rest)
+                         num_threads=num_threads or thread_budget(resolved).threads,
+                         prefetch_queue_depth=prefetch_queue_depth or defaults.prefetch_queue_depth(resolved), **rest)
 
 
 def epoch_files(manifest: ShardManifest, shards: list[ShardInfo]) -> tuple[list[str], list[str]]:
@@ -337,7 +341,7 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
                 seed: int = 0, device: str = "auto", image_size: int = 224, train: bool | None = None,
                 crop_scale: tuple[float, float] = (0.08, 1.0), flip: bool = True,
                 dtype: torch.dtype = torch.float32, channels_last: bool = False, num_threads: int | None = None,
-                prefetch_queue_depth: int = 2, initial_fill: int = 1024, device_id: int | None = None,
+                prefetch_queue_depth: int | None = None, initial_fill: int = 1024, device_id: int | None = None,
                 checkpointing: bool = False, check: str = "size", multilabel: bool = False,
                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, weights: list[float] | None = None,
                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
@@ -352,7 +356,9 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
     cores; ignored where there is none). `device_id` defaults to the current CUDA device (set it from
     LOCAL_RANK under torchrun). `dtype` float32 or float16; `channels_last` gives
     NHWC. `num_threads`: DALI threads of the pipeline; default: this rank's share of the CPUs the process
-    may use, capped (`dalifeed.pipelines.budget`: 4 with GPU decoding, 16 with CPU decoding).
+    may use, capped (`dalifeed.pipelines.budget`: 6 with GPU decoding, 16 with CPU decoding).
+    `prefetch_queue_depth`: batches DALI prepares ahead; default 5 with GPU decoding, 2 otherwise
+    (`dalifeed.pipelines.defaults`: NVIDIA's published configurations).
     `checkpointing` enables DALI's checkpointing so that `state_dict()` can be taken mid-epoch (see the
     module docstring). `check`: what is compared with the manifest before reading, 'size' (sizes and
     indexes: two stats and two small reads per shard) or 'sha256' (also hashes every byte of the split).
