@@ -106,6 +106,9 @@ def test_mixing_refusals(two_datasets):
         make_loader([a, b], "train", 8, weights=[100, 1], **ARGS)
     with pytest.raises(ValueError, match="mixes a list of shard folders"):
         make_loader(a, "train", 8, weights=[1], **ARGS)
+    for again in (a, a.parent / "." / a.name, str(a) + "/"):  # the same folder, however it is written
+        with pytest.raises(MixError, match=r"the same dataset is given twice .*--data-weights"):
+            make_loader([a, b, again], "train", 8, **ARGS)
 
 
 def test_dali_train_mixes_two_datasets_and_reports_each(two_datasets, tmp_path):
@@ -126,13 +129,22 @@ def test_dali_train_mixes_two_datasets_and_reports_each(two_datasets, tmp_path):
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["A/val_samples"] == 9 and record["B/val_samples"] == 6 and record["val_samples"] == 15
     assert record["top1"] == pytest.approx((record["A/top1"] * 9 + record["B/top1"] * 6) / 15)
+    # 40 + 12 train samples: 6 batches of 8 an epoch, 6 + 2 of each batch from A and B
+    assert ("mixing 2 datasets, in every batch of 8 (per process): A 6 (75%, weight 3, 40 train samples, 0.9 passes "
+            "an epoch); B 2 (25%, weight 1, 12 train samples, 1 passes an epoch)") in run.stdout + run.stderr
+    assert "--cache-dir" not in run.stdout + run.stderr  # not given: no warning
     config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert [(m["name"], m["per_batch"], m["train_samples"]) for m in config["mixing"]] == [("A", 6, 40), ("B", 2, 12)]
     assert config["data"] == [str(a), str(b)] and config["data_weights"] == [3.0, 1.0]
     assert config["classes"] == ["0", "1", "2", "cat", "dog"]
     assert checkpoint.load(tmp_path / "run" / "last.pt")["classes"] == ["0", "1", "2", "cat", "dog"]
     bad = subprocess.run([str(VENV_BIN / "dali-train"), "--data", str(a), "--data", str(b), "--data-weights", "3",
                           "--out", str(tmp_path / "run2")], capture_output=True, text=True, env=ENV, timeout=600)
     assert bad.returncode == 2 and "one weight per --data (2 given)" in bad.stderr
+    twice = subprocess.run([str(VENV_BIN / "dali-train"), "--data", str(a), "--data", str(a), "--out",
+                            str(tmp_path / "run3")], capture_output=True, text=True, env=ENV, timeout=600)
+    assert twice.returncode == 2 and f"the same dataset is given twice ({a} and {a})" in twice.stderr
+    assert "Traceback" not in twice.stderr and sum(line.startswith("Error:") for line in twice.stderr.splitlines()) == 1
 
 
 def test_every_rank_gets_the_same_number_of_mixed_batches(two_datasets):

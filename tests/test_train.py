@@ -400,6 +400,66 @@ def test_pretrained_weights_load_and_a_different_head_is_replaced(tmp_path):
     assert all(torch.equal(weights[k], v) for k, v in source.state_dict().items() if not k.startswith("fc."))
 
 
+def test_pretrained_takes_dali_trains_own_last_and_best_checkpoints(shards, tmp_path):
+    """docs/training.md: --pretrained runs/x/last.pt fine-tunes from a dali-train run. Its checkpoints hold RNG
+    states besides the weights; they must load with torch.load(weights_only=True), and so must a checkpoint
+    written before NumPy's state was stored as a tensor (np.random.get_state()'s ndarray)."""
+    import numpy as np
+
+    run = tmp_path / "run"
+    train(fast_config(shards, run, epochs=1))
+    saved = torch.load(run / "last.pt", weights_only=False)
+    assert isinstance(saved["rng"]["numpy"]["keys"], torch.Tensor)
+    old = tmp_path / "old.pt"
+    torch.save({**saved, "rng": {**saved["rng"], "numpy": np.random.get_state()}}, old)
+    for path in (run / "last.pt", run / "best.pt", old):
+        model, replaced = build_run_model(fast_config(shards, tmp_path / "ft", pretrained=str(path)), 3)
+        weights = torch.load(path, weights_only=False)["model"]
+        assert replaced == [] and all(torch.equal(model.state_dict()[k], v) for k, v in weights.items()), path
+    result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(tmp_path / "ft"),
+                                            *fast_args(epochs=1), "--pretrained", str(run / "best.pt")])
+    assert result.exit_code == 0, result.output
+
+
+def test_no_compile_turns_off_on_resume_what_the_run_started_with(shards, tmp_path):
+    """--compile may change on resume (it does not change the maths); --no-compile is how to turn it off
+    under --resume RUN, where an option not typed keeps the saved value."""
+    from dalifeed.train.resume import resolve_run
+
+    run = tmp_path / "run"
+    train(fast_config(shards, run, epochs=1))
+    saved = torch.load(run / "last.pt", weights_only=False)
+    saved["config"]["compile"] = True  # as if started with --compile
+    torch.save(saved, run / "last.pt")
+    kept, _ = resolve_run(fast_config(shards, run), typed=set(), resume=run)
+    off, _ = resolve_run(fast_config(shards, run, compile=False), typed={"compile"}, resume=run)
+    assert kept.compile is True and off.compile is False
+    assert "--compile / --no-compile" in CliRunner().invoke(train_cli, ["--help"]).output
+
+
+def test_cache_options_with_local_data_are_warned_about(shards, tmp_path):
+    """--cache-dir and --cache-limit serve s3:// data only; given with a local folder they used to be ignored
+    without a word."""
+    result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(tmp_path / "run"), *fast_args(epochs=1),
+                                            "--cache-dir", str(tmp_path / "cache"), "--cache-limit", "1GB"])
+    assert result.exit_code == 0, result.output
+    assert (f"warning: --cache-dir/--cache-limit apply to s3:// data only; {shards} is read in place"
+            in result.output)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_numpy_rng_state_round_trips_through_a_checkpoint():
+    import numpy as np
+
+    np.random.seed(3)
+    np.random.normal()  # a cached Gaussian in the state
+    state = checkpoint.rng_state()
+    expected = np.random.random(5)
+    np.random.seed(99)
+    checkpoint.restore_rng(state)
+    assert np.array_equal(np.random.random(5), expected)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--model", "resnet9000"], "not a torchvision classification model"),
     (["--crop-scale", "0.9,0.1"], "--crop-scale must be MIN,MAX"),

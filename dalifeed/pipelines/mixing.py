@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -85,8 +86,28 @@ class MixedDatasets:
         return sum(m.num_samples(split) for m in self.manifests)
 
 
+def same_place(location) -> str:
+    """What two locations of one dataset have in common: the resolved path of a folder (symlinks and `./`
+    followed), an s3:// URL without its trailing slashes."""
+    text = str(location)
+    return text.rstrip("/") if text.startswith("s3://") else str(Path(text).resolve())
+
+
+def refuse_repeats(locations: list) -> None:
+    """The same dataset twice would double its share of every batch without a word: --data-weights says that."""
+    seen: dict[str, str] = {}
+    for location in locations:
+        place = same_place(location)
+        if place in seen:
+            raise MixError(f"the same dataset is given twice ({seen[place]} and {location}): give it once and "
+                           f"weight it with --data-weights (make_loader: weights=)")
+        seen[place] = str(location)
+
+
 def describe_datasets(locations: list[str]) -> MixedDatasets:
-    """Open every dataset's manifest and build the union of their classes (refusing kinds it cannot mix)."""
+    """Open every dataset's manifest and build the union of their classes (refusing repeats and kinds it
+    cannot mix)."""
+    refuse_repeats(locations)
     manifests = [open_shard_folder(location) for location in locations]
     for location, manifest in zip(locations, manifests):
         if manifest.kind == "coco":

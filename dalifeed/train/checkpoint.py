@@ -21,10 +21,27 @@ def rng_state() -> dict:
     under CUDA_VISIBLE_DEVICES=0, where a list of 8 states has nowhere to go."""
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": numpy_state(),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
     }
+
+
+def numpy_state() -> dict:
+    """NumPy's legacy generator state as a tensor and plain numbers: what `torch.load(weights_only=True)`
+    reads (`--pretrained` loads our own checkpoints that way). `np.random.get_state()` is a tuple holding an
+    ndarray, which the safe loader refuses."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def set_numpy_state(saved) -> None:
+    """Restore `numpy_state()`, or the `np.random.get_state()` tuple checkpoints held before."""
+    if isinstance(saved, dict):
+        saved = (saved["name"], saved["keys"].numpy().astype(np.uint32), saved["pos"], saved["has_gauss"],
+                 saved["cached_gaussian"])
+    np.random.set_state(saved)
 
 
 def restore_rng(state: dict) -> None:
@@ -33,7 +50,7 @@ def restore_rng(state: dict) -> None:
     (`torch.manual_seed(cfg.seed)`) and DDP runs the same operations on every rank, so their generators stay
     equal (DALI's augmentations have their own seeds per rank and epoch)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    set_numpy_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     cuda = own_gpu_state(state["cuda"])
     if cuda is not None and torch.cuda.is_available():
@@ -84,11 +101,30 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def load_pretrained(model: torch.nn.Module, path: str) -> list[str]:
-    """Load local weights (a state_dict, or a checkpoint holding 'model'); tensors whose shape differs —
-    the classifier head when the class count changes — keep their fresh initialisation. Returns those."""
+def numpy_rng_globals() -> list:
+    """What a dali-train checkpoint written before `numpy_state()` holds besides plain types and tensors:
+    np.random.get_state()'s ndarray, its dtype and the function that rebuilds it. Allowed by name so that
+    --pretrained reads those checkpoints with the safe loader too (an ndarray rebuilt from these runs no code)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        from numpy._core.multiarray import _reconstruct  # NumPy 2
+    except ImportError:  # NumPy 1
+        from numpy.core.multiarray import _reconstruct
+    dtype_classes = [type(np.dtype(np.uint32))]  # NumPy 2 builds a dtype through its class (UInt32DType)
+    return [np.ndarray, np.dtype, _reconstruct, *dtype_classes]
+
+
+def load_weights(path: str):
+    """torch.load with weights_only=True (no code from the file runs), numpy's RNG state allowed."""
+    with torch.serialization.safe_globals(numpy_rng_globals()):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_pretrained(model: torch.nn.Module, path: str) -> list[str]:
+    """Load local weights (a state_dict, or a checkpoint holding 'model': dali-train's last.pt and best.pt
+    among them); tensors whose shape differs — the classifier head when the class count changes — keep
+    their fresh initialisation. Returns those."""
+    try:
+        state = load_weights(path)
     except Exception as e:
         raise ConfigError(f"--pretrained {path}: unreadable ({type(e).__name__}: {first_line(e)})") from None
     state = state.get("model", state) if isinstance(state, dict) else state

@@ -110,7 +110,9 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
               help="auto: bf16 on a GPU that supports it, off on the CPU. fp16 adds a GradScaler (and is slow on "
                    "a CPU: a warning says so).")
 @click.option("--channels-last", is_flag=True, help="NHWC model and batches (faster convolutions on tensor cores).")
-@click.option("--compile", is_flag=True, help="torch.compile the model.")
+@click.option("--compile/--no-compile", default=d("compile"), show_default=True,
+              help="torch.compile the model (minutes of compilation before the first step; docs/gpu.md). May "
+                   "change on resume: --no-compile turns off what the run was started with.")
 @click.option("--image-size", type=int, default=d("image_size"), show_default=True)
 @click.option("--crop-scale", default=",".join(f"{v:g}" for v in d("crop_scale")), show_default=True,
               callback=parse_crop_scale, help="RandomResizedCrop area range MIN,MAX.")

@@ -22,6 +22,27 @@ def open_datasets(cfg):
         raise ConfigError(str(e)) from None
 
 
+def mix_plan(cfg, datasets, world_size: int) -> list[dict]:
+    """What each --data brings to training, as the mixed loader will draw it: its weight, its samples in every
+    batch of a process (`batch_shares`), its train samples and how many passes over them an epoch makes (an
+    epoch is the union's samples, in batches of --batch-size on every process)."""
+    from dalifeed.pipelines.mixing import batch_shares
+
+    weights = cfg.data_weights or [1.0] * len(cfg.data)
+    shares = batch_shares(weights, cfg.batch_size)
+    samples = [m.num_samples(cfg.train_split) for m in datasets.manifests]
+    batches = sum(samples) // world_size // cfg.batch_size  # MixedLoader's epoch
+    return [{"data": str(location), "name": name, "weight": weight, "per_batch": share, "train_samples": n,
+             "passes_per_epoch": round(share * batches * world_size / n, 3) if n else 0.0}
+            for location, name, weight, share, n in zip(cfg.data, dataset_names(cfg.data), weights, shares, samples)]
+
+
+def describe_plan(plan: list[dict], batch_size: int) -> str:
+    return (f"mixing {len(plan)} datasets, in every batch of {batch_size} (per process): "
+            + "; ".join(f"{p['name']} {p['per_batch']} ({p['per_batch'] / batch_size:.0%}, weight {p['weight']:g}, "
+                        f"{p['train_samples']} train samples, {p['passes_per_epoch']:g} passes an epoch)" for p in plan))
+
+
 def dataset_names(locations: list[str]) -> list[str]:
     """Short, distinct names for the metrics of each dataset: the folder's name, or data0, data1, ..."""
     names = [Path(str(location).rstrip("/")).name or f"data{i}" for i, location in enumerate(locations)]

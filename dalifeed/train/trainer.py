@@ -26,6 +26,7 @@ from . import checkpoint
 from .config import ConfigError, TrainConfig
 from .distributed import Dist, gather_objects, log, setup, teardown
 from .loop import EpochStats, TrainState, epoch_score, train_one_epoch, validation_record
+from .mixdata import describe_plan, mix_plan
 from .parts import (amp_dtype, build_model, build_optimizer, check_batch_fits, load_manifest, loader_device,
                     make_profiler, skips_on_device, warmup_cosine)
 from .progress import RunLog
@@ -116,8 +117,16 @@ def log_start(cfg: TrainConfig, dist: Dist, manifest: ShardManifest, dtype: torc
     log(f"world size {dist.world_size}, device {dist.device}, {manifest.num_classes} classes, "
         f"{manifest.num_samples(cfg.train_split)} train samples")
     log(f"--dali-threads {cfg.workers}: DALI threads per pipeline" if cfg.workers else budget.describe())
+    mixed = {}
+    if isinstance(cfg.data, list):  # the union's classes, in order, and what each dataset brings
+        plan = mix_plan(cfg, manifest, dist.world_size)
+        log(describe_plan(plan, cfg.batch_size))
+        mixed = {"classes": manifest.classes, "mixing": plan}
+    if cfg.cache_dir is not None or cfg.cache_limit is not None:
+        local = [str(d) for d in (cfg.data if isinstance(cfg.data, list) else [cfg.data]) if not str(d).startswith("s3://")]
+        if local:
+            log(f"warning: --cache-dir/--cache-limit apply to s3:// data only; {', '.join(local)} is read in place")
     if dist.is_main:
-        mixed = {"classes": manifest.classes} if isinstance(cfg.data, list) else {}  # the union's, in order
         write_json_atomic(Path(cfg.out) / "config.json", {**cfg.to_json(), **mixed})
     if cfg.val_split is None:
         log("--val-split none: no evaluation; best.pt keeps the epoch of lowest train loss")
