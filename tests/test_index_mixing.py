@@ -154,3 +154,28 @@ def test_every_rank_gets_the_same_number_of_mixed_batches(two_datasets):
         loader = make_loader([a, b], "train", 4, weights=[3, 1], rank=rank, world_size=3, **ARGS)
         counts.append((len(loader), sum(1 for _ in loader)))
     assert counts == [((40 + 12) // 3 // 4,) * 2] * 3
+
+
+def test_preview_captions_read_the_label_member_index_was_told(two_datasets, tmp_path):
+    """dali-train --preview on adopted shards: captions come from the member `shard-convert index` read the
+    labels from (.txt class names here, .json with --label-key below), not only from .cls."""
+    import json
+
+    from dalifeed.pipelines.preview import first_samples
+    from dalifeed.shardfolder import open_shard_folder
+
+    _, b = two_datasets
+    _, captions = first_samples(b, "train", 4)
+    classes = open_shard_folder(b).classes
+    assert captions == [f"{classes.index(name)} {name}" for name in ("cat", "dog", "cat", "dog")]
+
+    folder = tmp_path / "J"
+    folder.mkdir()
+    with tarfile.open(folder / "train-000000.tar", "w") as tar:
+        for i in range(3):
+            add_member(tar, f"{i:05d}.jpg", solid(i))
+            add_member(tar, f"{i:05d}.json", json.dumps({"caption": "x", "label": 2 - i}).encode())
+    index_folder(IndexConfig(folder, label_member="json", label_key="label"))
+    _, captions = first_samples(folder, "train", 3)
+    classes = open_shard_folder(folder).classes
+    assert captions == [f"{label} {classes[label]}" for label in (2, 1, 0)]

@@ -10,6 +10,7 @@ draws of the same recipe, not the same draw: they show that both do the same kin
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 from pathlib import Path
 
@@ -28,18 +29,22 @@ CELL_GAP = 4
 
 def first_samples(shards: str | Path, split: str, n: int) -> tuple[list[bytes], list[str]]:
     """The first `n` images of `split` (shard order), as stored, and the caption of each: its label as the
-    manifest names it (the class name, else the index; '?' for a sample without a `cls` member)."""
+    manifest names it ("index name"; '?' for a sample without a label). The label is read where the shards
+    keep it: dalifeed's `cls`, or for adopted shards the member `shard-convert index` was told
+    (`--label-member txt`, `json` with `--label-key`)."""
     manifest = open_shard_folder(shards)
+    adopted = manifest.options if manifest.kind == "webdataset" else {}
+    label_member, label_key = adopted.get("label_member", CLASS_MEMBER), adopted.get("label_key")
     jpegs: dict[str, bytes] = {}
-    labels: dict[str, str] = {}
+    labels: dict[str, str | int | None] = {}
     for path in manifest.shard_paths(split):
         with tarfile.open(path) as tar:
             for member in tar:
                 key, _, extension = Path(member.name).name.partition(".")
                 if extension == IMAGE_MEMBER and len(jpegs) < n:
                     jpegs[key] = tar.extractfile(member).read()
-                elif extension == CLASS_MEMBER:
-                    labels[key] = tar.extractfile(member).read().decode().strip()
+                elif extension == label_member:
+                    labels[key] = label_of(tar.extractfile(member).read(), label_key)
                 if len(jpegs) == n and all(k in labels for k in jpegs):
                     break
         if len(jpegs) == n:
@@ -47,9 +52,21 @@ def first_samples(shards: str | Path, split: str, n: int) -> tuple[list[bytes], 
     return list(jpegs.values()), [caption_of(labels.get(key), manifest.classes) for key in jpegs]
 
 
-def caption_of(label: str | None, classes: list[str]) -> str:
-    if label is None:
+def label_of(data: bytes, json_key: str | None) -> str | int | None:
+    """A label member's text, or with `json_key` that key's value of the JSON document (None: unreadable)."""
+    try:
+        text = data.decode("utf-8").strip()
+        return json.loads(text).get(json_key) if json_key else text
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        return None
+
+
+def caption_of(label: str | int | None, classes: list[str]) -> str:
+    """'index name' for a class index (a `cls` text, a JSON int) or a class name (a `txt`, a JSON string)."""
+    if label is None or label == "":
         return "?"
+    if isinstance(label, str) and not label.isdigit():
+        return f"{classes.index(label)} {label}" if label in classes else label
     index = int(label)
     return f"{index} {classes[index]}" if 0 <= index < len(classes) else str(index)
 
