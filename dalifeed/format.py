@@ -295,7 +295,32 @@ def listing_digest(entries) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------
-# DALI index files and the cheap checks run before any data is read
+# Tar members, DALI index files and the cheap checks run before any data is read
+
+
+def split_member_name(name: str) -> tuple[str, str] | None:
+    """(key, extension) of a tar member: the text before and after the first dot of its file name (after
+    the last slash), as webdataset (`tariterators.base_plus_ext`) and DALI's `wds2idx` (`split_name`) both
+    cut it; consecutive members with the same key are one sample. None for a member of no sample: a hidden
+    file (its file name starts with a dot: wds2idx skips it) or a file name without a dot (webdataset skips
+    it; wds2idx would cut off its last character). Every reader and writer of members uses this rule."""
+    start = name.rfind("/") + 1
+    dot = name.find(".", start)
+    if dot <= start:  # no dot (-1), or a leading one
+        return None
+    return name[:dot], name[dot + 1:]
+
+
+# One member in a DALI index: (extension, offset of its data in the tar, size, member name)
+IndexEntry = tuple[str, int, int, str]
+
+
+def index_text(samples: list[list[IndexEntry]]) -> str:
+    """A DALI index as wds2idx writes it and fn.readers.webdataset reads it: `v1.2 N`, then one line per
+    sample, its members as `ext offset size name`, space-separated. The one writer of index files."""
+    lines = "".join(" ".join(f"{ext} {offset} {size} {name}" for ext, offset, size, name in entries) + "\n"
+                    for entries in samples)
+    return f"{INDEX_VERSION} {len(samples)}\n" + lines
 
 
 def index_sample_count(idx_path: Path) -> int:

@@ -26,7 +26,8 @@ from typing import BinaryIO, Iterator
 
 from . import s3
 from .atomic import write_atomic
-from .format import MANIFEST_NAME, ManifestError, ShardInfo, ShardManifest, check_index, check_split_files
+from .format import (MANIFEST_NAME, ManifestError, ShardInfo, ShardManifest, check_index, check_split_files,
+                     split_member_name)
 
 
 def open_shard_folder(location: str | os.PathLike) -> ShardManifest:
@@ -151,7 +152,7 @@ def open_tar(manifest: ShardManifest, shard: ShardInfo) -> BinaryIO:
 
 def read_samples(manifest: ShardManifest, split: str, members: set[str] | None = None) -> Iterator[dict]:
     """Every sample of `split` in shard order, grouped as plain webdataset groups a tar's members
-    (consecutive names with the same text before the first dot): {"__key__", "__url__", ext: bytes}, with
+    (consecutive names with the same key: `format.split_member_name`): {"__key__", "__url__", ext: bytes}, with
     only the `members` given (default: all). Each tar is streamed once; a broken one raises
     tarfile.TarError naming it, a missing one OSError or ObjectProblem."""
     for shard in manifest.split_info(split).shards:
@@ -173,8 +174,9 @@ def _tar_files(manifest: ShardManifest, shard: ShardInfo, members: set[str] | No
         try:
             with tarfile.open(fileobj=stream, mode="r|") as tar:
                 for member in tar:
-                    if member.isreg():
-                        key, _, ext = member.name.partition(".")
+                    named = split_member_name(member.name) if member.isreg() else None
+                    if named is not None:
+                        key, ext = named
                         wanted = members is None or ext in members
                         yield key, ext, tar.extractfile(member).read() if wanted else None
         except tarfile.TarError as e:

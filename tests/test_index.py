@@ -17,10 +17,10 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from dalifeed.format import ShardManifest, file_sha256
+from dalifeed.format import ShardManifest, file_sha256, split_member_name
 from dalifeed.convert.index import IndexConfig, IndexDataError, IndexUsageError, index_folder, split_of
 from dalifeed.convert.verify import verify_shards
-from helpers import jpeg_bytes, png_bytes
+from helpers import convert, jpeg_bytes, png_bytes, write_imagefolder
 
 VENV_BIN = Path(sys.executable).parent
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -376,7 +376,8 @@ def test_index_dir_keeps_indexes_and_manifest_apart_from_read_only_tars(tmp_path
                f"--index-dir {out} {tars.resolve()})" in p for p in verify_shards(out).problems)
     other = tmp_path / "other"
     write_shardwriter(other, "train", 3, per_shard=5)
-    with pytest.raises(IndexUsageError, match=rf"--index-dir {out}: holds the index of other tars \({tars.resolve()}\)"):
+    with pytest.raises(IndexUsageError,
+                       match=rf"--index-dir {out}: holds the index of other tars \({tars.resolve()}\)"):
         index_folder(IndexConfig(other, index_dir=out))
 
 
@@ -484,6 +485,44 @@ def test_index_tars_in_object_storage_in_place(tmp_path, s3_bucket):
     assert verify_shards(url).problems == []
     got, reds = loader_labels_and_red(url, "train", 4)
     assert sorted(got) == sorted(labels) and got == reds
+
+
+@pytest.mark.parametrize("name", ["000123.jpg", "000123.cls.i64", "dir/a.b.c", "dir.v1/img.0.v2.jpg",
+                                  "a/b/c.tar.gz", "x/.hidden.jpg", ".hidden", "noext", "dir/noext"])
+def test_one_member_name_rule_matches_webdataset_and_wds2idx(name):
+    """format.split_member_name against the two tools it follows: webdataset's base_plus_ext (which skips a
+    name without a dot) and DALI's wds2idx (which skips a hidden file)."""
+    from webdataset.tariterators import base_plus_ext
+    from wds2idx import IndexCreator
+
+    got = split_member_name(name)
+    hidden = name.rsplit("/", 1)[-1].startswith(".")
+    theirs = base_plus_ext(name)
+    if hidden:  # wds2idx leaves it out (its key ends in '/' or is empty); webdataset reads `x/.hidden.jpg` as key `x/`
+        assert got is None and IndexCreator.split_name(name)[0] in ("", name[:name.rfind("/") + 1])
+    elif theirs == (None, None):  # no dot: webdataset leaves it out (wds2idx would cut off its last letter)
+        assert got is None
+    else:
+        assert got == theirs == IndexCreator.split_name(name)
+
+
+def test_one_index_writer_dalifeed_shards_and_index_write_the_same_bytes(tmp_path):
+    """The index ShardWriter writes while converting, the one `index` writes for the same tar, and DALI's
+    wds2idx's are the same bytes (format.index_text writes all of dalifeed's)."""
+    tree = write_imagefolder(tmp_path / "src", {"a": 7, "b": 6})
+    convert(tree, tmp_path / "shards", samples_per_shard=5, workers=1)
+    adopted = tmp_path / "adopted"
+    adopted.mkdir()
+    tars = sorted((tmp_path / "shards").glob("*.tar"))
+    assert len(tars) == 3
+    for tar in tars:
+        shutil.copy(tar, adopted / tar.name)
+    manifest = index_folder(IndexConfig(adopted))
+    assert manifest.num_samples("train") == 13 and manifest.skipped == []
+    for tar in tars:
+        written = tar.with_suffix(".idx").read_bytes()
+        assert (adopted / tar.with_suffix(".idx").name).read_bytes() == written
+        assert wds2idx(tar, tmp_path / "ref.idx").encode() == written
 
 
 def test_split_names_from_file_names():

@@ -61,7 +61,8 @@ def test_no_host_sync_between_checks(shards, tmp_path, monkeypatch, amp):
     device instead of reading it (torch/amp/grad_scaler.py, `_step_supports_amp_scaling`)."""
     monkeypatch.setattr(stop, "CHECK_SECONDS", 1e9)  # no timed check inside this short epoch: only the fixed ones
     cfg = fast_config(shards, tmp_path / "run", width=8, amp=amp, ema=0.9, clip_grad=1.0, mixup_alpha=0.2,
-                      cutmix_alpha=1.0, channels_last=True, progress_every=0, tensorboard_every=0)
+                      cutmix_alpha=1.0, channels_last=True, progress_every=0, tensorboard_every=0,
+                      max_bad_steps=10**6)  # a skipped step is one of the paths: it must not sync either
     cfg.validate()
     Path(cfg.out).mkdir()
     run = build_run(cfg, Dist(0, 1, 0, torch.device("cpu")), resume=None)

@@ -2,10 +2,12 @@
 of them (docs/format.md, "Shards from elsewhere").
 
 Every tar is read once. Its samples are grouped as webdataset and DALI's `wds2idx` group them (consecutive
-members sharing the name up to the first dot after the last slash); each sample is kept or left out with a
-reason (no image, no label, an image not every decoder reads alike, a duplicate key, a key split across two
-tars); the DALI index written beside the tar lists the kept samples only, which is how the left-out ones stay
-out of training without touching the tar. The manifest (kind `webdataset`) is written last.
+members sharing the name up to the first dot after the last slash: `format.split_member_name`); each sample
+is kept or left out with a reason (no image, no label, an image not every decoder reads alike, with
+`--decode` an image that does not decode, a duplicate key, a key split across two tars); the DALI index
+written beside the tar (or into `--index-dir`) lists the kept samples only, which is how the left-out ones
+stay out of training without touching the tar. Compressed tars, which DALI cannot read, are named with the
+command that decompresses them. The manifest (kind `webdataset`) is written last.
 
 How DALI gets the label without a binary member (DALI returns raw bytes, and a `.cls` is ASCII):
 
@@ -33,7 +35,8 @@ from pathlib import Path
 
 from .. import s3
 from ..atomic import temp_name, write_atomic
-from ..format import INDEX_VERSION, MANIFEST_NAME, ShardInfo, ShardManifest, SplitInfo, check_split_name
+from ..format import (MANIFEST_NAME, IndexEntry, ShardInfo, ShardManifest, SplitInfo, check_split_name, index_text,
+                      split_member_name)
 from ..runtime import usable_cores
 from .images import DEFAULT_MAX_PIXELS, ImageError, decode_check, read_jpeg_frame, sniff_format
 from .shards import ordered_map
@@ -150,12 +153,6 @@ class Sample:
         return Counter(m.ext for m in self.members)
 
 
-def split_name(name: str) -> tuple[str, str]:
-    """(key, extension) as wds2idx splits a member name: at the first dot after the last slash."""
-    dot = name.find(".", name.rfind("/") + 1)
-    return (name, "") if dot < 0 else (name[:dot], name[dot + 1:])
-
-
 class TarFolder:
     """Where the tars are, a local folder or s3://bucket/prefix: what `index` lists, reads and writes there."""
 
@@ -254,9 +251,10 @@ def read_tar_samples(folder: TarFolder, name: str, wanted: set[str], cfg: IndexC
                 for info in archive:
                     if not info.isreg():
                         continue
-                    key, ext = split_name(info.name)
-                    if not key or key.endswith("/"):  # hidden files, as wds2idx skips them
+                    named = split_member_name(info.name)
+                    if named is None:  # a hidden file, or no extension: a member of no sample
                         continue
+                    key, ext = named
                     if not samples or samples[-1].key != key:
                         if samples:
                             finish(samples[-1])
@@ -274,11 +272,6 @@ def read_tar_samples(folder: TarFolder, name: str, wanted: set[str], cfg: IndexC
     except (tarfile.TarError, EOFError, OSError) as e:
         raise IndexDataError(f"{folder.where(name)}: unreadable tar ({e})") from None
     return ScannedTar(name, samples, reader.size, reader.sha256.hexdigest())
-
-
-def wds2idx_line(sample: Sample) -> str:
-    """The sample's line as DALI's wds2idx writes it."""
-    return " ".join(f"{m.ext} {m.offset} {m.size} {m.name}" for m in sample.members)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -509,11 +502,11 @@ def class_index(label: int | str, classes: list[str], lookup: dict[str, int]) ->
 # The index lines
 
 
-def index_line(sample: Sample, cfg: IndexConfig) -> str:
-    """The kept sample's DALI index line: wds2idx's, with the image member's extension read as `jpg`, a
+def index_entries(sample: Sample, cfg: IndexConfig) -> list[IndexEntry]:
+    """The kept sample's DALI index entries: wds2idx's, with the image member's extension read as `jpg`, a
     `.cls` cut to its digits, or one more empty component whose name ends in the class index."""
     image = image_member(sample)
-    parts = []
+    entries = []
     for m in sample.members:
         ext, size = m.ext, m.size
         if m is image:
@@ -522,15 +515,15 @@ def index_line(sample: Sample, cfg: IndexConfig) -> str:
             continue  # not the image (a .jpeg is): DALI would see two `jpg` components
         if cfg.label_from_member and m.ext == "cls" and sample.label_size is not None:
             size = sample.label_size
-        parts.append(f"{ext} {m.offset} {size} {m.name}")
+        entries.append((ext, m.offset, size, m.name))
     if not cfg.label_from_member:
-        parts.append(f"{NAME_LABEL_EXT} {image.offset} 0 {sample.key}.label-{sample.label:0{LABEL_DIGITS}d}")
-    return " ".join(parts)
+        entries.append((NAME_LABEL_EXT, image.offset, 0, f"{sample.key}.label-{sample.label:0{LABEL_DIGITS}d}"))
+    return entries
 
 
-def index_text(samples: list[Sample], cfg: IndexConfig) -> str:
-    kept = [s for s in samples if s.reason is None]
-    return f"{INDEX_VERSION} {len(kept)}\n" + "".join(index_line(s, cfg) + "\n" for s in kept)
+def kept_index_text(samples: list[Sample], cfg: IndexConfig) -> str:
+    """The index of a tar's kept samples (`format.index_text`, the one writer of index files)."""
+    return index_text([index_entries(s, cfg) for s in samples if s.reason is None])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -567,8 +560,12 @@ EXPLAINED = ("dotted key",)  # reasons whose count alone does not say what happe
 
 def explained(skipped: list[dict]) -> list[str]:
     """For each reason of EXPLAINED among the `skipped` entries, its first entry in full."""
-    return [f"{first['path']}: {first['reason']}" for why in EXPLAINED
-            for first in [next((e for e in skipped if e["reason"].startswith(why + ":")), None)] if first]
+    lines = []
+    for why in EXPLAINED:
+        first = next((e for e in skipped if e["reason"].startswith(why + ":")), None)
+        if first is not None:
+            lines.append(f"{first['path']}: {first['reason']}")
+    return lines
 
 
 def first_few(items: list[str], sep: str = ", ", shown: int = 3) -> str:
@@ -671,7 +668,7 @@ def index_folder(cfg: IndexConfig) -> ShardManifest:
                 continue
             for s in kept:
                 info.class_counts[s.label] += 1
-            info.shards.append(write_index(out, tar, index_text(tar.samples, cfg)))
+            info.shards.append(write_index(out, tar, kept_index_text(tar.samples, cfg)))
         if info.shards:
             splits[split] = info
     remote = folder.remote
@@ -774,7 +771,7 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
             text = indexes.read_text(shard.index)
             if text is None:
                 problems.append(f"{indexes.where(shard.index)}: missing ({manifest.index_command()} writes it)")
-            elif text != index_text(tar.samples, cfg):
+            elif text != kept_index_text(tar.samples, cfg):
                 problems.append(f"{indexes.where(shard.index)}: not the index of {tar.name} ({again})")
             for sample in tar.samples:
                 why = undecodable.get((tar.name, sample.key))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 from ..atomic import temp_name, write_atomic, write_json_atomic
-from ..format import INDEX_VERSION, TAR_BLOCK, ShardInfo, file_sha256
+from ..format import TAR_BLOCK, IndexEntry, ShardInfo, file_sha256, index_text
 from ..runtime import DiskFull, die_with_parent, is_disk_full
 
 PROGRESS_DIR = ".dalifeed-progress"
@@ -205,7 +205,7 @@ class ShardFile:
         self._tmp_tar = temp_name(self.tar_path)
         self._file = open(self._tmp_tar, "wb")
         self._sha256 = hashlib.sha256()
-        self._index_lines: list[str] = []
+        self._index: list[list[IndexEntry]] = []  # per sample, its members
         self.bytes_so_far = 0
         self.samples = 0
 
@@ -221,7 +221,7 @@ class ShardFile:
 
     def add(self, packed: PackedSample) -> None:
         base = self.bytes_so_far
-        self._index_lines.append(" ".join(f"{ext} {base + off} {size} {name}" for ext, off, size, name in packed.entries))
+        self._index.append([(ext, base + off, size, name) for ext, off, size, name in packed.entries])
         for part in packed.parts:
             self._write(part.read() if isinstance(part, SourceFile) else part)
         self.samples += 1
@@ -238,7 +238,7 @@ class ShardFile:
                 raise DiskFull(f"{self.tar_path}: {e.strerror}") from e
             raise
         self._file.close()
-        index = (f"{INDEX_VERSION} {self.samples}\n" + "".join(line + "\n" for line in self._index_lines)).encode()
+        index = index_text(self._index).encode()
         write_atomic(self.idx_path, index)
         os.replace(self._tmp_tar, self.tar_path)
         return ShardInfo(self.tar_path.name, self.idx_path.name, self.samples, self.bytes_so_far,

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from .. import s3
 from ..format import (CLASS_I64_MEMBER, CLASS_MEMBER, IMAGE_MEMBER, IMAGEFOLDER_MEMBERS, IMAGEFOLDER_META,
-                      INDEX_VERSION, META_MEMBER, TAR_BLOCK, ManifestError, ShardInfo, ShardManifest, meta_problems)
+                      META_MEMBER, IndexEntry, ManifestError, ShardInfo, ShardManifest, index_text, meta_problems,
+                      split_member_name)
 from ..shardfolder import fetch_index, open_shard_folder
 from .images import DEFAULT_MAX_PIXELS, EXIF_ORIENTATION, ImageError, decode_check, read_jpeg_frame
 
@@ -149,17 +150,18 @@ def source_of(members: dict[str, bytes]) -> str:
 
 
 def read_samples(tar: Path | bytes) -> tuple[dict[str, dict[str, bytes]], str]:
-    """Members grouped by key (as webdataset groups them: consecutive, split at the first dot), and the
+    """Members grouped by key (as webdataset groups them: consecutive, `format.split_member_name`), and the
     DALI index the tar should have, derived from the offsets tarfile reads."""
     samples: dict[str, dict[str, bytes]] = {}
-    lines: list[list[str]] = []
+    entries: list[list[IndexEntry]] = []
     last_key = None
     opened = tarfile.open(fileobj=io.BytesIO(tar), mode="r:") if isinstance(tar, bytes) else tarfile.open(tar, "r:")
     with opened as archive:
         for member in archive:
-            if not member.isreg():
+            named = split_member_name(member.name) if member.isreg() else None
+            if named is None:
                 continue
-            key, _, ext = member.name.partition(".")
+            key, ext = named
             payload = archive.extractfile(member).read()
             if len(payload) != member.size:
                 raise EOFError(f"member {member.name} is cut short")
@@ -167,11 +169,10 @@ def read_samples(tar: Path | bytes) -> tuple[dict[str, dict[str, bytes]], str]:
                 if key in samples:
                     raise tarfile.TarError(f"key {key} appears twice, not consecutively")
                 samples[key], last_key = {}, key
-                lines.append([])
+                entries.append([])
             samples[key][ext] = payload
-            lines[-1].append(f"{ext} {member.offset + TAR_BLOCK} {member.size} {member.name}")
-    index = f"{INDEX_VERSION} {len(lines)}\n" + "".join(" ".join(parts) + "\n" for parts in lines)
-    return samples, index
+            entries[-1].append((ext, member.offset_data, member.size, member.name))
+    return samples, index_text(entries)
 
 
 def check_class_labels(where: str, members: dict[str, bytes], num_classes: int) -> list[str]:

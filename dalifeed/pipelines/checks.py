@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from dalifeed.format import split_member_name
 from dalifeed.s3 import StorageError
 
 from .budget import thread_budget
@@ -90,7 +91,13 @@ def indexed_samples(tar: str, idx: str, image_ext: str = "jpg") -> Iterator[Samp
             for i in range(0, len(fields) - 3, 4):
                 ext, offset, size, name = fields[i:i + 4]
                 if ext == image_ext:
-                    yield SampleRef(tar, name.split(".", 1)[0], ext, int(offset), int(size))
+                    yield SampleRef(tar, member_key(name), ext, int(offset), int(size))
+
+
+def member_key(name: str) -> str:
+    """The sample key of an index entry's member name (an index lists members of samples only)."""
+    named = split_member_name(name)
+    return named[0] if named else name
 
 
 class DaliDecoder:
@@ -173,10 +180,8 @@ def sample_named_in(summary: str) -> tuple[str, str, str] | None:
     """(tar path, sample key, member extension) when DALI's message names the sample, as its webdataset
     reader's source info "<tar>:<offset>:<member>"."""
     match = _SAMPLE_SOURCE.search(summary)
-    if not match:
-        return None
-    key, _, ext = match["member"].partition(".")
-    return match["tar"], key, ext
+    named = split_member_name(match["member"]) if match else None
+    return (match["tar"], *named) if named else None
 
 
 def index_named_in(summary: str) -> tuple[str, str] | None:

@@ -19,7 +19,7 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 from PIL import Image
 
-from dalifeed.format import CLASS_MEMBER, IMAGE_MEMBER
+from dalifeed.format import CLASS_MEMBER, IMAGE_MEMBER, split_member_name
 from dalifeed.shardfolder import open_shard_folder
 
 from .graphs import AugmentConfig, train_augment
@@ -40,7 +40,10 @@ def first_samples(shards: str | Path, split: str, n: int) -> tuple[list[bytes], 
     for path in manifest.shard_paths(split):
         with tarfile.open(path) as tar:
             for member in tar:
-                key, _, extension = Path(member.name).name.partition(".")
+                named = split_member_name(member.name) if member.isreg() else None
+                if named is None:
+                    continue
+                key, extension = named
                 if extension == IMAGE_MEMBER and len(jpegs) < n:
                     jpegs[key] = tar.extractfile(member).read()
                 elif extension == label_member:
