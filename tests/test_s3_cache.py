@@ -20,6 +20,7 @@ import torch
 
 from dalifeed import s3
 from dalifeed.pipelines import make_loader
+from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.shardcache import CacheConfig, CacheFull, ShardCache, rank_shards, shard_cache_of
 from dalifeed.shardfolder import open_shard_folder
 from dalifeed.convert import ConvertConfig, convert_imagefolder
@@ -379,7 +380,7 @@ def test_dali_opens_every_tar_when_it_builds_the_pipeline(store, tmp_path):
                                                                                   loader._shard_range(0))}]
     missing = str(tmp_path / "missing.tar")
     loader._epoch_files = lambda shards: ([missing if t == others[0] else t for t in tars], indexes)
-    with pytest.raises(Exception, match="File mapping failed"):
+    with pytest.raises(ShardDataError, match=rf"\(File mapping failed: {re.escape(missing)}\); check the shards"):
         next(iter(loader))
 
 
