@@ -424,7 +424,11 @@ def test_bench_races_a_policy_through_every_loader_and_records_it(photo_shards, 
     report = json.loads((out / "bench.json").read_text())
     assert report["config"]["auto_augment"] == "ta_wide" and report["config"]["random_erase"] == 0.25
     assert [r["loader"] for r in report["results"]] == ["baseline", "dali-cpu"]
-    assert all(r["images_per_s"] > 0 for r in report["results"])
+    baseline, dali = report["results"]
+    for r in (baseline, dali):  # both hand out the policy's 32 px float batches; one repeat: its run is the median
+        assert r["output"] == "(4, 3, 32, 32) float32 cpu" and r["images_per_s_runs"] == [r["images_per_s"]], r
+    assert baseline["speedup_vs_baseline"] == 1.0
+    assert dali["speedup_vs_baseline"] == dali["images_per_s"] / baseline["images_per_s"]
     preview = Image.open(out / "preview.png")
     # 3 columns (stored, DALI, torchvision) under a header line; 3 rows, each image captioned with its label
     assert preview.size == (3 * (32 + 4) + 4, 12 + 3 * (32 + 12 + 4) + 4)
