@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -105,6 +106,7 @@ BUSY_WORK = bytes(1 << 20)
 
 def test_resource_sampler_reads_its_probes_until_the_block_ends():
     readings = iter([None, 1.0, 3.0] + [5.0] * 10_000)  # None: no reading this time
+    threads_before = set(threading.enumerate())
     with ResourceSampler({"probe": lambda: next(readings)}, period=0.01) as sampler:
         start, started = time.process_time(), time.perf_counter()
         while time.process_time() - start < 0.2:  # CPU time, whatever else the machine runs
@@ -118,8 +120,9 @@ def test_resource_sampler_reads_its_probes_until_the_block_ends():
     assert sampler.cpu_seconds >= 0.18 and sampler.wall_seconds >= busy
     assert sampler.peak("rss_bytes") > 50 * 2**20  # this process, torch loaded
     assert sampler.mean("gpu_util_percent") is None  # no such probe given
-    time.sleep(0.05)
-    assert len(sampler.samples["probe"]) == len(values)  # the thread stopped with the block
+    # the sampling thread ended with the block (joined, not left running to add samples later)
+    assert set(threading.enumerate()) - threads_before == set()
+    assert len(sampler.samples["probe"]) == len(values)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
