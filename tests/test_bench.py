@@ -69,7 +69,10 @@ def test_dali_bench_cli_writes_table_json_and_plot(bench_data, tmp_path):
         assert r["output"] == "(8, 3, 32, 32) float32 cpu"
         # CPU clocks tick every 10 ms per process, so a window this short can read a little over 100%
         assert 0 < r["cpu_percent"] < 150 and r["peak_rss_mb"] > 50
-        assert r["train_steps_per_s"] > 0 and 0 <= r["data_wait_share"] < 1
+        # the model's rate fed by this loader, against the one on synthetic data recorded beside it
+        assert r["train_vs_synthetic"] == r["train_steps_per_s"] / report["synthetic"]["steps_per_s"]
+        assert 0 <= r["data_wait_share"] < 1
+    assert report["synthetic"]["images_per_s"] == report["synthetic"]["steps_per_s"] * 8  # batches of 8
     assert by_name["dali-cpu"]["speedup_vs_baseline"] == \
         pytest.approx(by_name["dali-cpu"]["images_per_s"] / by_name["baseline"]["images_per_s"])
     assert report["environment"]["cores"] == usable_cores() and report["synthetic"]["model"] == "resnet18"
