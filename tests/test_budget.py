@@ -3,6 +3,7 @@ rank: the functions under given cgroup files and environments, and two real torc
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -55,10 +56,37 @@ def test_slurm_cpus_per_task_limits_the_cores_and_nonsense_is_ignored(tmp_path):
         assert usable_cores(affinity=64, environ={"SLURM_CPUS_PER_TASK": nonsense}, **paths) == 3
 
 
-def test_this_machine_has_a_quota_or_none_and_its_cores_are_its_affinity_at_most():
-    quota = cgroup_cpu_quota()
-    assert quota is None or quota > 0
-    assert 1 <= usable_cores(environ={}) <= len(os.sched_getaffinity(0))
+def quotas_on_this_machine() -> list[float]:
+    """Every CPU quota (CPUs' worth) set on this process's cgroups and their ancestors, read from the kernel's
+    files here and now: cgroup v2's cpu.max ("max" or "QUOTA PERIOD") and v1's cfs_quota_us (-1: none)."""
+    root, quotas = Path("/sys/fs/cgroup"), []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, own = line.split(":", 2)
+        if controllers == "":
+            folders, names = [root], ("cpu.max",)
+        elif "cpu" in controllers.split(","):
+            folders, names = [root / "cpu", root / "cpu,cpuacct"], ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        for folder in folders:
+            path = folder / own.strip("/")
+            for level in [path, *path.parents]:
+                if len(level.parts) < len(folder.parts):
+                    break
+                if names == ("cpu.max",) and (level / "cpu.max").exists():
+                    quota, period = (level / "cpu.max").read_text().split()
+                    quotas += [] if quota == "max" else [int(quota) / int(period)]
+                elif names != ("cpu.max",) and (level / names[0]).exists():
+                    quota, period = (int((level / name).read_text()) for name in names)
+                    quotas += [] if quota == -1 else [quota / period]
+    return quotas
+
+
+def test_this_machines_quota_and_cores_are_what_its_cgroup_files_say():
+    quotas = quotas_on_this_machine()
+    assert cgroup_cpu_quota() == (min(quotas) if quotas else None)
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cores(environ={}) == max(1, min([affinity] + [math.ceil(q) for q in quotas]))
 
 
 @pytest.mark.parametrize("device, cores, environ, visible, threads, ranks", [

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -330,12 +331,22 @@ def test_verify_passes_a_sound_folder(shards):
 
 def test_verify_catches_a_truncated_shard(shards):
     tar = shards / "train-000001.tar"
+    with tarfile.open(tar) as archive:  # the oracle: which members the first 3000 bytes hold whole
+        ends = {m.name: m.offset_data + m.size for m in archive}
+    whole = [name for name, end in ends.items() if end <= 3000]
+    keys = list(dict.fromkeys(name.partition(".")[0] for name in whole))
+    cut = sorted("." + name.partition(".")[2] for name in ends if name.partition(".")[0] == keys[-1]
+                 and name not in whole)
+    assert 1 <= len(keys) < 8 and cut, (whole, ends)  # the cut falls inside a sample, after a whole one
+    size = tar.stat().st_size
     tar.write_bytes(tar.read_bytes()[:3000])
     result = run_cli("verify", shards)
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if "train-000001.tar" in line]
-    assert any("bytes, the manifest says" in line for line in lines)
-    assert any("unreadable tar" in line or "samples, the manifest says" in line for line in lines)
+    assert lines == [f"{tar}: 3000 bytes, the manifest says {size} (truncated or replaced)",
+                     f"{tar}: sha256 differs from the manifest (modified or corrupt)",
+                     f"{tar}: {len(keys)} samples, the manifest says 8",
+                     f"{tar}: sample {keys[-1]}: missing {', '.join(cut)}"], result.output
 
 
 def test_verify_catches_a_tampered_shard_and_index(shards):

@@ -11,6 +11,7 @@ import torch
 import torchvision.transforms as T
 from PIL import Image
 
+from dalifeed.format import ManifestError
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD, make_loader
 
 from helpers import convert
@@ -198,9 +199,9 @@ def test_bad_arguments_are_clear(photo_shards, tmp_path):
         make_loader(photo_shards, "train", 4, device="tpu")
     with pytest.raises(ValueError, match="too few for batch"):
         make_loader(photo_shards, "train", 64, device="cpu")
-    with pytest.raises(Exception, match="no split 'test'"):
+    with pytest.raises(ManifestError, match=r"manifest\.json: no split 'test' \(has: train\)$"):
         make_loader(photo_shards, "test", 4, device="cpu")
-    with pytest.raises(Exception, match="missing"):
+    with pytest.raises(ManifestError, match=r"manifest\.json: missing \(not a dalifeed shard folder"):
         make_loader(tmp_path, "train", 4, device="cpu")
     with pytest.raises(ValueError, match="crop_scale"):
         make_loader(photo_shards, "train", 4, device="cpu", crop_scale=(0.5, 0.1))

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 
 import boto3
@@ -29,7 +30,7 @@ from dalifeed.convert import ConvertConfig, convert_imagefolder
 from dalifeed.convert.cli import main as convert_cli
 from dalifeed.convert.remote import MAX_PENDING, default_staging
 from dalifeed.train.cli import main as train_cli
-from helpers import start_s3_server, stop_s3_server, write_coco, write_imagefolder
+from helpers import start_s3_server, stop_s3_server, wait_for, write_coco, write_imagefolder
 
 SPEC = {"train": {"a": 13, "b": 11, "c": 7}, "val": {"a": 3, "b": 4, "c": 2}}
 # dali-train settings that learn 45 images in seconds on a CPU (test_train.py's FAST)
@@ -274,7 +275,11 @@ def test_a_conversion_killed_mid_upload_resumes_into_the_same_dataset(s3_bucket,
     assert staged <= MAX_PENDING + 1  # the staging folder held a few shards at most
     before = {o["Key"]: o["LastModified"] for o in client.list_objects_v2(Bucket=bucket, Prefix="killed/")["Contents"]}
     assert "killed/train-000000.tar" in before and "killed/manifest.json" not in before
-    time.sleep(1.1)  # LastModified has whole seconds: an upload after this shows
+    # LastModified has whole seconds: once the store's clock is a second past the last upload, another shows
+    def store_now():
+        return parsedate_to_datetime(client.list_objects_v2(Bucket=bucket, MaxKeys=1)["ResponseMetadata"]
+                                     ["HTTPHeaders"]["date"])
+    wait_for(lambda: (store_now() - max(before.values())).total_seconds() >= 1, what="the store's clock to tick")
 
     # resume from a fresh staging folder: the state comes from the store
     resumed, _ = run(["dalifeed.convert.cli", "imagefolder", str(tmp_path / "src"), killed, "--quiet",

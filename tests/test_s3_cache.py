@@ -20,6 +20,7 @@ import torch
 
 from dalifeed import s3
 from dalifeed.pipelines import make_loader
+from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.shardcache import CacheConfig, CacheFull, ShardCache, rank_shards, shard_cache_of
 from dalifeed.shardfolder import open_shard_folder
 from dalifeed.convert import ConvertConfig, convert_imagefolder
@@ -246,10 +247,14 @@ ShardCache(manifest, CacheConfig(Path(sys.argv[2]))).pin(manifest.split_info("tr
 
 
 def test_a_killed_download_is_never_read(store, tmp_path):
-    """A rank killed (SIGKILL) while it downloads a tar (the answer slowed to 20 kB/s) leaves a part file,
-    never the tar; the next rank that needs it fetches it whole."""
-    proxy, endpoint = start_proxy(store.endpoint, 0, rate_mb=0.02)
+    """A rank killed (SIGKILL) while it downloads a tar leaves a part file, never the tar; the next rank that
+    needs it fetches it whole. The answer is slowed to 5 kB/s, so the 30 kB tar's GET takes 6 s at least: the
+    download is in flight from the moment its part file appears until then, and the test kills it at once."""
+    proxy, endpoint = start_proxy(store.endpoint, 0, rate_mb=0.005)
     folder = tmp_path / "cache"
+    manifest = open_shard_folder(store.url)
+    shard = manifest.split_info("train").shards[0]
+    assert shard.bytes >= 30_000  # the 6 s above
     try:
         child = subprocess.Popen([sys.executable, "-c", FETCH_ONE, store.url, str(folder)],
                                  env={**os.environ, "AWS_ENDPOINT_URL": endpoint})
@@ -257,16 +262,14 @@ def test_a_killed_download_is_never_read(store, tmp_path):
         while not list((folder / "shards").glob("*.part")):
             assert time.monotonic() < deadline and child.poll() is None
             time.sleep(0.02)
-        time.sleep(0.3)  # some bytes written, most not
         child.send_signal(signal.SIGKILL)
-        child.wait()
+        assert child.wait() == -signal.SIGKILL  # killed, not finished
     finally:
         proxy.kill()
     assert not list((folder / "shards").glob("*.tar"))
-    assert len(list((folder / "shards").glob("*.part"))) == 1
+    [part] = (folder / "shards").glob("*.part")
+    assert part.read_bytes() != (store.local / shard.path).read_bytes()  # allocated, the tar not (all) in it
 
-    manifest = open_shard_folder(store.url)
-    shard = manifest.split_info("train").shards[0]
     cache = ShardCache(manifest, CacheConfig(folder))
     cache.pin(shard)
     assert cache.path(shard).read_bytes() == (store.local / shard.path).read_bytes()
@@ -379,7 +382,7 @@ def test_dali_opens_every_tar_when_it_builds_the_pipeline(store, tmp_path):
                                                                                   loader._shard_range(0))}]
     missing = str(tmp_path / "missing.tar")
     loader._epoch_files = lambda shards: ([missing if t == others[0] else t for t in tars], indexes)
-    with pytest.raises(Exception, match="File mapping failed"):
+    with pytest.raises(ShardDataError, match=rf"\(File mapping failed: {re.escape(missing)}\); check the shards"):
         next(iter(loader))
 
 

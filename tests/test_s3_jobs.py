@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 
 import boto3
@@ -22,7 +23,7 @@ from dalifeed import s3
 from dalifeed.convert import ConvertConfig, convert_imagefolder
 from dalifeed.convert.cli import main as convert_cli
 from dalifeed.convert.lease import Lease, LeaseHeld, LeaseLost, lease_name
-from helpers import write_imagefolder
+from helpers import wait_for, write_imagefolder
 
 SPEC = {"train": {"a": 9, "b": 8, "c": 6}, "val": {"a": 3, "b": 3}}
 OPTIONS = ["--samples-per-shard", "4", "--workers", "1", "--quiet"]
@@ -92,6 +93,15 @@ def write_lease(url: str, host: str, pid: int, index: int = 0, count: int = 1) -
                  json.dumps({"host": host, "pid": pid, "started": time.time(), "renewed": time.time()}).encode())
 
 
+def lease_age(url: str) -> float:
+    """Seconds since the lease object was written, by the store's clock (its Date header minus Last-Modified,
+    whole seconds both), as a run deciding staleness sees it."""
+    bucket, key = s3.parse_s3_url(url)
+    head = boto3.client("s3").head_object(Bucket=bucket, Key=key)
+    now = parsedate_to_datetime(head["ResponseMetadata"]["HTTPHeaders"]["date"])
+    return (now - head["LastModified"]).total_seconds()
+
+
 def test_a_lease_not_renewed_is_taken_over_after_the_staleness_limit(tree_and_single, s3_bucket, tmp_path):
     src, single = tree_and_single
     url = f"{s3_bucket}/stale"
@@ -103,7 +113,7 @@ def test_a_lease_not_renewed_is_taken_over_after_the_staleness_limit(tree_and_si
         in errors[0], refused.output
     assert "taken over once not renewed for 60 s" in errors[0]
 
-    time.sleep(2.1)  # Last-Modified has whole seconds
+    wait_for(lambda: lease_age(f"{url}/{lease_name(0, 1)}") >= 2, what="the lease to be 2 s old by the store's clock")
     manifest = convert_imagefolder(ConvertConfig(src=src, out=url, samples_per_shard=4, workers=1, progress=False,
                                                  lease_stale_s=2))
     assert manifest.summary.status == "fresh"
@@ -119,7 +129,7 @@ def test_a_holder_whose_lease_was_taken_over_stops(s3_bucket):
             Lease(url, 0, 1, stale_s=30).acquire()  # alive, on this host, renewed: not taken
         taker = Lease(url, 0, 1, stale_s=0)  # anything is stale to it: takes over at once
         taker.acquire()
-        time.sleep(0.5)
+        wait_for(lambda: holder.lost is not None, timeout=30, what="the holder's next renewal to find the lease taken")
         with pytest.raises(LeaseLost, match=f"{url}: another conversion took this run's lease over"):
             holder.check()
         taker.release()

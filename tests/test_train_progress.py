@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from dalifeed.train.cli import main as train_cli
@@ -72,12 +73,14 @@ def test_a_log_gets_progress_lines_between_epoch_lines_and_tensorboard_per_step_
                                             (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, "end")], log.read_text()
     lines = {(e, s): m for e, s, m in seen if m}
     for (epoch, step), m in lines.items():
-        assert int(m["steps"]) == 5 and int(m["rate"]) > 0 and 0 <= int(m["wait"]) <= 100
+        assert int(m["steps"]) == 5 and 0 <= int(m["wait"]) <= 100
         assert seconds(m["run"]) >= seconds(m["left"])
     # the running mean loss at an epoch's last step is the epoch's train_loss; the time left then is none
     for epoch in (0, 1):
         assert float(lines[epoch, 5]["loss"]) == pytest.approx(records[epoch]["train_loss"], rel=1e-3)
         assert seconds(lines[epoch, 5]["left"]) == 0
+        # the rate over the epoch's 40 images when its last step is done: the epoch's, a moment before it ends
+        assert int(lines[epoch, 5]["rate"]) >= int(records[epoch]["images_per_s"])
     assert seconds(lines[1, 5]["run"]) == 0 and seconds(lines[0, 1]["run"]) >= seconds(lines[0, 1]["left"])
 
     # TensorBoard: a point per optimizer step in tensorboard/steps; the epoch scalars stay apart
@@ -89,9 +92,50 @@ def test_a_log_gets_progress_lines_between_epoch_lines_and_tensorboard_per_step_
     for epoch in (0, 1):  # each point is one step's loss: an epoch's five average to its train_loss
         mean = sum(losses[s] for s in range(5 * epoch + 1, 5 * epoch + 6)) / 5
         assert mean == pytest.approx(records[epoch]["train_loss"], rel=1e-4)
-    assert all(v > 0 for _, v in scalars(steps, "step/images_per_s"))
+    rates = dict(scalars(steps, "step/images_per_s"))
+    for epoch in (0, 1):  # 40 images (5 batches of 8) in the epoch's seconds, as metrics.jsonl records them
+        assert records[epoch]["images_per_s"] * records[epoch]["epoch_seconds"] == pytest.approx(40)
+        # a point's rate is its step's 8 images over the seconds since the point before: those add up to no
+        # more than the epoch (a rate over the epoch so far would add up to about 3 epochs)
+        step_seconds = [8 / rates[s] for s in range(5 * epoch + 1, 5 * epoch + 6)]
+        assert sum(step_seconds) <= records[epoch]["epoch_seconds"] * (1 + 1e-9), (step_seconds, records[epoch])
     assert all(0 <= v <= 1 for _, v in scalars(steps, "step/data_wait_share"))
     assert [s for s, _ in scalars(run / "tensorboard", "top1")] == [0, 1]
+
+
+def test_rates_are_images_over_the_seconds_given(tmp_path):
+    """EpochProgress's numbers from given counts and clock readings (`now`), on two ranks: a progress line
+    over the epoch so far, a TensorBoard point over the steps since the point before."""
+    from dalifeed.train.config import TrainConfig
+    from dalifeed.train.distributed import Dist
+    from dalifeed.train.loop import EpochStats
+    from dalifeed.train.progress import EpochProgress
+    from dalifeed.train.trainer import Run
+
+    cfg = TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"), epochs=1, tensorboard_every=1)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = Run(cfg=cfg, dist=Dist(rank=0, world_size=2, local_rank=0, device=torch.device("cpu")), model=model,
+              optimizer=optimizer, scheduler=torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0),
+              scaler=torch.amp.GradScaler(enabled=False), train_loader=None,
+              run_log=RunLog(tmp_path / "run", enabled=True, resume_epoch=None))
+    progress = EpochProgress(run, steps=5, stats=EpochStats())
+    start = progress.start
+
+    # 2 steps of 8 images per rank in 2 s, 0.5 s of it waiting for data; then 1 step of 8 in the next 4 s
+    run.state.step = 2
+    progress.write_scalars(EpochStats(images=16, data_wait=0.5, steps=2), start + 2.0, lr=0.1)
+    run.state.step = 3
+    stats = EpochStats(images=24, data_wait=1.5, steps=3)
+    progress.write_scalars(stats, start + 6.0, lr=0.1)
+    run.run_log.steps_tb.close()
+    steps = tmp_path / "run" / "tensorboard" / "steps"
+    assert scalars(steps, "step/images_per_s") == [(2, 16 * 2 / 2.0), (3, 8 * 2 / 4.0)]
+    assert scalars(steps, "step/data_wait_share") == [(2, 0.5 / 2.0), (3, 1.0 / 4.0)]
+
+    # the line: 24 x 2 images in 6 s; 2 s a step, 2 steps left
+    assert progress.line(stats, start + 6.0) == ("epoch 0 step 3/5: 8 images/s, loss 0, data wait 25%, "
+                                                 "left: epoch 00:04, run 00:04")
 
 
 def test_no_progress_lines_on_a_terminal_or_when_turned_off(shards, tmp_path):
