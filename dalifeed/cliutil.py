@@ -108,6 +108,13 @@ def write_traceback(log: Path | None, error: BaseException) -> Path | None:
     return log
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message, or its type's name when it has none: torch.load's errors run
+    over several lines (weights_only's advice), as do torch's shape checks (dalifeed/train/models.py)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def error_text(error: BaseException) -> str:
     """The one line an error is shown as: an OSError as "<file>: <what the OS said>" (not "[Errno 13] ...")."""
     if isinstance(error, OSError) and error.strerror and error.filename is not None:

@@ -108,7 +108,7 @@ def test_rates_are_images_over_the_seconds_given(tmp_path):
     over the epoch so far, a TensorBoard point over the steps since the point before."""
     from dalifeed.train.config import TrainConfig
     from dalifeed.train.distributed import Dist
-    from dalifeed.train.loop import EpochStats
+    from dalifeed.train.state import EpochStats
     from dalifeed.train.progress import EpochProgress
     from dalifeed.train.trainer import Run
 

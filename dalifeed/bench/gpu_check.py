@@ -56,6 +56,7 @@ from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 from dalifeed.runtime import usable_cores
 
 from . import gpu_recipes
+from .gpu_node import decoder_budget
 from .gpu_defaults import defaults_step
 from .config import BenchConfig
 from .gpu_report import decoder_memory_line, goals, render_markdown
@@ -133,23 +134,6 @@ def environment(has_gpu: bool) -> dict:
     return env
 
 
-def decoder_budget(cores: int | None = None, gpus: int | None = None, environ=os.environ) -> dict:
-    """What each `mixed` decoder of a dali-train rank on this node reserves when built, at dali-train's default
-    DALI threads per pipeline for one rank per visible GPU (`torchrun --nproc-per-node gpu`; budget.py), not
-    at --workers: graphs.decoder_memory (docs/gpu.md), its paddings per thread and the GPU and pinned host
-    memory they add up to. `cores` and `gpus` default to this process's (usable_cores, torch)."""
-    from dalifeed.pipelines.budget import thread_budget
-    from dalifeed.pipelines.graphs import decoder_memory
-
-    gpus = torch.cuda.device_count() if gpus is None else gpus
-    budget = thread_budget("gpu", cores=cores, visible_gpus=gpus, environ={**environ, "LOCAL_WORLD_SIZE": str(max(1, gpus))})
-    memory, mib = decoder_memory(budget.threads), 2**20
-    return {"threads": budget.threads, "ranks_on_node": budget.ranks_on_node, "cores": budget.cores,
-            "budget": budget.describe(),
-            "device_padding_mib": memory.device_padding / mib, "host_padding_mib": memory.host_padding / mib,
-            "gpu_mib": memory.device_bytes / mib, "pinned_mib": memory.pinned_bytes / mib}
-
-
 def driver_version() -> str | None:
     """The NVIDIA driver's version as NVML gives it, or None where NVML does not answer."""
     from dalifeed.nvml import open_gpu
@@ -192,6 +176,10 @@ class CheckRun:
     @property
     def device(self) -> str:
         return "gpu" if self.has_gpu else "cpu"
+
+    def train_slice(self, name: str, synthetic: bool, extra: list[str] | tuple = ()) -> dict:
+        """`train_slice` of this run (what a recipe step calls for its training slice)."""
+        return train_slice(self, name, synthetic, extra)
 
     @property
     def train_ranks(self) -> int:

@@ -10,15 +10,14 @@ the best setting, and what dalifeed would use here by default.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dalifeed.pipelines import defaults
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 
+from .gpu_node import decoder_budget
 from .gpu_recipes import timed_rate
 
-if TYPE_CHECKING:
-    from .gpu_check import CheckRun
+# A step's `run` is a gpu_check.CheckRun (its `cfg` a GpuCheckConfig), named in annotations only: gpu_check
+# imports this module, so importing it back would tie the two into a circle.
 
 THREADS = (4, defaults.MIXED_DECODE_THREADS, 8)
 PREFETCH_DEPTHS = (defaults.DALI_PREFETCH_QUEUE_DEPTH, defaults.GPU_PREFETCH_QUEUE_DEPTH)
@@ -31,8 +30,6 @@ def thread_choices(cores_per_rank: int) -> list[int]:
 
 def defaults_step(run: "CheckRun") -> dict:
     from dalifeed.pipelines import make_loader
-
-    from .gpu_check import decoder_budget
 
     cfg, device = run.cfg, run.device
     budget = decoder_budget()  # what dali-train gives one rank per visible GPU

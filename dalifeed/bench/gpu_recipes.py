@@ -24,14 +24,16 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from dalifeed.atomic import write_json_atomic
 
-if TYPE_CHECKING:
-    from .gpu_check import CheckRun, GpuCheckConfig
+from .gpu_node import decoder_budget
+
+# A step's `run` is a gpu_check.CheckRun (its `cfg` a GpuCheckConfig), named in annotations only: gpu_check
+# imports this module, so importing it back would tie the two into a circle.
 
 # Largest mean absolute difference, in normalised units (1/255 of a grey level is 0.017), between the hybrid
 # and the cpu loader's first batch for a case to match: the gpu tests hold hybrid validation to 0.01
@@ -247,9 +249,7 @@ def recipe_step(name: str) -> Callable[["CheckRun"], dict]:
                    "cutmix_alpha": found.cutmix_alpha, "task": found.task, "batch_size": batch_size,
                    "batches": cfg.recipe_batches, "cases": cases}
         if found.train_recipe:
-            from .gpu_check import train_slice
-
-            section["train"] = train_slice(run, name, synthetic=False, extra=["--recipe", found.train_recipe])
+            section["train"] = run.train_slice(name, synthetic=False, extra=["--recipe", found.train_recipe])
         return section
 
     step.__doc__ = f"{name}: {recipe(name).about}"
@@ -257,8 +257,6 @@ def recipe_step(name: str) -> Callable[["CheckRun"], dict]:
 
 
 def rank_threads() -> int:
-    from .gpu_check import decoder_budget
-
     return decoder_budget()["threads"]
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from dalifeed.atomic import atomic_path
+from dalifeed.cliutil import first_line
 
 from .config import ConfigError
 
@@ -92,13 +93,6 @@ def load(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # a truncated or foreign file
         raise ConfigError(f"{path}: unreadable checkpoint ({type(e).__name__}: {first_line(e)})") from None
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an error's message, or its type's name when it has none: torch.load's errors run
-    over several lines (weights_only's advice), as do torch's shape checks (models.py)."""
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def numpy_rng_globals() -> list:

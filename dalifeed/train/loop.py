@@ -11,9 +11,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import nullcontext
-from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,42 +21,14 @@ from .distributed import Dist, all_reduce_sum, gather_objects, log
 from .mixdata import evaluate_each
 from .mixup import BatchMixer, soft_cross_entropy
 from .progress import EpochProgress
+from .state import EpochStats, TrainState
 from .stop import agree_to_skip
 
-if TYPE_CHECKING:
-    from .trainer import Run
+# `run` is a trainer.Run, named in annotations only: trainer imports this module.
 
 
 class TrainingDiverged(Exception):
     """The loss stayed non-finite for `max_bad_steps` optimizer steps in a row."""
-
-
-@dataclass
-class EpochStats:
-    loss: float = 0.0  # the sum over the steps taken while the epoch runs, their mean once it ends
-    images: int = 0
-    seconds: float = 0.0
-    data_wait: float = 0.0
-    bad_steps: int = 0
-    steps: int = 0  # optimizer steps (taken or skipped)
-
-
-@dataclass
-class TrainState:
-    """What moves between epochs and into checkpoints besides the modules."""
-
-    epoch: int = 0  # the next epoch to run
-    step: int = 0  # optimizer steps taken
-    best_score: float = -1.0  # the best `epoch_score` so far: what best.pt holds
-    bad_streak: int = 0
-
-    @classmethod
-    def from_checkpoint(cls, saved: dict) -> TrainState:
-        """A checkpoint's "state"; checkpoints written before the score had its name called it best_top1."""
-        saved = dict(saved)
-        if "best_top1" in saved:
-            saved["best_score"] = saved.pop("best_top1")
-        return cls(**saved)
 
 
 def train_one_epoch(run: Run, stats: EpochStats | None = None) -> EpochStats:

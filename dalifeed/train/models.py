@@ -9,7 +9,7 @@ import torchvision
 from torch import nn
 from torchvision.models.resnet import ResNet
 
-from .checkpoint import first_line
+from dalifeed.cliutil import first_line
 
 
 class WidthResNet(ResNet):

@@ -8,7 +8,6 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
@@ -17,10 +16,9 @@ from dalifeed.atomic import write_atomic
 from dalifeed.runtime import DiskFull, is_disk_full
 
 from .distributed import log
+from .state import EpochStats
 
-if TYPE_CHECKING:
-    from .loop import EpochStats
-    from .trainer import Run
+# `run` is a trainer.Run, named in annotations only: trainer imports this module.
 
 
 class EpochProgress:

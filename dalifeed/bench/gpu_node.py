@@ -1,0 +1,25 @@
+"""gpu-check's view of a node that its steps share without importing gpu_check: what a dali-train rank's
+`mixed` decoder reserves at dali-train's default DALI threads."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def decoder_budget(cores: int | None = None, gpus: int | None = None, environ=os.environ) -> dict:
+    """What each `mixed` decoder of a dali-train rank on this node reserves when built, at dali-train's default
+    DALI threads per pipeline for one rank per visible GPU (`torchrun --nproc-per-node gpu`; budget.py), not
+    at --workers: graphs.decoder_memory (docs/gpu.md), its paddings per thread and the GPU and pinned host
+    memory they add up to. `cores` and `gpus` default to this process's (usable_cores, torch)."""
+    from dalifeed.pipelines.budget import thread_budget
+    from dalifeed.pipelines.graphs import decoder_memory
+
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    budget = thread_budget("gpu", cores=cores, visible_gpus=gpus, environ={**environ, "LOCAL_WORLD_SIZE": str(max(1, gpus))})
+    memory, mib = decoder_memory(budget.threads), 2**20
+    return {"threads": budget.threads, "ranks_on_node": budget.ranks_on_node, "cores": budget.cores,
+            "budget": budget.describe(),
+            "device_padding_mib": memory.device_padding / mib, "host_padding_mib": memory.host_padding / mib,
+            "gpu_mib": memory.device_bytes / mib, "pinned_mib": memory.pinned_bytes / mib}
