@@ -229,3 +229,29 @@ def test_training_resize_is_pils_bilinear(shape):
     ours = np.asarray(pipe.run()[0][0]).astype(np.float32)
     pil = np.asarray(Image.fromarray(photo).resize((64, 64), Image.BILINEAR)).astype(np.float32)
     assert np.abs(ours - pil).mean() < 1.0
+
+
+def test_docs_state_make_loaders_whole_signature():
+    """docs/pipelines.md's make_loader line is the code's signature, every parameter and default."""
+    import inspect
+    import re
+
+    parts, star = [], False
+    for p in inspect.signature(make_loader).parameters.values():
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        default = "" if p.default is p.empty else "=" + (
+            "torch.float32" if p.default is torch.float32 else repr(p.default).replace("'", '"'))
+        parts.append(p.name + default)
+    doc = (Path(__file__).parents[1] / "docs" / "pipelines.md").read_text()
+    quoted = re.search(r"`(make_loader\(shards_dir.*?\))`", doc, re.S)
+    assert quoted and " ".join(quoted[1].split()) == f"make_loader({', '.join(parts)})"
+
+
+def test_augment_refuses_the_options_it_replaces(photo_shards):
+    from dalifeed.pipelines import AugmentConfig
+
+    with pytest.raises(ValueError, match=r"image_size=64, flip=False with augment=: the AugmentConfig decides"):
+        make_loader(photo_shards, "train", 4, device="cpu", image_size=64, flip=False,
+                    augment=AugmentConfig(image_size=32))

@@ -41,11 +41,12 @@ epoch reads is `epoch_files` (the tar a path or s3:// URL, the index a local pat
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
@@ -60,6 +61,9 @@ from .budget import thread_budget
 from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, explain_dali_error, indexed_samples,
                      is_pipeline_failure)
 from .graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, AugmentConfig, shard_pipeline, uses_gpu
+
+if TYPE_CHECKING:  # what make_loader returns for a list of folders (mixing imports this module)
+    from .mixing import ConcatLoader, MixedLoader
 
 SHARD_CHECKS = ("size", "sha256")
 CLASSIFICATION_OUTPUTS = ("images", "labels")
@@ -345,7 +349,7 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
                 checkpointing: bool = False, check: str = "size", multilabel: bool = False,
                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, weights: list[float] | None = None,
                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
-                augment: AugmentConfig | None = None) -> DaliLoader:
+                augment: AugmentConfig | None = None) -> DaliLoader | MixedLoader | ConcatLoader:
     """Batches of split `split` of the shard folder `shards_dir` (a path, or s3://bucket/prefix: the tars are then
     fetched whole into the node's shard cache and DALI reads them there, docs/storage.md) for this rank; see the module docstring (`train=None`: the
     split trains if its name starts with "train").
@@ -366,8 +370,11 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
     image holds, built in the DALI graph. `augment`: the whole AugmentConfig (policies, random erasing;
     docs/pipelines.md) instead of image_size, crop_scale, flip and hw_decoder_load; dtype and channels_last
     still decide the output.
+    Giving `augment` with an image_size, crop_scale, flip or hw_decoder_load other than their defaults is
+    refused (ValueError): one of the two would be ignored.
     A list of shard folders mixes them (`weights`: their proportions in every batch, default equal;
-    `dalifeed.pipelines.mixing` says how epochs, classes and resume work then).
+    `dalifeed.pipelines.mixing` says how epochs, classes and resume work then): a `MixedLoader` for a
+    training split, a `ConcatLoader` (each dataset in turn) otherwise; one folder gives a `DaliLoader`.
     `cache_dir`, `cache_limit` (s3:// only): the node's shard cache the tars are fetched into, whole, before
     DALI reads them (default: `shards/` in dalifeed's cache folder; limit in bytes or a size such as '20GB'
     (20 * 10^9) or '20GiB' (20 * 2^30), default 90% of the free space; see dalifeed/shardcache.py and docs/storage.md).
@@ -380,6 +387,9 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
                                  **args)
     if weights is not None:
         raise ValueError(f"weights={weights} mixes a list of shard folders; {shards_dir} is one")
+    if augment is not None:
+        refuse_shadowed_options(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
+                                hw_decoder_load=hw_decoder_load)
     if dtype not in (torch.float32, torch.float16):
         raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
     manifest = open_shard_folder(shards_dir)  # a folder, or s3://bucket/prefix
@@ -402,6 +412,17 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
     if cache is not None:  # the first epoch's tars start coming while the caller gets ready
         loader.shard_cache = cache.prefetch(loader._epoch_shards(), loader._shard_range(rank))
     return loader
+
+
+def refuse_shadowed_options(**given) -> None:
+    """make_loader's keyword options that `augment=` replaces, refused when they differ from their defaults:
+    the AugmentConfig would silently win over them."""
+    defaults = inspect.signature(make_loader).parameters
+    shadowed = [f"{name}={value!r}" for name, value in given.items()
+                if value != (tuple(defaults[name].default) if name == "crop_scale" else defaults[name].default)]
+    if shadowed:
+        raise ValueError(f"{', '.join(shadowed)} with augment=: the AugmentConfig decides these; set them in it "
+                         f"(dataclasses.replace(augment, ...))")
 
 
 def check_files(manifest: ShardManifest, split: str, check: str) -> None:

@@ -153,17 +153,19 @@ def make_loaders(cfg: TrainConfig, dist: Dist, threads: int) -> tuple[object, ob
     """This rank's training loader and validation loader (None with --val-split none), `threads` DALI threads
     per pipeline."""
     common = dict(rank=dist.rank, world_size=dist.world_size, device=loader_device(cfg, dist),
-                  image_size=cfg.image_size, channels_last=cfg.channels_last, num_threads=threads,
+                  channels_last=cfg.channels_last, num_threads=threads,
                   device_id=dist.local_rank if dist.device.type == "cuda" else None, check=cfg.check_shards,
-                  hw_decoder_load=cfg.hw_decoder_load, multilabel=cfg.task == "multilabel", seed=cfg.seed,
-                  cache_dir=cfg.cache_dir, cache_limit=cfg.cache_limit)
+                  multilabel=cfg.task == "multilabel", seed=cfg.seed, cache_dir=cfg.cache_dir,
+                  cache_limit=cfg.cache_limit)
     if isinstance(cfg.data, list):  # several datasets mixed: their shares of a batch
         common["weights"] = cfg.data_weights
     # DALI's checkpointing costs nothing measurable (docs; 575-625 images/s either way here) and lets any
     # step become a mid-epoch checkpoint: when --checkpoint-every says, and when a signal stops the run
     train = make_loader(cfg.data, cfg.train_split, cfg.batch_size, augment=cfg.train_augment(), checkpointing=True,
                         train=True, **common)
-    val = make_loader(cfg.data, cfg.val_split, cfg.batch_size, train=False, **common) \
+    # validation's size and decoder share; training's are in its AugmentConfig
+    val = make_loader(cfg.data, cfg.val_split, cfg.batch_size, train=False, image_size=cfg.image_size,
+                      hw_decoder_load=cfg.hw_decoder_load, **common) \
         if cfg.val_split is not None else None
     return (SyntheticLoader(train) if cfg.synthetic else train), val
 
