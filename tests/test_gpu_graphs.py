@@ -222,7 +222,8 @@ def shards(make_shards) -> Path:
 def classification(shards_dir, train: bool, split: str = "train", **options):
     from dalifeed.pipelines import make_loader
 
-    loader = make_loader(shards_dir, split, 2, train=train, device="cpu", image_size=32, num_threads=2, **options)
+    size = {} if "augment" in options else {"image_size": 32}  # an AugmentConfig carries its own size
+    loader = make_loader(shards_dir, split, 2, train=train, device="cpu", num_threads=2, **size, **options)
     return lambda device: on_device(loader, device).pipeline()
 
 
