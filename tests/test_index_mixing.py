@@ -131,7 +131,7 @@ def test_dali_train_mixes_two_datasets_and_reports_each(two_datasets, tmp_path):
     assert record["top1"] == pytest.approx((record["A/top1"] * 9 + record["B/top1"] * 6) / 15)
     # 40 + 12 train samples: 6 batches of 8 an epoch, 6 + 2 of each batch from A and B
     assert ("mixing 2 datasets, in every batch of 8 (per process): A 6 (75%, weight 3, 40 train samples, 0.9 passes "
-            "an epoch); B 2 (25%, weight 1, 12 train samples, 1 passes an epoch)") in run.stdout + run.stderr
+            "an epoch); B 2 (25%, weight 1, 12 train samples, 1 pass an epoch)") in run.stdout + run.stderr
     assert "--cache-dir" not in run.stdout + run.stderr  # not given: no warning
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert [(m["name"], m["per_batch"], m["train_samples"]) for m in config["mixing"]] == [("A", 6, 40), ("B", 2, 12)]

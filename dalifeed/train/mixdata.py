@@ -40,7 +40,12 @@ def mix_plan(cfg, datasets, world_size: int) -> list[dict]:
 def describe_plan(plan: list[dict], batch_size: int) -> str:
     return (f"mixing {len(plan)} datasets, in every batch of {batch_size} (per process): "
             + "; ".join(f"{p['name']} {p['per_batch']} ({p['per_batch'] / batch_size:.0%}, weight {p['weight']:g}, "
-                        f"{p['train_samples']} train samples, {p['passes_per_epoch']:g} passes an epoch)" for p in plan))
+                        f"{p['train_samples']} train samples, {passes(p['passes_per_epoch'])} an epoch)" for p in plan))
+
+
+def passes(count: float) -> str:
+    """How many times an epoch reads a dataset's train split: "1 pass", "0.9 passes"."""
+    return f"{count:g} pass" + ("" if count == 1 else "es")
 
 
 def dataset_names(locations: list[str]) -> list[str]:
