@@ -576,6 +576,19 @@ def test_every_mixed_decoder_gets_the_hints(graph, name, device):
         assert op.args["jpeg_fancy_upsampling"] is (op.schema not in ROI_DECODERS), op
 
 
+
+@pytest.mark.parametrize("name,device", MIXED)
+def test_every_mixed_decoder_keeps_dalis_affine_threads(graph, name, device):
+    """docs/gpu.md (DALI's CPU affinity): the mixed decoders' own threads are pinned by DALI's default
+    `affine=True` (image_decoder.h builds its ThreadPool with it; the pool pins each thread to NVML's CPUs of
+    the GPU's socket, ANDed with the thread's own mask), and no dalifeed graph sets `affine`."""
+    for schema_name in ("decoders__Image", "decoders__ImageRandomCrop", "decoders__ImageSlice"):
+        schema = backend.GetSchema(schema_name)
+        assert schema.GetArgumentDefaultValueString("affine") == "True", schema_name
+        assert "tied to a specific CPU core" in schema.GetArgumentDox("affine"), schema_name
+    decoders = [op for op in graph(name, device)[0] if op.device == "mixed"]
+    assert decoders and all(op.args.get("affine", True) is True for op in decoders), decoders
+
 def installed_nvjpeg_version(cuda_major: int) -> tuple[int, int, int] | None:
     """nvjpegGetProperty of the libnvjpeg.so.<cuda_major> nvImageCodec of that CUDA major loads (a host call: no
     GPU needed), or None where that wheel is not installed. CUDA 12's nvidia-nvjpeg-cu12 puts it in

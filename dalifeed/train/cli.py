@@ -18,6 +18,7 @@ from dalifeed.s3 import StorageError
 from dalifeed.stack import StackMismatch
 
 from .config import NO_SPLIT, RECIPES, ConfigError, TrainConfig
+from .distributed import GpuAssignmentError
 from .loop import TrainingDiverged
 from .resume import resolve_run
 from .stop import TrainingStopped
@@ -213,7 +214,7 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
         cfg, saved = resolve_run(asked, typed, resume_from, world_size=int(os.environ.get("WORLD_SIZE", 1)))
         train(cfg, resume=saved)
 
-    run_command(run, debug=debug, usage_errors=(ConfigError, FolderInUse, MixError, StackMismatch),
+    run_command(run, debug=debug, usage_errors=(ConfigError, FolderInUse, MixError, StackMismatch, GpuAssignmentError),
                 runtime_errors=(ShardDataError, TrainingDiverged, DiskFull, StorageError), prefix=rank_prefix(),
                 log=lambda: error_log(run_folder) if run_folder else None,
                 stopped=lambda e: (e.detail if isinstance(e, TrainingStopped) else

@@ -37,14 +37,38 @@ def setup(device: str, report: StackReport | None = None) -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     use_gpu = device != "cpu" and uses_gpu(choose_device(device, stack_report() if report is None else report))
     if use_gpu:
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        index = cuda_index(local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        torch.cuda.set_device(index)
+        dev = torch.device("cuda", index)
     else:
         dev = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if use_gpu else "gloo", device_id=dev if use_gpu else None,
                                 **attempt_store(rank, world_size))
     return Dist(rank, world_size, local_rank, dev)
+
+
+class GpuAssignmentError(ValueError):
+    """This rank has no visible GPU of its own; the message is one line naming the launch setting to change."""
+
+
+def cuda_index(local_rank: int, visible: int, cuda_visible_devices: str | None = None) -> int:
+    """The CUDA device (an index among the GPUs CUDA_VISIBLE_DEVICES leaves visible) that rank `local_rank` of
+    this node computes on, with `visible` GPUs visible to it.
+
+    torchrun leaves every GPU of the node visible to every rank: rank i takes GPU i. A launcher that gives each
+    rank only its own GPU (srun with one task per GPU and `--gpu-bind`, one GPU a Kubernetes pod) leaves one
+    visible, CUDA's device 0, while LOCAL_RANK still counts 0..7: `cuda:<local_rank>` would be "invalid
+    device ordinal" on every rank but the first. Fewer GPUs than local ranks otherwise means two ranks would
+    share one GPU: refused, in one line, rather than silently oversubscribed."""
+    if visible == 1:
+        return 0
+    if 0 <= local_rank < visible:
+        return local_rank
+    shown = f" (CUDA_VISIBLE_DEVICES={cuda_visible_devices!r})" if cuda_visible_devices is not None else ""
+    raise GpuAssignmentError(
+        f"LOCAL_RANK={local_rank} but this process sees {visible} GPU(s){shown}: start at most one rank per visible "
+        f"GPU on a node (torchrun --nproc-per-node {visible}), or give each rank its own GPU")
 
 
 def attempt_store(rank: int, world_size: int) -> dict:

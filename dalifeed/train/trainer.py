@@ -99,7 +99,7 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     if resume is not None:
         restore(run, resume)
     if dist.enabled:
-        run.train_model = DDP(model, device_ids=[dist.local_rank] if dist.device.type == "cuda" else None)
+        run.train_model = DDP(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     if cfg.compile:
         run.train_model = torch.compile(run.train_model)
     run.run_log = RunLog(Path(cfg.out), dist.is_main, run.state.epoch if resume is not None else None,
@@ -154,7 +154,7 @@ def make_loaders(cfg: TrainConfig, dist: Dist, threads: int) -> tuple[object, ob
     per pipeline."""
     common = dict(rank=dist.rank, world_size=dist.world_size, device=loader_device(cfg, dist),
                   channels_last=cfg.channels_last, num_threads=threads,
-                  device_id=dist.local_rank if dist.device.type == "cuda" else None, check=cfg.check_shards,
+                  device_id=dist.device.index if dist.device.type == "cuda" else None, check=cfg.check_shards,
                   multilabel=cfg.task == "multilabel", seed=cfg.seed, cache_dir=cfg.cache_dir,
                   cache_limit=cfg.cache_limit)
     if isinstance(cfg.data, list):  # several datasets mixed: their shares of a batch
