@@ -72,6 +72,13 @@ def check_split_name(name: str) -> str:
     return name
 
 
+def trains(split: str, train: bool | None) -> bool:
+    """Whether a loader of `split` trains: `train` when given, else whether the split's name starts with
+    "train" (`train`, `train2017`, `training`, `trainval`; docs/pipelines.md, "Which splits train"). Here
+    beside the other split-name rule, below the loaders that share it (pipelines/loader.py, mixing.py)."""
+    return split.startswith("train") if train is None else train
+
+
 class ManifestError(Exception):
     """The shard folder has no usable manifest (missing, unreadable, or of another format)."""
 

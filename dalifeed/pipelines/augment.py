@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 
-if TYPE_CHECKING:
-    from .graphs import AugmentConfig
+# `cfg` is a graphs.AugmentConfig, named in annotations only: graphs imports this module.
 
 POLICIES = ("imagenet", "ra", "ta_wide")  # torchvision's reference names (--auto-augment)
 RANDOM_ERASE_SCALE = (0.02, 0.33)  # torchvision's RandomErasing defaults: the erased area as a fraction

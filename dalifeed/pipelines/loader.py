@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-from dalifeed.format import ShardInfo, ShardManifest
+from dalifeed.format import ShardInfo, ShardManifest, trains
 from dalifeed.shardcache import shard_cache_of
 from dalifeed.shardfolder import check_split, open_shard_folder
 from dalifeed.stack import StackReport, choose_device, stack_report
@@ -67,12 +67,6 @@ if TYPE_CHECKING:  # what make_loader returns for a list of folders (mixing impo
 
 SHARD_CHECKS = ("size", "sha256")
 CLASSIFICATION_OUTPUTS = ("images", "labels")
-
-
-def trains(split: str, train: bool | None) -> bool:
-    """Whether a loader of `split` trains: `train` when given, else whether the split's name starts with
-    "train" (the module docstring)."""
-    return split.startswith("train") if train is None else train
 
 
 def resolve_device(device: str, report: StackReport | None = None) -> str:
