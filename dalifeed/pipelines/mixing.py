@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
+from dalifeed.format import trains
+from dalifeed.s3 import is_s3_url
 from dalifeed.shardfolder import open_shard_folder
-
-from .loader import trains
 
 
 class MixError(ValueError):
@@ -90,7 +90,7 @@ def same_place(location) -> str:
     """What two locations of one dataset have in common: the resolved path of a folder (symlinks and `./`
     followed), an s3:// URL without its trailing slashes."""
     text = str(location)
-    return text.rstrip("/") if text.startswith("s3://") else str(Path(text).resolve())
+    return text.rstrip("/") if is_s3_url(text) else str(Path(text).resolve())
 
 
 def refuse_repeats(locations: list) -> None:

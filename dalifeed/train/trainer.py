@@ -21,6 +21,7 @@ from dalifeed.format import ShardManifest
 from dalifeed.nvml import gpu_stats
 from dalifeed.pipelines import ThreadBudget, make_loader, thread_budget
 from dalifeed.runtime import DiskFull, folder_lock, free_bytes, is_disk_full, mib
+from dalifeed.s3 import is_s3_url
 
 from . import checkpoint
 from .config import ConfigError, TrainConfig
@@ -123,7 +124,7 @@ def log_start(cfg: TrainConfig, dist: Dist, manifest: ShardManifest, dtype: torc
         log(describe_plan(plan, cfg.batch_size))
         mixed = {"classes": manifest.classes, "mixing": plan}
     if cfg.cache_dir is not None or cfg.cache_limit is not None:
-        local = [str(d) for d in (cfg.data if isinstance(cfg.data, list) else [cfg.data]) if not str(d).startswith("s3://")]
+        local = [str(d) for d in (cfg.data if isinstance(cfg.data, list) else [cfg.data]) if not is_s3_url(d)]
         if local:
             log(f"warning: --cache-dir/--cache-limit apply to s3:// data only; {', '.join(local)} is read in place")
     if dist.is_main:
