@@ -2,8 +2,8 @@
 
 Read in this order: `cli.py` (options) -> `resume.resolve_run` (a fresh run, the run in --out continued, or a
 refusal) -> `trainer.main` (build the run, fit its epochs) -> `loop.train_one_epoch` / `optimizer_step` /
-`evaluate`. Beside them: `config.py` (TrainConfig), `parts.py` (model, optimiser, schedule, data checks),
-`progress.py` (what rank 0 shows and writes), `stop.py` (SIGINT/SIGTERM), `checkpoint.py`, `distributed.py`.
+`evaluate`. Beside them: `config.py` (TrainConfig), `data.py` (the shard folders opened and checked, the
+loaders), `parts.py` (model, optimiser, schedule), `progress.py` (what rank 0 shows and writes), `stop.py` (SIGINT/SIGTERM), `checkpoint.py`, `distributed.py`.
 """
 
 from .config import ConfigError, TrainConfig

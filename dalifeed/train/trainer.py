@@ -19,7 +19,7 @@ from dalifeed.atomic import write_json_atomic
 from dalifeed.cliutil import folder_not_created
 from dalifeed.format import ShardManifest
 from dalifeed.nvml import gpu_stats
-from dalifeed.pipelines import ThreadBudget, make_loader, thread_budget
+from dalifeed.pipelines import ThreadBudget, thread_budget
 from dalifeed.runtime import DiskFull, folder_lock, free_bytes, is_disk_full, mib
 from dalifeed.s3 import is_s3_url
 
@@ -28,11 +28,10 @@ from .config import ConfigError, TrainConfig
 from .distributed import Dist, gather_objects, log, setup, teardown
 from .loop import EpochStats, TrainState, epoch_score, train_one_epoch, validation_record
 from .mixdata import describe_plan, mix_plan
-from .parts import (amp_dtype, build_model, build_optimizer, check_batch_fits, load_manifest, loader_device,
-                    make_profiler, skips_on_device, warmup_cosine)
+from .data import check_batch_fits, load_manifest, loader_device, make_loaders
+from .parts import amp_dtype, build_model, build_optimizer, make_profiler, skips_on_device, warmup_cosine
 from .progress import RunLog
 from .stop import StepChecks, Stop, TrainingStopped
-from .synthetic import SyntheticLoader
 
 
 @dataclass
@@ -148,27 +147,6 @@ def make_model(cfg: TrainConfig, dist: Dist, num_classes: int) -> tuple[torch.nn
     # device=: its update count lives beside the weights, where loop.update_ema reads it without a host sync
     return model, torch.optim.swa_utils.AveragedModel(
         model, device=dist.device, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
-
-
-def make_loaders(cfg: TrainConfig, dist: Dist, threads: int) -> tuple[object, object | None]:
-    """This rank's training loader and validation loader (None with --val-split none), `threads` DALI threads
-    per pipeline."""
-    common = dict(rank=dist.rank, world_size=dist.world_size, device=loader_device(cfg, dist),
-                  channels_last=cfg.channels_last, num_threads=threads,
-                  device_id=dist.device.index if dist.device.type == "cuda" else None, check=cfg.check_shards,
-                  multilabel=cfg.task == "multilabel", seed=cfg.seed, cache_dir=cfg.cache_dir,
-                  cache_limit=cfg.cache_limit)
-    if isinstance(cfg.data, list):  # several datasets mixed: their shares of a batch
-        common["weights"] = cfg.data_weights
-    # DALI's checkpointing costs nothing measurable (docs; 575-625 images/s either way here) and lets any
-    # step become a mid-epoch checkpoint: when --checkpoint-every says, and when a signal stops the run
-    train = make_loader(cfg.data, cfg.train_split, cfg.batch_size, augment=cfg.train_augment(), checkpointing=True,
-                        train=True, **common)
-    # validation's size and decoder share; training's are in its AugmentConfig
-    val = make_loader(cfg.data, cfg.val_split, cfg.batch_size, train=False, image_size=cfg.image_size,
-                      hw_decoder_load=cfg.hw_decoder_load, **common) \
-        if cfg.val_split is not None else None
-    return (SyntheticLoader(train) if cfg.synthetic else train), val
 
 
 def restore(run: Run, saved: dict) -> None:
