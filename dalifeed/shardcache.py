@@ -392,16 +392,13 @@ class ShardCache:
             self._prefetch = None
 
 
-def shard_cache_of(manifest: ShardManifest, folder: str | os.PathLike | None, limit: int | str | None,
-                   sha256: bool = False) -> ShardCache | None:
-    """The cache `make_loader` reads a store's folder through (`folder` default: `shards/` in dalifeed's cache
-    folder; `limit` bytes or a size as `--cache-limit` reads it: '20GB' = 20 * 10**9, '20GiB' = 20 * 2**30);
-    None for a local folder, which DALI reads where it is."""
-    if manifest.url is None:
-        return None
-    config = CacheConfig(Path(folder) if folder else default_folder(),
-                         limit if limit is None or isinstance(limit, int) else parse_size(limit), verify_sha256=sha256)
-    return ShardCache(manifest, config)
+def cache_config(folder: str | os.PathLike | None, limit: int | str | None, sha256: bool = False) -> CacheConfig:
+    """The shard cache a loader of a store's folder reads through (`folder` default: `shards/` in dalifeed's
+    cache folder; `limit` bytes or a size as every size flag reads it: '20GB' = 20 * 10**9, '20GiB' =
+    20 * 2**30; `sha256`: hash every tar against the manifest). `open_dataset` makes it, each loader opens
+    its own `ShardCache` with it (its pins are that loader's epoch)."""
+    return CacheConfig(Path(folder) if folder else default_folder(),
+                       limit if limit is None or isinstance(limit, int) else parse_size(limit), verify_sha256=sha256)
 
 
 def rank_shards(shards: list[ShardInfo], rank_range: tuple[int, int]) -> list[ShardInfo]:

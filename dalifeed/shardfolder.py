@@ -30,10 +30,13 @@ from .format import (MANIFEST_NAME, ManifestError, ShardInfo, ShardManifest, che
                      split_member_name)
 
 
-def open_shard_folder(location: str | os.PathLike) -> ShardManifest:
+def open_shard_folder(location: str | os.PathLike | ShardManifest) -> ShardManifest:
     """The manifest of the shard folder at `location`: a local path, or s3://bucket/prefix (then with `url`
-    set and `root` its cache folder). ManifestError if there is no finished shard folder there, StorageError
-    if the store cannot be used (credentials, bucket, network)."""
+    set and `root` its cache folder); a manifest already opened is itself (a command that opened its data
+    passes it on). ManifestError if there is no finished shard folder there, StorageError if the store
+    cannot be used (credentials, bucket, network)."""
+    if isinstance(location, ShardManifest):
+        return location
     return _fetch_manifest(str(location)) if s3.is_s3_url(location) else ShardManifest.load(location)
 
 

@@ -35,7 +35,7 @@ def test_bench_refuses_a_split_smaller_than_a_batch_instead_of_hanging(bench_dat
     src, shards = bench_data
     result = run_bench("--imagefolder", str(src), "--shards", str(shards), "--batch-size", "64", "--out",
                        str(tmp_path / "b"))
-    assert result.returncode == 2 and "holds 20 images, fewer than one batch of --batch-size 64" in result.stderr
+    assert result.returncode == 2 and "--batch-size 64 is more than the 20 samples of split 'train'" in result.stderr
 
 
 def test_bench_refuses_different_data_unless_allowed(bench_data, tmp_path):

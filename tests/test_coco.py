@@ -455,9 +455,9 @@ def test_dali_bench_detection_races_the_same_data(coco, tmp_path):
     cfg = BenchConfig(imagefolder=None, shards=out, task="detection", images=images, annotations=annotations,
                       split="mini", batch_size=2, image_size=48, seconds=0.5, repeats=1, warmup_batches=1, workers=1,
                       out=tmp_path / "bench")
-    cfg.validate()
+    dataset = cfg.validate()
     assert cfg.loaders == ["baseline", "dali-cpu", "dali-hybrid", "dali-gpu"]
-    report = run_bench(cfg, log=lambda msg: None)
+    report = run_bench(cfg, dataset, log=lambda msg: None)
     results = {r["loader"]: r for r in report["results"]}
     assert set(results) >= {"baseline", "dali-cpu"}
     for r in results.values():  # one repeat: its run is the median; the speedup, the rates' ratio

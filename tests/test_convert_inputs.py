@@ -252,7 +252,7 @@ def test_split_folders_become_splits_and_the_manifest_says_from_which_folder(tmp
 
 def test_dali_train_default_val_split_finds_a_validation_folder(tmp_path):
     from dalifeed.cliutil import default
-    from dalifeed.pipelines.loader import make_loader
+    from dalifeed.pipelines import make_loader
     from dalifeed.train.config import TrainConfig
 
     src = make_tree(tmp_path / "src", {"train": {"a": 6, "b": 5}, "validation": {"a": 3, "b": 2}})

@@ -157,7 +157,8 @@ def test_sigterm_to_torchrun_stops_every_rank_with_a_checkpoint_and_the_same_com
     step = int(stopped[1])
     assert saved is not None and 0 < step < STEPS
     # both ranks finished the same step and their readers were saved there
-    assert [loader["batches_done"] for loader in saved["midway"]["loaders"]] == [step, step]
+    # (the position is global: the samples both ranks consumed, 4 a batch on each)
+    assert [loader["samples_done"] for loader in saved["midway"]["loaders"]] == [step * 4 * 2] * 2
     assert saved["state"]["step"] == step
 
     again = start_torchrun(shards, run, tmp_path / "again.txt")  # the job requeued: the same command

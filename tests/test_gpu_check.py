@@ -153,7 +153,7 @@ def test_synthetic_loader_repeats_one_batch_and_resumes_mid_epoch(shards):
     for _ in range(5):
         next(partway)
     state = synthetic.state_dict()
-    assert state == {"epoch": 1, "batches_done": 5, "dali": None}
+    assert state == {"epoch": 1, "samples_done": 5 * 4, "dali": None}
     resumed = SyntheticLoader(make_loader(shards, "train", 4, device="cpu", image_size=24, num_threads=2, train=True))
     resumed.load_state_dict(state)
     assert len(list(resumed)) == len(real) - 5 and resumed.epoch == 2

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dalifeed.pipelines import MixError, make_loader
-from dalifeed.pipelines.mixing import batch_shares, union_classes
+from dalifeed.pipelines.dataset import batch_shares, union_classes
 from dalifeed.convert.index import IndexConfig, index_folder
 from test_index import add_member, solid, write_shardwriter
 
@@ -52,7 +52,7 @@ def test_batch_shares_and_union():
 def test_mixing_proportions_classes_and_epoch(two_datasets):
     a, b = two_datasets
     loader = make_loader([a, b], "train", 8, weights=[0.75, 0.25], **ARGS)
-    assert loader.datasets.classes == ["0", "1", "2", "cat", "dog"]
+    assert loader.dataset.classes == ["0", "1", "2", "cat", "dog"]
     assert len(loader) == (40 + 12) // 8  # an epoch: as many samples as both hold together
     drawn = Counter()
     for images, labels in loader:

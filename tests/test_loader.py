@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 from dalifeed.pipelines import make_detection_loader, make_loader
+from dalifeed.pipelines.dataset import Source
 from dalifeed.pipelines.loader import trains
 from dalifeed.convert import ConvertConfig, convert_imagefolder
 
@@ -113,7 +114,7 @@ def test_a_loader_restored_mid_epoch_yields_exactly_the_rest_of_it(unique_shards
     for _ in range(2):
         next(batches)
     state = first.state_dict()
-    assert state["epoch"] == 0 and state["batches_done"] == 2 and state["dali"]
+    assert state["epoch"] == 0 and state["samples_done"] == 2 * 4 * world_size and state["dali"]  # every rank's
     del batches, first
 
     resumed = loader()
@@ -123,7 +124,7 @@ def test_a_loader_restored_mid_epoch_yields_exactly_the_rest_of_it(unique_shards
     for (a_images, a_labels), (b_images, b_labels) in zip(rest, epoch0[2:]):
         assert torch.equal(a_labels, b_labels) and torch.equal(a_images, b_images)  # same samples, same crops
     assert [labels.tolist() for _, labels in resumed] == epoch1  # and the next epoch is the usual one
-    assert resumed.state_dict() == {"epoch": 2, "batches_done": 0, "dali": None}
+    assert resumed.state_dict() == {"epoch": 2, "samples_done": 0, "dali": None}
 
 
 def test_a_mid_epoch_state_needs_checkpointing(unique_shards):
@@ -183,8 +184,8 @@ def test_an_epoch_reads_the_files_its_files_function_names(unique_shards, tmp_pa
         tars, indexes = epoch_files(manifest, shards)
         return [str(moved / Path(tar).name) for tar in tars], indexes
 
-    options = LoaderOptions(4, train=False, num_threads=1)
-    loader = DaliLoader(ShardManifest.load(shards), "train", options, files=files_in_moved,
+    options = LoaderOptions("train", 4, train=False, num_threads=1).resolved()
+    loader = DaliLoader(Source(str(shards), ShardManifest.load(shards)), options, files=files_in_moved,
                         graph=partial(shard_pipeline, cfg=AugmentConfig(image_size=16)),
                         to_torch=partial(images_and_labels, channels_last=False, multilabel=False))
     for tar in shards.rglob("*.tar"):

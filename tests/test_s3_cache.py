@@ -21,7 +21,7 @@ import torch
 from dalifeed import s3
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.checks import ShardDataError
-from dalifeed.shardcache import CacheConfig, CacheFull, ShardCache, rank_shards, shard_cache_of
+from dalifeed.shardcache import CacheConfig, CacheFull, ShardCache, cache_config, rank_shards
 from dalifeed.shardfolder import open_shard_folder
 from dalifeed.convert import ConvertConfig, convert_imagefolder
 from fast_recipe import fast_args
@@ -173,7 +173,7 @@ def test_cache_limit_and_max_shard_bytes_read_a_size_the_same_way(store, tmp_pat
 
     manifest = open_shard_folder(store.url)
     for text, size in [("512MB", 512 * 10**6), ("512MiB", 512 * 2**20), ("1.5KB", 1500), ("4096", 4096)]:
-        cache = shard_cache_of(manifest, tmp_path / "cache", text)
+        cache = ShardCache(manifest, cache_config(tmp_path / "cache", text))
         converting = convert_cli.commands["imagefolder"].make_context(
             "imagefolder", [str(store.tmp / "src"), str(tmp_path / "out"), "--max-shard-bytes", text])
         assert cache.limit == converting.params["max_shard_bytes"] == size
@@ -182,7 +182,7 @@ def test_cache_limit_and_max_shard_bytes_read_a_size_the_same_way(store, tmp_pat
 
 def test_an_ambiguous_size_is_refused(store, tmp_path):
     with pytest.raises(ValueError, match=r"^'500M': write MB \(powers of 1000\) or MiB \(powers of 1024\)$"):
-        shard_cache_of(open_shard_folder(store.url), tmp_path / "cache", "500M")
+        cache_config(tmp_path / "cache", "500M")
 
 
 # ----------------------------------------------------------------------------------------------------

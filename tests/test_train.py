@@ -145,7 +145,7 @@ def test_resume_mid_epoch_equals_an_uninterrupted_run(shards, tmp_path, monkeypa
         m.setattr(checkpoint, "save", save_then_die)
         CliRunner().invoke(train_cli, args + ["--out", str(run), "--checkpoint-every", "1"])
     saved = torch.load(run / "last.pt", weights_only=False)
-    assert saved["state"]["epoch"] == 1 and saved["midway"]["loaders"][0]["batches_done"] == 2
+    assert saved["state"]["epoch"] == 1 and saved["midway"]["loaders"][0]["samples_done"] == 2 * 8  # 2 batches of 8
     assert [r["epoch"] for r in metrics(run)] == [0]
 
     other = tmp_path / "saved-by-two-ranks"  # the same checkpoint as a 2-process run would have left it

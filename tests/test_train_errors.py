@@ -111,9 +111,9 @@ TRAIN_ERRORS = [
     (["--data", "{tmp}"], ["manifest.json: missing"]),
     # classification on COCO shards (the user forgot --task multilabel): DALI's "Underful sample ... please report it"
     (["--data", "{coco}", "--train-split", "mini", "--val-split", "none"],
-     ["--data {coco} holds COCO shards", "--task multilabel"]),
+     ["{coco} holds COCO shards", "--task multilabel"]),
     (["--epochs", "0"], ["--epochs must be >= 1, got 0"]),
-    (["--batch-size", "100"], ["--batch-size 100", "45 training samples"]),
+    (["--batch-size", "100"], ["--batch-size 100", "the 45 samples of split 'train' each of 1 process"]),
     (["--momentum", "-1", "--optimizer", "sgd"], ["--momentum must be in [0, 1), got -1.0"]),
     (["--weight-decay", "-1"], ["--weight-decay must be >= 0, got -1.0"]),
     (["--min-lr-ratio", "2"], ["--min-lr-ratio must be in [0, 1], got 2.0"]),
@@ -141,7 +141,7 @@ def test_make_loader_refuses_classification_on_coco_shards_in_one_line(mini_coco
     and fails while building the pipeline ("Underful sample detected ... please report it")."""
     from dalifeed.pipelines import make_loader
 
-    with pytest.raises(ValueError, match="COCO shards: use multilabel=True .* or make_detection_loader"):
+    with pytest.raises(ValueError, match=r"holds COCO shards .*make_loader\(\.\.\., multilabel=True\).*make_detection_loader"):
         make_loader(mini_coco_shards, "mini", 2, device="cpu", image_size=16, num_threads=1)
 
 
@@ -151,11 +151,14 @@ def test_a_pipeline_that_fails_while_it_is_built_is_one_shard_data_error(mini_co
     built past make_loader's check, reading COCO shards for a one-class label member they lack."""
     from dalifeed.pipelines.checks import ShardDataError
     from dalifeed.pipelines.graphs import AugmentConfig
+    from dalifeed.pipelines.dataset import Source
     from dalifeed.pipelines.loader import LoaderOptions, classification_loader
     from dalifeed.shardfolder import open_shard_folder
 
-    options = LoaderOptions(2, train=False, num_threads=1, prefetch_queue_depth=1, initial_fill=4)
-    loader = classification_loader(open_shard_folder(mini_coco_shards), "mini", options, AugmentConfig(image_size=16))
+    options = LoaderOptions("mini", 2, train=False, device="cpu", num_threads=1, prefetch_queue_depth=1,
+                            initial_fill=4).resolved()
+    loader = classification_loader(Source(str(mini_coco_shards), open_shard_folder(mini_coco_shards)), options,
+                                   AugmentConfig(image_size=16))
     with pytest.raises(ShardDataError, match="DALI failed reading split 'mini' .*Underful sample") as info:
         next(iter(loader))
     assert "\n" not in str(info.value) and "Critical error when building pipeline" in str(info.value.__cause__)

@@ -119,7 +119,7 @@ def main(debug: bool, **options):
     cfg = BenchConfig(**options)
 
     def bench() -> dict:
-        cfg.validate()
+        dataset = cfg.validate()  # --shards opened once, for every loader
         click.echo(f"dali-bench: {json.dumps(cfg.to_json())}", err=True)
         try:
             cfg.out.mkdir(parents=True, exist_ok=True)
@@ -129,10 +129,10 @@ def main(debug: bool, **options):
         if cfg.preview:
             from dalifeed.pipelines.preview import write_preview
 
-            write_preview(cfg.shards, cfg.out / "preview.png", cfg.preview, cfg.augment() or
+            write_preview(dataset.manifest, cfg.out / "preview.png", cfg.preview, cfg.augment() or
                           AugmentConfig(image_size=cfg.image_size), split=cfg.split)
             click.echo(f"wrote {cfg.out / 'preview.png'}", err=True)
-        report = run_bench(cfg, log=lambda msg: click.echo(msg, err=True))
+        report = run_bench(cfg, dataset, log=lambda msg: click.echo(msg, err=True))
         write_report(report, cfg.out)
         return report
 

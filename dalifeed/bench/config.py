@@ -6,11 +6,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dalifeed.cliutil import output_folder_problem
+from dalifeed.cliutil import parse_size
 from dalifeed.format import ManifestError
+from dalifeed.pipelines.dataset import Dataset, DatasetError, open_dataset
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig
 from dalifeed.runtime import usable_cores
-from dalifeed.cliutil import parse_size
-from dalifeed.shardfolder import open_shard_folder
 
 from .detection import DETECTION_LOADERS, same_coco_data_problem
 from .loaders import IMAGEFOLDER_LOADERS, LOADERS, skip_reason
@@ -57,21 +57,12 @@ class BenchConfig:
         return AugmentConfig(image_size=self.image_size, auto_augment=self.auto_augment,
                              random_erase=self.random_erase)
 
-    def validate(self) -> None:
+    def validate(self) -> Dataset:
+        """Check every option and open --shards, once: the dataset every loader of the race reads."""
         if self.task not in ("classify", "detection"):
             raise BenchUsageError(f"--task must be classify or detection, got {self.task!r}")
         if self.task == "detection":
             self.validate_detection_source()
-        try:
-            manifest = open_shard_folder(self.shards)
-        except ManifestError as e:
-            raise BenchUsageError(f"--shards: {e}") from None
-        if self.task == "classify" and manifest.kind == "coco":  # their samples hold label lists, not one class
-            raise BenchUsageError(f"--shards {self.shards} holds COCO shards: use --task detection (--task classify "
-                                  f"needs ImageFolder shards)")
-        if self.split not in manifest.splits:
-            raise BenchUsageError(f"--split {self.split}: --shards {self.shards} has no such split (has: "
-                                  f"{', '.join(manifest.splits)})")
         known = DETECTION_LOADERS if self.task == "detection" else LOADERS
         if self.task == "detection" and self.loaders == list(LOADERS):  # the default list: the detection ones
             self.loaders = list(DETECTION_LOADERS)
@@ -122,10 +113,8 @@ class BenchConfig:
                 raise BenchUsageError(f"--cache-limit: {e}") from None
         if self.task == "detection" and self.fp16:
             raise BenchUsageError("--fp16 applies to --task classify (the detection loaders hand out float32 lists)")
-        images = manifest.num_samples(self.split)
-        if images < self.batch_size:  # the torch loaders drop partial batches: they would never yield one
-            raise BenchUsageError(f"--shards split {self.split!r} holds {images} images, fewer than one batch of "
-                                  f"--batch-size {self.batch_size}: use --batch-size {images} or less, or more images")
+        dataset = self.open_shards()
+        manifest = dataset.manifest
         if self.task == "detection":
             problem = same_coco_data_problem(self.images, self.annotations, manifest, self.split)
         elif self.reads_imagefolder():
@@ -135,6 +124,23 @@ class BenchConfig:
         if problem and not self.allow_different_data:
             raise BenchUsageError(f"not the same data, so the race would compare nothing: {problem}; point both at "
                                   f"the same images (or pass --allow-different-data)")
+        return dataset
+
+    def open_shards(self) -> Dataset:
+        """--shards opened: the kind --task reads, --split present with samples, one --batch-size batch in it
+        (every loader of the race drops partial batches: it would never yield one)."""
+        try:
+            dataset = open_dataset(self.shards, task=self.task, cache_dir=self.cache_dir, cache_limit=self.cache_limit)
+        except ManifestError as e:
+            raise BenchUsageError(f"--shards: {e}") from None
+        except DatasetError as e:  # the kind: "S holds COCO shards (...)"
+            raise BenchUsageError(f"--shards {e}") from None
+        try:
+            dataset.require_split(self.split, "--split")
+            dataset.check_batch_fits(self.split, self.batch_size, what=f"--batch-size {self.batch_size}")
+        except DatasetError as e:
+            raise BenchUsageError(str(e)) from None
+        return dataset
 
     def reads_imagefolder(self) -> list[str]:
         """The loaders of this race that read --imagefolder (classify); the others read the shards."""

@@ -12,11 +12,11 @@ import torch
 
 from dalifeed.format import ShardManifest, listing_digest
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
+from dalifeed.pipelines.dataset import Dataset
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
-from dalifeed.shardfolder import open_shard_folder
 from dalifeed.convert.coco import SplitPlan, load_instances, plan_split, training_boxes
 
-from .loaders import DALI_DEVICES, dataloader_options
+from .loaders import DALI_DEVICES, dataloader_options, opened
 
 DETECTION_LOADERS = ("baseline", "dali-cpu", "dali-hybrid", "dali-gpu")
 
@@ -96,17 +96,17 @@ class NormalizedLists:
             yield images, targets
 
 
-def build_detection_loader(name: str, *, images: Path, annotations: Path, shards: Path, split: str, batch_size: int,
-                           image_size: int, workers: int, device: torch.device,
+def build_detection_loader(name: str, *, images: Path, annotations: Path, shards: Path | Dataset, split: str,
+                           batch_size: int, image_size: int, workers: int, device: torch.device,
                            hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> Iterable:
     if name == "baseline":
-        dataset = CocoDetection(images, annotations, open_shard_folder(shards), split, image_size)
+        dataset = CocoDetection(images, annotations, opened(shards, task="detection").manifest, split, image_size)
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
                                              collate_fn=collate_lists, **dataloader_options(workers, device))
         return NormalizedLists(loader, device)
     if name in DALI_DEVICES:
         from dalifeed.pipelines import make_detection_loader
 
-        return make_detection_loader(shards, split, batch_size, train=True, size=image_size, num_threads=workers,
+        return make_detection_loader(opened(shards, task="detection"), split, batch_size, train=True, size=image_size, num_threads=workers,
                                      device=DALI_DEVICES[name], hw_decoder_load=hw_decoder_load)
     raise ValueError(f"unknown detection loader {name!r} (choose from {', '.join(DETECTION_LOADERS)})")

@@ -231,17 +231,10 @@ def bench_options(run: CheckRun, loaders: list[str], out: str) -> BenchConfig:
                        repeats=cfg.repeats, workers=cfg.workers, fp16=True)
 
 
-def bench_config(run: CheckRun, loaders: list[str], out: str) -> BenchConfig:
-    """`bench_options`, validated."""
-    bench = bench_options(run, loaders, out)
-    bench.validate()
-    return bench
-
-
 def loaders_step(run: CheckRun) -> dict:
     """dali-bench with every loader: its report, also written to WORKDIR/loaders/bench.{json,png}."""
-    bench = bench_config(run, list(LOADERS), "loaders")
-    report = run_bench(bench, log=run.log)
+    bench = bench_options(run, list(LOADERS), "loaders")
+    report = run_bench(bench, bench.validate(), log=run.log)
     bench.out.mkdir(parents=True, exist_ok=True)
     write_report(report, bench.out)
     return report
@@ -265,15 +258,15 @@ def hw_decoder_step(run: CheckRun) -> dict:
     if not run.has_gpu:
         return {"skipped": "no GPU"}
     budget = decoder_budget()  # dali-train's default for one rank per visible GPU
-    checked = hw_decoder_config(run, budget["threads"])  # same data for every load: checked once
-    checked.validate()
+    checked = hw_decoder_config(run, budget["threads"])  # same data for every load: checked and opened once
+    dataset = checked.validate()
     run.log(f"hw-decoder: {budget['budget']}")
     runs = []
     for load in run.cfg.hw_loads:
         bench = replace(checked, hw_decoder_load=load, out=run.cfg.workdir / f"hw-{load:g}")
         run.log(f"hw_decoder_load {load:g}:")
         with ResourceSampler(gpu_probes()) as sampler:
-            report = run_bench(bench, log=run.log)
+            report = run_bench(bench, dataset, log=run.log)
         result = report["results"][0]
         runs.append({"hw_decoder_load": load, "images_per_s": result["images_per_s"],
                      "images_per_s_runs": result["images_per_s_runs"], **utilisation(sampler)})

@@ -19,11 +19,11 @@ from typing import Iterable, Iterator
 
 import torch
 
-from dalifeed.pipelines import make_loader
+from dalifeed.pipelines import LoaderOptions, build_loader as build_dali_loader
 from dalifeed.pipelines.augment import torchvision_policy
+from dalifeed.pipelines.dataset import Dataset, open_dataset
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, AugmentConfig
 from dalifeed.s3 import is_s3_url
-from dalifeed.shardfolder import open_shard_folder
 
 LOADERS = ("baseline", "webdataset", "dali-cpu", "dali-hybrid", "dali-gpu")
 GPU_LOADERS = ("dali-hybrid", "dali-gpu")  # skipped where there is no GPU
@@ -68,13 +68,19 @@ def train_transform(augment: AugmentConfig):
     return T.Compose(steps)
 
 
-def dali_loader(shards: Path, split: str, batch_size: int, threads: int, device: str,
-                augment: AugmentConfig, cache_dir=None, cache_limit=None) -> Iterable:
+def dali_loader(dataset: Dataset, split: str, batch_size: int, threads: int, device: str,
+                augment: AugmentConfig) -> Iterable:
     # the prefetch queue dali-train gets on `device` (pipelines/defaults.py: 5 with mixed decoding, 2 where the
     # CPU decodes), so that dali-bench and gpu-check race the loader a training run uses
-    return make_loader(shards, split, batch_size, device=device, augment=augment, num_threads=threads, train=True,
-                       dtype=torch.float16 if augment.fp16 else torch.float32,
-                       cache_dir=cache_dir, cache_limit=cache_limit)
+    return build_dali_loader(dataset, LoaderOptions(split, batch_size, train=True, device=device, num_threads=threads),
+                             augment)
+
+
+def opened(shards: Path | str | Dataset, cache_dir=None, cache_limit=None, task: str = "classify") -> Dataset:
+    """The shards as a `Dataset`: the one dali-bench opened, or a folder opened here (a test, a script)."""
+    if isinstance(shards, Dataset):
+        return shards
+    return open_dataset(shards, task=task, cache_dir=cache_dir, cache_limit=cache_limit)
 
 
 # -- the torch side ------------------------------------------------------------------------------------
@@ -132,12 +138,12 @@ def baseline_loader(imagefolder: Path, batch_size: int, workers: int, device: to
     return TorchLoader(loader, device, augment)
 
 
-def webdataset_loader(shards: Path, split: str, batch_size: int, workers: int, device: torch.device,
+def webdataset_loader(shards: Path | Dataset, split: str, batch_size: int, workers: int, device: torch.device,
                       augment: AugmentConfig) -> TorchLoader:
     """Plain webdataset over the same shards: sequential tar reads, PIL decode, same transform."""
     import webdataset as wds
 
-    manifest = open_shard_folder(shards)
+    manifest = opened(shards).manifest
     urls = [manifest.shard_location(s) for s in manifest.split_info(split).shards]  # run_bench skips s3:// ones
     transform = train_transform(augment)
     dataset = (
@@ -152,18 +158,20 @@ def webdataset_loader(shards: Path, split: str, batch_size: int, workers: int, d
     return TorchLoader(loader, device, augment)
 
 
-def build_loader(name: str, *, imagefolder: Path, shards: Path, split: str, batch_size: int, image_size: int,
+def build_loader(name: str, *, imagefolder: Path, shards: Path | str | Dataset, split: str, batch_size: int, image_size: int,
                  workers: int, device: torch.device, fp16: bool = False,
                  hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, cache_dir=None, cache_limit=None,
                  augment: AugmentConfig | None = None) -> Iterable:
     """Loader `name`: RandomResizedCrop(image_size) + flip + normalise (AugmentConfig's ImageNet recipe), plus
-    `augment`'s policy and random erasing when given (its image_size, fp16 and hw_decoder_load are these);
-    `cache_dir`, `cache_limit`: the DALI loaders' shard cache for s3:// shards (make_loader)."""
+    `augment`'s policy and random erasing when given (its image_size, fp16 and hw_decoder_load are these).
+    `shards`: the `Dataset` dali-bench opened, or a folder (then opened here, with `cache_dir` and
+    `cache_limit` for the DALI loaders' shard cache of s3:// shards)."""
     augment = replace(augment or AugmentConfig(), image_size=image_size, fp16=fp16, hw_decoder_load=hw_decoder_load)
     if name == "baseline":
         return baseline_loader(imagefolder, batch_size, workers, device, augment)
     if name == "webdataset":
         return webdataset_loader(shards, split, batch_size, workers, device, augment)
     if name in DALI_DEVICES:
-        return dali_loader(shards, split, batch_size, workers, DALI_DEVICES[name], augment, cache_dir, cache_limit)
+        return dali_loader(opened(shards, cache_dir, cache_limit), split, batch_size, workers, DALI_DEVICES[name],
+                           augment)
     raise ValueError(f"unknown loader {name!r} (choose from {', '.join(LOADERS)})")

@@ -85,14 +85,14 @@ def main(workdir: Path, doc: Path, per_class: int, seconds: float, repeats: int,
     click.echo(convert_rate.render_markdown(convert))
     cfg = BenchConfig(imagefolder=photos / "train", shards=shards, out=workdir / "loaders", seconds=seconds,
                       repeats=repeats, model=model)
-    cfg.validate()
-    bench = run_bench(cfg, log=lambda msg: click.echo(msg, err=True))
+    dataset = cfg.validate()
+    bench = run_bench(cfg, dataset, log=lambda msg: click.echo(msg, err=True))
     cfg.out.mkdir(parents=True, exist_ok=True)
     write_report(bench, cfg.out)
     (workdir / "convert_rate.json").write_text(json.dumps(convert, indent=2) + "\n")
     click.echo(render_table(bench))
     click.echo("measuring the DALI pipeline stage by stage ...", err=True)
-    stage = stages.stage_rates(shards, batch_size=cfg.batch_size, threads=cfg.workers, image_size=cfg.image_size,
+    stage = stages.stage_rates(dataset.manifest, batch_size=cfg.batch_size, threads=cfg.workers, image_size=cfg.image_size,
                                device="gpu" if bench["environment"]["gpu"] else "cpu")
     (workdir / "stages.json").write_text(json.dumps(stage, indent=2) + "\n")
     command = "make bench" if os.environ.get("MAKELEVEL") else "python -m dalifeed.bench.make_bench"

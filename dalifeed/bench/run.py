@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from dalifeed.runtime import usable_cores
-from dalifeed.shardfolder import open_shard_folder
+from dalifeed.pipelines.dataset import Dataset
 from dalifeed.stack import choose_device, stack_report
 
 from .config import BenchConfig
@@ -40,10 +40,11 @@ def environment() -> dict:
     }
 
 
-def run_bench(cfg: BenchConfig, log=print) -> dict:
-    """Time every loader (and, with a model, training fed by it); returns the JSON-ready report."""
+def run_bench(cfg: BenchConfig, dataset: Dataset, log=print) -> dict:
+    """Time every loader (and, with a model, training fed by it) on `dataset` (`cfg.validate()` opened it);
+    returns the JSON-ready report."""
     device = torch.device("cuda" if choose_device("auto", stack_report()) == "gpu" else "cpu")  # as the loaders decide
-    images = open_shard_folder(cfg.shards).num_samples(cfg.split)
+    images = dataset.num_samples(cfg.split)
     batches = max(1, cfg.epochs * images // cfg.batch_size) if cfg.epochs else None
     records, model_records = [], {}
     for name in cfg.loaders:
@@ -54,7 +55,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
         window = f"{cfg.epochs} epoch(s)" if batches else f"{cfg.seconds:g} s"
         eta = f" (about {cfg.repeats * cfg.seconds + 5:.0f} s)" if not batches else ""
         log(f"{name}: warming up, then {cfg.repeats} x {window}{eta} ...")
-        loader = bench_loader(cfg, name, device)
+        loader = bench_loader(cfg, dataset, name, device)
         timing = time_loader(loader, device, warmup_batches=cfg.warmup_batches, seconds=None if batches else cfg.seconds,
                              batches=batches, repeats=cfg.repeats, cores=usable_cores())
         record = {"loader": name, "images_per_s": timing.median, "images_per_s_runs": timing.images_per_s,
@@ -67,24 +68,25 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     base = next((r["images_per_s"] for r in records if r["loader"] == "baseline"), None)
     for r in records:
         r["speedup_vs_baseline"] = r["images_per_s"] / base if base else None
-    return {"config": cfg.to_json(), "environment": environment(), "dataset": dataset_of(cfg, images),
+    return {"config": cfg.to_json(), "environment": environment(), "dataset": dataset_of(cfg, dataset),
             "results": records, "synthetic": model_records.get("synthetic")}
 
 
-def bench_loader(cfg: BenchConfig, name: str, device: torch.device):
-    """Loader `name` of cfg.task, handing out batches on `device`."""
+def bench_loader(cfg: BenchConfig, dataset: Dataset, name: str, device: torch.device):
+    """Loader `name` of cfg.task over `dataset`, handing out batches on `device`."""
     if cfg.task == "detection":
-        return build_detection_loader(name, images=cfg.images, annotations=cfg.annotations, shards=cfg.shards,
+        return build_detection_loader(name, images=cfg.images, annotations=cfg.annotations, shards=dataset,
                                       split=cfg.split, batch_size=cfg.batch_size, image_size=cfg.image_size,
                                       workers=cfg.workers, device=device, hw_decoder_load=cfg.hw_decoder_load)
-    return on_device(build_loader(name, imagefolder=cfg.imagefolder, shards=cfg.shards, split=cfg.split,
+    return on_device(build_loader(name, imagefolder=cfg.imagefolder, shards=dataset, split=cfg.split,
                                   batch_size=cfg.batch_size, image_size=cfg.image_size, workers=cfg.workers,
                                   device=device, fp16=cfg.fp16, hw_decoder_load=cfg.hw_decoder_load,
-                                  cache_dir=cfg.cache_dir, cache_limit=cfg.cache_limit, augment=cfg.augment()), device)
+                                  augment=cfg.augment()), device)
 
 
-def dataset_of(cfg: BenchConfig, images: int) -> dict:
-    manifest = open_shard_folder(cfg.shards)
+def dataset_of(cfg: BenchConfig, dataset: Dataset) -> dict:
+    manifest = dataset.manifest
+    images = dataset.num_samples(cfg.split)
     name = f"COCO {cfg.split}" if manifest.kind == "coco" else Path(manifest.source).name or str(manifest.source)
     return {"name": name, "task": cfg.task, "split": cfg.split, "images": images,
             "classes": manifest.num_classes}

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from nvidia.dali import fn, pipeline_def
 
+from dalifeed.format import ShardManifest
 from dalifeed.pipelines.graphs import AugmentConfig, decode_random_crop, normalize, read_shards, resize_square
 from dalifeed.shardfolder import check_split, open_shard_folder
 
@@ -29,10 +30,10 @@ def cut_pipeline(paths, index_paths, cfg: AugmentConfig, device: str, stage: int
     return data
 
 
-def stage_rates(shards: Path | str, split: str = "train", *, batch_size: int = 64, threads: int = 2,
+def stage_rates(shards: Path | str | ShardManifest, split: str = "train", *, batch_size: int = 64, threads: int = 2,
                 image_size: int = 224, batches: int = 30, device: str = "cpu") -> dict[str, float]:
     """images/s of the pipeline ending after each stage (DALI alone: no PyTorch iterator, no copy out).
-    `shards` may be s3://bucket/prefix."""
+    `shards` may be s3://bucket/prefix, or its manifest already opened."""
     manifest = open_shard_folder(shards)
     check_split(manifest, split)  # in a store: fetches the indexes into the cache
     paths = [manifest.shard_location(s) for s in manifest.split_info(split).shards]

@@ -375,16 +375,17 @@ def verify_cmd(out: Path, decode: bool, as_json: bool):
     if not is_s3_url(out) and not out.is_dir():
         raise click.UsageError(f"{out}: no such shard folder")
 
-    def count_shards() -> int | None:  # a store that cannot be reached fails here, once
+    def open_folder():  # once; a store that cannot be reached fails here
         try:
-            return sum(len(s.shards) for s in open_shard_folder(out).splits.values())
+            return open_shard_folder(out)
         except ManifestError:
-            return None
+            return out  # verify_shards reports it as the folder's one problem
 
-    total = run_command(count_shards, debug=False, runtime_errors=(StorageError, OSError))
+    folder = run_command(open_folder, debug=False, runtime_errors=(StorageError, OSError))
+    total = sum(len(s.shards) for s in folder.splits.values()) if isinstance(folder, ShardManifest) else None
     show = sys.stderr.isatty() and not as_json
     with tqdm(total=total, unit="shard", desc="verify", disable=not show) as bar:
-        report = run_command(lambda: verify_shards(out, decode=decode, on_shard=lambda: bar.update(1)), debug=False,
+        report = run_command(lambda: verify_shards(folder, decode=decode, on_shard=lambda: bar.update(1)), debug=False,
                              runtime_errors=(StorageError, OSError), stopped=lambda e: "nothing was changed")
     if as_json:
         click.echo(json.dumps({**asdict(report), "ok": report.ok}, indent=2))

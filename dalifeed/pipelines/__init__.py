@@ -1,8 +1,11 @@
 """DALI pipelines over dalifeed shards, and the PyTorch loader built on them.
 
-    from dalifeed.pipelines import make_loader
-    loader = make_loader("/data/shards", "train", batch_size=256, rank=rank, world_size=world)
+    from dalifeed.pipelines import AugmentConfig, LoaderOptions, build_loader, open_dataset
+    data = open_dataset("/data/shards", splits=("train",))  # once: opened, kind and splits checked
+    loader = build_loader(data, LoaderOptions("train", 256, rank=rank, world_size=world), AugmentConfig())
     for images, labels in loader: ...
+
+or in keywords: `make_loader("/data/shards", "train", batch_size=256, rank=rank, world_size=world)`.
 
 Names are imported on first use, so that `dalifeed.pipelines.checks` (what `shard-convert verify
 --decode` needs) and `dalifeed.pipelines.graphs` load without torch.
@@ -15,12 +18,15 @@ from dalifeed.lazy import lazy_names
 _WHERE = {
     "AugmentConfig": ".graphs", "IMAGENET_MEAN": ".graphs", "IMAGENET_STD": ".graphs", "normalize": ".graphs",
     "read_shards": ".graphs", "shard_pipeline": ".graphs", "train_augment": ".graphs", "val_transform": ".graphs",
-    "DaliLoader": ".loader", "LoaderOptions": ".loader", "make_loader": ".loader", "resolve_device": ".loader",
+    "DaliLoader": ".loader", "LoaderOptions": ".loader", "resolve_device": ".loader",
+    "build_loader": ".factory", "make_loader": ".factory",
+    "Dataset": ".dataset", "DatasetError": ".dataset", "MixError": ".dataset", "open_dataset": ".dataset",
+    "EpochCursor": ".cursor",
     "ShardDataError": ".checks",
     "DetectionConfig": ".detection", "detection_pipeline": ".detection",
     "make_detection_loader": ".detection",
     "ThreadBudget": ".budget", "thread_budget": ".budget",
-    "MixedLoader": ".mixing", "MixError": ".mixing",
+    "MixedLoader": ".mixing", "ConcatLoader": ".mixing",
 }
 __all__ = list(_WHERE)
 

@@ -23,12 +23,11 @@ from nvidia.dali import fn, pipeline_def, types
 
 from dalifeed.format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
                              COCO_LABELS_MEMBER, IMAGE_MEMBER)
-from dalifeed.shardcache import shard_cache_of
-from dalifeed.shardfolder import open_shard_folder
 
+from .dataset import Dataset, DatasetError, open_dataset
 from .graphs import (ADJUST_ORIENTATION, DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER,
                      after_decode, decoder_device, decoder_hints, read_members, uses_gpu)
-from .loader import DaliLoader, loader_options
+from .loader import DaliLoader, LoaderOptions, ready
 
 # SSD's sampler (Liu et al. 2016, as DALI's SSD example and torchvision's RandomIoUCrop): minimum IoU of a
 # kept box with the window, window scale and aspect ratio; 0 = any window; "no crop" is one of the choices.
@@ -163,7 +162,7 @@ def targets_from_batch(batch: dict) -> tuple[list[torch.Tensor], list[dict]]:
     return images, targets
 
 
-def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size: int, *, rank: int = 0,
+def make_detection_loader(shards_dir: str | os.PathLike | Dataset, split: str, batch_size: int, *, rank: int = 0,
                           world_size: int = 1, seed: int = 0, device: str = "auto", train: bool | None = None,
                           size: int | None = None, min_size: int | None = None, max_size: int | None = None,
                           crop: bool = True, flip: bool = True, include_crowd: bool = False,
@@ -171,8 +170,10 @@ def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size:
                           initial_fill: int = 1024,
                           device_id: int | None = None, checkpointing: bool = False, check: str = "size",
                           hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> DaliLoader:
-    """Detection batches of `split` of a COCO shard folder (a path, or s3://bucket/prefix: DALI then reads the
-    tars from the store) for this rank: the epoch contract of `make_loader` (exact validation across ranks,
+    """Detection batches of `split` of a COCO shard folder (a path, or s3://bucket/prefix: the tars are then
+    fetched whole into the node's shard cache, its default folder and limit, and DALI reads them there,
+    docs/storage.md; or a `Dataset` opened with `open_dataset(..., task="detection")`, its own cache options)
+    for this rank: the epoch contract of `make_loader` (exact validation across ranks,
     equal training batch counts, `(seed, epoch)` order, mid-epoch state) and its rule for `train=None` (the
     split trains if its name starts with "train").
 
@@ -186,19 +187,20 @@ def make_detection_loader(shards_dir: str | os.PathLike, split: str, batch_size:
     `include_crowd` adds `iscrowd` boxes to the targets (left out by default). `hw_decoder_load`: with
     device 'gpu', the share of JPEGs given to the hardware decoder of A100/H100-class GPUs, as in
     `make_loader`."""
-    manifest = open_shard_folder(shards_dir)  # a folder, or s3://bucket/prefix
-    if manifest.kind != "coco":
-        raise ValueError(f"{shards_dir}: made from {manifest.kind}, not COCO: detection needs boxes "
-                         f"(shard-convert coco)")
+    if isinstance(shards_dir, Dataset):
+        dataset = shards_dir
+        if dataset.task != "detection":
+            raise DatasetError(f"{dataset.described}: opened for {dataset.task!r}: open it with "
+                               f"open_dataset(..., task='detection')")
+    else:  # ShardManifest's kind is checked: detection needs COCO's boxes
+        dataset = open_dataset(shards_dir, task="detection", check=check)
     if size is None and min_size is None:
         size = 512
     detection = DetectionConfig(size=size, min_size=min_size, max_size=max_size, crop=crop, flip=flip,
                                 include_crowd=include_crowd, hw_decoder_load=hw_decoder_load)
-    options = loader_options(split, batch_size, train=train, device=device, device_id=device_id,
-                             num_threads=num_threads, rank=rank, world_size=world_size, seed=seed,
-                             prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
-                             checkpointing=checkpointing, check=check)
-    loader = DaliLoader(manifest, split, options, graph=partial(detection_pipeline, cfg=detection),
-                        outputs=DETECTION_OUTPUTS, to_torch=targets_from_batch)
-    loader.shard_cache = shard_cache_of(manifest, None, None, sha256=check == "sha256")  # s3://: the node's cache
-    return loader
+    options = ready(dataset, LoaderOptions(split, batch_size, train, rank=rank, world_size=world_size, seed=seed,
+                                           device=device, device_id=device_id, num_threads=num_threads,
+                                           prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
+                                           checkpointing=checkpointing))
+    return DaliLoader(dataset.sources[0], options, graph=partial(detection_pipeline, cfg=detection),
+                      outputs=DETECTION_OUTPUTS, to_torch=targets_from_batch)

@@ -31,41 +31,38 @@ is read as validation (`val`, `val2017`, `test`, `mini`); `train=True` or `False
 (`trains`).
 
 How it is put together (the shape of DALI's examples: a graph function plus an iterator): one `DaliLoader`
-holds the epoch contract above and is given the DALI graph to run (`graphs.shard_pipeline` for
-classification, `detection.detection_pipeline` for detection), the names of its outputs, and the function
-that turns DALI's batch into what torch code takes (`images_and_labels`, `detection.targets_from_batch`);
-how it reads (batch, rank, seed, device, threads, ...) is a `LoaderOptions`; where it is in the data
-(epoch, batches handed out, the live iterator, a checkpoint to restore) is its `EpochState`. Which files an
-epoch reads is `epoch_files` (the tar a path or s3:// URL, the index a local path), passed in as `files`.
+holds the epoch contract above for one shard folder (a `dataset.Source`: its manifest and where its tars
+are read from) and is given the DALI graph to run (`graphs.shard_pipeline` for classification,
+`detection.detection_pipeline` for detection), the names of its outputs, and the function that turns DALI's
+batch into what torch code takes (`images_and_labels`, `detection.targets_from_batch`); what it reads and
+how (split, batch, rank, seed, device, threads, ...) is a `LoaderOptions`, checked against the dataset once
+by `ready`; where it is in the data is its `cursor.EpochCursor` (the epoch and the samples of it consumed by
+all ranks), with the live iterator and a checkpoint to restore beside it. Which files an epoch reads is
+`epoch_files` (the tar a path or s3:// URL, the index a local path), passed in as `files`. The factories
+that build loaders from a dataset and options are in factory.py.
 """
 
 from __future__ import annotations
 
-import inspect
-import os
 import random
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
 from dalifeed.format import ShardInfo, ShardManifest, trains
-from dalifeed.shardcache import shard_cache_of
-from dalifeed.shardfolder import check_split, open_shard_folder
+from dalifeed.shardcache import ShardCache
 from dalifeed.stack import StackReport, choose_device, stack_report
 
 from . import defaults
 from .budget import thread_budget
-from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, explain_dali_error, indexed_samples,
-                     is_pipeline_failure)
-from .graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, AugmentConfig, shard_pipeline, uses_gpu
+from .checks import DaliDecoder, SampleRef, explain_dali_error, indexed_samples, is_pipeline_failure
+from .cursor import EpochCursor
+from .dataset import Dataset, Source
+from .graphs import DEVICES, AugmentConfig, shard_pipeline, uses_gpu
 
-if TYPE_CHECKING:  # what make_loader returns for a list of folders (mixing imports this module)
-    from .mixing import ConcatLoader, MixedLoader
-
-SHARD_CHECKS = ("size", "sha256")
 CLASSIFICATION_OUTPUTS = ("images", "labels")
 
 
@@ -83,46 +80,58 @@ def resolve_device(device: str, report: StackReport | None = None) -> str:
 
 @dataclass(frozen=True)
 class LoaderOptions:
-    """How a `DaliLoader` reads, whatever its graph. `device` is resolved ('cpu', 'gpu' or 'hybrid');
-    `device_id` None on the CPU (and, for a graph only defined, DALI's current device); `check` what is
-    compared with the manifest before reading (`make_loader`)."""
+    """What a loader reads (`split`) and how, whatever its graph: a run's loader config, printed and saved
+    with it. Left None, `train` follows the split's name (`format.trains`), `device_id` is the current CUDA
+    device on a GPU, `num_threads` this rank's share of the CPUs (`budget.thread_budget`),
+    `prefetch_queue_depth` the device's default (defaults.py: NVIDIA's published 5 with `mixed` decoding,
+    DALI's 2 otherwise); `device` 'auto' is decided by `resolve_device`. `resolved()` fills them in, which is
+    what a `DaliLoader` runs with."""
 
+    split: str
     batch_size: int
-    train: bool
+    train: bool | None = None
     rank: int = 0
     world_size: int = 1
     seed: int = 0
-    device: str = "cpu"
+    device: str = "auto"
     device_id: int | None = None
-    num_threads: int = 1
-    prefetch_queue_depth: int = 2
+    num_threads: int | None = None
+    prefetch_queue_depth: int | None = None
     initial_fill: int = 1024
     checkpointing: bool = False
-    check: str = "size"
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={self.rank}, world_size={self.world_size}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.check not in SHARD_CHECKS:
-            raise ValueError(f"check must be one of {', '.join(SHARD_CHECKS)}, got {self.check!r}")
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    def resolved(self) -> LoaderOptions:
+        """Every None and 'auto' decided on this node (see the class docstring)."""
+        device = resolve_device(self.device)
+        device_id = self.device_id
+        if uses_gpu(device) and device_id is None:
+            device_id = torch.cuda.current_device()
+        return replace(self, train=trains(self.split, self.train), device=device,
+                       device_id=device_id if uses_gpu(device) else None,
+                       num_threads=self.num_threads or thread_budget(device).threads,
+                       prefetch_queue_depth=self.prefetch_queue_depth or defaults.prefetch_queue_depth(device))
 
 
-def loader_options(split: str, batch_size: int, *, train: bool | None, device: str, device_id: int | None,
-                   num_threads: int | None, prefetch_queue_depth: int | None = None, **rest) -> LoaderOptions:
-    """`LoaderOptions` from a factory's arguments: `train` by the split rule (`trains`), the device resolved
-    (`resolve_device`), on a GPU the current CUDA device unless `device_id` says, the thread budget of
-    this rank unless `num_threads` says, the device's prefetch depth unless `prefetch_queue_depth` says
-    (defaults.py: NVIDIA's published 5 with `mixed` decoding, DALI's 2 otherwise); `rest` (rank,
-    world_size, seed, ...) as given."""
-    resolved = resolve_device(device)
-    if uses_gpu(resolved) and device_id is None:
-        device_id = torch.cuda.current_device()
-    return LoaderOptions(batch_size, trains(split, train), device=resolved,
-                         device_id=device_id if uses_gpu(resolved) else None,
-                         num_threads=num_threads or thread_budget(resolved).threads,
-                         prefetch_queue_depth=prefetch_queue_depth or defaults.prefetch_queue_depth(resolved), **rest)
+def ready(dataset: Dataset, options: LoaderOptions) -> LoaderOptions:
+    """`options` resolved, after what every loader of `dataset` needs is checked, once: the split exists and
+    holds samples, a training batch fits every rank (training drops partial batches), the split's files
+    agree with their manifest (the dataset's `check`; each split once per dataset)."""
+    dataset.require_split(options.split)
+    options = options.resolved()
+    if options.train:
+        dataset.check_batch_fits(options.split, options.batch_size, options.world_size)
+    dataset.check_files(options.split)
+    return options
 
 
 def epoch_files(manifest: ShardManifest, shards: list[ShardInfo]) -> tuple[list[str], list[str]]:
@@ -131,40 +140,31 @@ def epoch_files(manifest: ShardManifest, shards: list[ShardInfo]) -> tuple[list[
     return [manifest.shard_location(s) for s in shards], [str(manifest.root / s.index) for s in shards]
 
 
-@dataclass
-class EpochState:
-    """Where a loader is in its data."""
-
-    epoch: int = 0  # the epoch being read, or the next one to read between epochs
-    batches_done: int = 0  # handed out in the current epoch
-    iterator: DALIGenericIterator | None = None  # the current epoch's, from its build to its end; else None
-    restore: str | None = None  # a DALI checkpoint the next iteration starts from
-
-
 # graph(tars, indexes, *, train, device, **pipeline arguments) -> a DALI pipeline, defined, not built
 Graph = Callable[..., Any]
 
 
 class DaliLoader:
-    """An iterable of torch batches of split `split` of `manifest`'s folder: `graph` (see `Graph`) run by
-    DALI's PyTorch iterator, whose batch (a dict by `outputs`) `to_torch` converts. See the module docstring
-    for epochs; `files` says where an epoch's shards are read from."""
+    """An iterable of torch batches of `options.split` of the shard folder `source`: `graph` (see `Graph`) run
+    by DALI's PyTorch iterator, whose batch (a dict by `outputs`) `to_torch` converts. `options` are resolved
+    and checked (`ready`). See the module docstring for epochs; `files` says where an epoch's shards are read
+    from, the source's shard cache (a folder in a store) where it has one."""
 
-    def __init__(self, manifest: ShardManifest, split: str, options: LoaderOptions, *, graph: Graph,
-                 to_torch: Callable[[dict], Any], outputs: tuple[str, ...] = CLASSIFICATION_OUTPUTS,
+    def __init__(self, source: Source, options: LoaderOptions, *, graph: Graph, to_torch: Callable[[dict], Any],
+                 outputs: tuple[str, ...] = CLASSIFICATION_OUTPUTS,
                  files: Callable[[ShardManifest, list[ShardInfo]], tuple[list[str], list[str]]] = epoch_files):
-        self.manifest, self.split, self.options = manifest, split, options
+        self.manifest, self.split, self.options = source.manifest, options.split, options
         self.graph, self.to_torch, self.outputs, self.files = graph, to_torch, outputs, files
-        self._shards = manifest.split_info(split).shards
-        self.total_samples = manifest.num_samples(split)
-        if self.total_samples == 0:
-            raise ValueError(f"{manifest.root}: split {split!r} has no samples")
-        if options.train and self.total_samples // options.world_size < options.batch_size:
-            raise ValueError(f"split {split!r} has {self.total_samples} samples: too few for batch "
-                             f"{options.batch_size} on each of {options.world_size} ranks (training drops partial "
-                             f"batches)")
-        check_files(manifest, split, options.check)
-        self.state = EpochState()
+        self._shards = self.manifest.split_info(self.split).shards
+        self.total_samples = self.manifest.num_samples(self.split)
+        self.cursor = EpochCursor(options.global_batch)
+        self._iterator: DALIGenericIterator | None = None  # the current epoch's, from its build to its end
+        self._restore: str | None = None  # a DALI checkpoint the next iteration starts from
+        # A folder in a store: this loader's view of the node's shard cache (its pins are this loader's
+        # epoch), the first epoch's tars coming while the caller gets ready.
+        self.shard_cache = ShardCache(self.manifest, source.cache) if source.cache is not None else None
+        if self.shard_cache is not None:
+            self.shard_cache.prefetch(self._epoch_shards(), self._shard_range(options.rank))
 
     # -- sizes -------------------------------------------------------------------------------------
     def _shard_range(self, shard_id: int) -> tuple[int, int]:
@@ -187,37 +187,39 @@ class DaliLoader:
         return -(-self.num_samples // o.batch_size)
 
     # -- epochs ------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self.cursor.epoch
+
     def set_epoch(self, epoch: int) -> None:
         """The next iteration yields epoch `epoch` (its order depends only on seed and epoch)."""
-        self.state.epoch = epoch
+        self.cursor.start(epoch)
+        self._restore = None
 
     def state_dict(self) -> dict:
-        """This rank's place in the data: the epoch and, between two batches of an epoch, how many were handed
-        out and DALI's checkpoint after the last of them (only with `checkpointing=True`)."""
-        state = self.state
-        if state.iterator is None or state.batches_done == 0:  # between epochs, or none handed out yet
-            return {"epoch": state.epoch, "batches_done": 0, "dali": None}
+        """Where this loader is: the cursor (epoch, samples consumed by all ranks) and, between two batches of
+        an epoch, DALI's checkpoint of this rank after the last of them (only with `checkpointing=True`)."""
+        if self._iterator is None or self.cursor.samples_done == 0:  # between epochs, or none handed out yet
+            return {"epoch": self.cursor.epoch, "samples_done": 0, "dali": None}
         if not self.options.checkpointing:
             raise RuntimeError("a mid-epoch loader state needs make_loader(..., checkpointing=True)")
-        return {"epoch": state.epoch, "batches_done": state.batches_done, "dali": state.iterator.checkpoints()[0]}
+        return {**self.cursor.state_dict(), "dali": self._iterator.checkpoints()[0]}
 
     def load_state_dict(self, state: dict) -> None:
         """The next iteration continues from `state` (from `state_dict()` of a loader with the same
         arguments, possibly in another process)."""
         if state["dali"] is not None and not self.options.checkpointing:
             raise ValueError("restoring a mid-epoch loader state needs make_loader(..., checkpointing=True)")
-        mine = self.state
-        mine.epoch, mine.batches_done, mine.restore = state["epoch"], state["batches_done"], state["dali"]
+        self.cursor.load_state_dict(state)
+        self._restore = state["dali"]
 
     def _epoch_shards(self, epoch: int | None = None) -> list[ShardInfo]:
         if not self.options.train:
             return list(self._shards)
         order = list(range(len(self._shards)))
-        epoch = self.state.epoch if epoch is None else epoch
+        epoch = self.cursor.epoch if epoch is None else epoch
         random.Random(f"{self.options.seed}:{epoch}").shuffle(order)  # same on every rank: a partition
         return [self._shards[i] for i in order]
-
-    shard_cache = None  # s3:// folders: the node's ShardCache (make_loader sets it), else DALI reads `files`
 
     def _epoch_files(self, shards: list[ShardInfo]) -> tuple[list[str], list[str]]:
         """`files` of this epoch's shards; from a store with a shard cache, the local copies of this rank's
@@ -225,12 +227,12 @@ class DaliLoader:
         if self.shard_cache is None:
             return self.files(self.manifest, shards)
         tars = self.shard_cache.epoch_files(shards, self._shard_range(self.options.rank),
-                                            upcoming=self._epoch_shards(self.state.epoch + 1))
+                                            upcoming=self._epoch_shards(self.cursor.epoch + 1))
         return tars, [str(self.manifest.root / s.index) for s in shards]
 
     def _pipeline_seed(self) -> int:
         # distinct per rank (different augmentations) and per epoch; below 2**31 as DALI requires
-        return random.Random(f"{self.options.seed}:{self.state.epoch}:{self.options.rank}").randrange(2**31)
+        return random.Random(f"{self.options.seed}:{self.cursor.epoch}:{self.options.rank}").randrange(2**31)
 
     def pipeline(self, checkpoint: str | None = None):
         """The DALI pipeline of the current epoch, defined but not built (building is what needs the GPU:
@@ -257,29 +259,29 @@ class DaliLoader:
                                    last_batch_padded=False, auto_reset=False)
 
     def __iter__(self):
-        state = self.state
-        restore, state.restore = state.restore, None
+        cursor = self.cursor
+        restore, self._restore = self._restore, None
         if restore is None:
-            state.batches_done = 0
+            cursor.start(cursor.epoch)
         try:
             # A pipeline per epoch: training's order is a function of (seed, epoch) that the reader is given
             # at build time, and between epochs no pipeline is held (see the module docstring).
-            state.iterator = None  # free the pipeline of an epoch left unfinished first
-            state.iterator = self._build_iterator(restore)  # runs the first batches already
+            self._iterator = None  # free the pipeline of an epoch left unfinished first
+            self._iterator = self._build_iterator(restore)  # runs the first batches already
             limit = len(self)
-            for batch in state.iterator:
-                if state.batches_done < limit:
-                    state.batches_done += 1
+            for batch in self._iterator:
+                if cursor.batches_done < limit:
+                    cursor.advance()
                     yield self.to_torch(batch[0])
         except Exception as e:
             if not is_pipeline_failure(e):
                 raise
-            state.iterator = None  # a pipeline that failed is not reused
+            self._iterator = None  # a pipeline that failed is not reused
             raise self._explain(e) from e
         # the epoch is over: free the pipeline (its threads, decoder state and buffers go back to DALI's
         # pools) so that the next loader to run, validation's or the next epoch's, does not sit beside it
-        state.iterator = None
-        state.epoch += 1
+        self._iterator = None
+        cursor.finish()
 
     # -- when DALI fails ---------------------------------------------------------------------------
     def _explain(self, error: Exception) -> Exception:
@@ -299,7 +301,7 @@ class DaliLoader:
         ahead."""
         o = self.options
         start, end = self._shard_range(o.rank)
-        read = (self.state.batches_done + o.prefetch_queue_depth + 3) * o.batch_size + o.initial_fill
+        read = (self.cursor.batches_done + o.prefetch_queue_depth + 3) * o.batch_size + o.initial_fill
         window: list[SampleRef] = []
         position = 0
         for shard, tar, idx in zip(shards, tars, indexes):
@@ -324,105 +326,13 @@ def images_and_labels(batch: dict, *, channels_last: bool, multilabel: bool) -> 
     return images, labels if multilabel else labels.view(-1)
 
 
-def classification_loader(manifest: ShardManifest, split: str, options: LoaderOptions, augment: AugmentConfig,
+def classification_loader(source: Source, options: LoaderOptions, augment: AugmentConfig,
                           multilabel: bool = False) -> DaliLoader:
-    """A `DaliLoader` of `(images, labels)`: images float (B, 3, H, W) or (B, H, W, 3) normalised, labels
-    int64 (B,) (or float multi-hot (B, num_classes) with `multilabel`), both on the GPU for devices 'gpu' and
-    'hybrid', on the CPU for 'cpu'."""
+    """A `DaliLoader` of `(images, labels)` of one shard folder: images float (B, 3, H, W) or (B, H, W, 3)
+    normalised, labels int64 (B,) (or float multi-hot (B, num_classes) with `multilabel`), both on the GPU
+    for devices 'gpu' and 'hybrid', on the CPU for 'cpu'. `options` resolved and checked (`ready`)."""
+    manifest = source.manifest
     classes = manifest.num_classes if multilabel else 0
-    return DaliLoader(manifest, split, options, graph=partial(shard_pipeline, cfg=augment, multilabel_classes=classes,
-                                                           text_label=manifest.dali_text_label),
+    return DaliLoader(source, options, graph=partial(shard_pipeline, cfg=augment, multilabel_classes=classes,
+                                                     text_label=manifest.dali_text_label),
                       to_torch=partial(images_and_labels, channels_last=augment.channels_last, multilabel=multilabel))
-
-
-def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: int, *, rank: int = 0, world_size: int = 1,
-                seed: int = 0, device: str = "auto", image_size: int = 224, train: bool | None = None,
-                crop_scale: tuple[float, float] = (0.08, 1.0), flip: bool = True,
-                dtype: torch.dtype = torch.float32, channels_last: bool = False, num_threads: int | None = None,
-                prefetch_queue_depth: int | None = None, initial_fill: int = 1024, device_id: int | None = None,
-                checkpointing: bool = False, check: str = "size", multilabel: bool = False,
-                hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, weights: list[float] | None = None,
-                cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
-                augment: AugmentConfig | None = None) -> DaliLoader | MixedLoader | ConcatLoader:
-    """Batches of split `split` of the shard folder `shards_dir` (a path, or s3://bucket/prefix: the tars are then
-    fetched whole into the node's shard cache and DALI reads them there, docs/storage.md) for this rank; see the module docstring (`train=None`: the
-    split trains if its name starts with "train").
-
-    `device`: 'auto' (GPU when torch and DALI see one), 'gpu' (nvJPEG decode, GPU augmentation), 'hybrid' (CPU
-    decode, GPU augmentation: for when the GPU's decoder is the bottleneck) or 'cpu'. `hw_decoder_load`:
-    with 'gpu', the share of JPEGs given to the hardware decoder of A100/H100-class GPUs (the rest go to CUDA
-    cores; ignored where there is none). `device_id` defaults to the current CUDA device (set it from
-    LOCAL_RANK under torchrun). `dtype` float32 or float16; `channels_last` gives
-    NHWC. `num_threads`: DALI threads of the pipeline; default: this rank's share of the CPUs the process
-    may use, capped (`dalifeed.pipelines.budget`: 6 with GPU decoding, 16 with CPU decoding).
-    `prefetch_queue_depth`: batches DALI prepares ahead; default 5 with GPU decoding, 2 otherwise
-    (`dalifeed.pipelines.defaults`: NVIDIA's published configurations).
-    `checkpointing` enables DALI's checkpointing so that `state_dict()` can be taken mid-epoch (see the
-    module docstring). `check`: what is compared with the manifest before reading, 'size' (sizes and
-    indexes: two stats and two small reads per shard) or 'sha256' (also hashes every byte of the split).
-    `multilabel` (COCO shards): labels are float multi-hot (B, num_classes) vectors of the categories each
-    image holds, built in the DALI graph. `augment`: the whole AugmentConfig (policies, random erasing;
-    docs/pipelines.md) instead of image_size, crop_scale, flip and hw_decoder_load; dtype and channels_last
-    still decide the output.
-    Giving `augment` with an image_size, crop_scale, flip or hw_decoder_load other than their defaults is
-    refused (ValueError): one of the two would be ignored.
-    A list of shard folders mixes them (`weights`: their proportions in every batch, default equal;
-    `dalifeed.pipelines.mixing` says how epochs, classes and resume work then): a `MixedLoader` for a
-    training split, a `ConcatLoader` (each dataset in turn) otherwise; one folder gives a `DaliLoader`.
-    `cache_dir`, `cache_limit` (s3:// only): the node's shard cache the tars are fetched into, whole, before
-    DALI reads them (default: `shards/` in dalifeed's cache folder; limit in bytes or a size such as '20GB'
-    (20 * 10^9) or '20GiB' (20 * 2^30), default 90% of the free space; see dalifeed/shardcache.py and docs/storage.md).
-    """
-    if isinstance(shards_dir, (list, tuple)):
-        args = {k: v for k, v in locals().items() if k not in ("shards_dir", "split", "batch_size", "weights", "train")}
-        from .mixing import make_mixed_loader
-
-        return make_mixed_loader(list(shards_dir), split, batch_size, weights=weights, train=train, make_one=make_loader,
-                                 **args)
-    if weights is not None:
-        raise ValueError(f"weights={weights} mixes a list of shard folders; {shards_dir} is one")
-    if augment is not None:
-        refuse_shadowed_options(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
-                                hw_decoder_load=hw_decoder_load)
-    if dtype not in (torch.float32, torch.float16):
-        raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
-    manifest = open_shard_folder(shards_dir)  # a folder, or s3://bucket/prefix
-    if multilabel and manifest.kind != "coco":
-        raise ValueError(f"{shards_dir}: multi-label targets need COCO shards (.labels.i32 members), "
-                         f"this is {manifest.kind}")
-    if not multilabel and manifest.kind == "coco":  # DALI would fail on the missing one-class label member
-        raise ValueError(f"{shards_dir}: COCO shards: use multilabel=True (dali-train --task multilabel) or "
-                         f"make_detection_loader")
-    options = loader_options(split, batch_size, train=train, device=device, device_id=device_id,
-                             num_threads=num_threads, rank=rank, world_size=world_size, seed=seed,
-                             prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
-                             checkpointing=checkpointing, check=check)
-    augment = replace(
-        augment or AugmentConfig(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
-                                 hw_decoder_load=hw_decoder_load),
-        fp16=dtype == torch.float16, channels_last=channels_last)
-    loader = classification_loader(manifest, split, options, augment, multilabel)
-    cache = shard_cache_of(manifest, cache_dir, cache_limit, sha256=check == "sha256")
-    if cache is not None:  # the first epoch's tars start coming while the caller gets ready
-        loader.shard_cache = cache.prefetch(loader._epoch_shards(), loader._shard_range(rank))
-    return loader
-
-
-def refuse_shadowed_options(**given) -> None:
-    """make_loader's keyword options that `augment=` replaces, refused when they differ from their defaults:
-    the AugmentConfig would silently win over them."""
-    defaults = inspect.signature(make_loader).parameters
-    shadowed = [f"{name}={value!r}" for name, value in given.items()
-                if value != (tuple(defaults[name].default) if name == "crop_scale" else defaults[name].default)]
-    if shadowed:
-        raise ValueError(f"{', '.join(shadowed)} with augment=: the AugmentConfig decides these; set them in it "
-                         f"(dataclasses.replace(augment, ...))")
-
-
-def check_files(manifest: ShardManifest, split: str, check: str) -> None:
-    """Refuse, in one line, a split whose files disagree with its manifest (`check`: one of SHARD_CHECKS, see
-    `make_loader`)."""
-    problems = check_split(manifest, split, sha256=check == "sha256")  # on disk, or HEADs in a store
-    if problems:
-        more = f" (and {len(problems) - 1} more: see shard-convert verify)" if len(problems) > 1 else ""
-        raise ShardDataError(f"{problems[0]}{more}; {VERIFY_HINT.format(root=manifest.location)}")

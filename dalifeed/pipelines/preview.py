@@ -19,7 +19,7 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 from PIL import Image
 
-from dalifeed.format import CLASS_MEMBER, IMAGE_MEMBER, split_member_name
+from dalifeed.format import CLASS_MEMBER, IMAGE_MEMBER, ShardManifest, split_member_name
 from dalifeed.shardfolder import open_shard_folder
 
 from .graphs import AugmentConfig, train_augment
@@ -27,7 +27,7 @@ from .graphs import AugmentConfig, train_augment
 CELL_GAP = 4
 
 
-def first_samples(shards: str | Path, split: str, n: int) -> tuple[list[bytes], list[str]]:
+def first_samples(shards: str | Path | ShardManifest, split: str, n: int) -> tuple[list[bytes], list[str]]:
     """The first `n` images of `split` (shard order), as stored, and the caption of each: its label as the
     manifest names it ("index name"; '?' for a sample without a label). The label is read where the shards
     keep it: dalifeed's `cls`, or for adopted shards the member `shard-convert index` was told
@@ -149,7 +149,7 @@ def grid(rows: list[list[np.ndarray]], size: int, headers: list[str], captions: 
     return canvas
 
 
-def write_preview(shards: str | Path, out: str | Path, n: int, cfg: AugmentConfig, split: str = "train",
+def write_preview(shards: str | Path | ShardManifest, out: str | Path, n: int, cfg: AugmentConfig, split: str = "train",
                   seed: int = 0) -> Path:
     """OUT.png: one row per sample: the stored image, DALI's augmentation, torchvision's, each captioned with
     the sample's label, under column headers."""

@@ -185,7 +185,12 @@ class TrainConfig:
         return AugmentConfig(image_size=self.image_size, crop_scale=tuple(self.crop_scale), flip=self.flip,
                              hw_decoder_load=self.hw_decoder_load, auto_augment=self.auto_augment,
                              ra_magnitude=self.ra_magnitude, ra_num_ops=self.ra_num_ops,
-                             random_erase=self.random_erase)
+                             random_erase=self.random_erase, channels_last=self.channels_last)
+
+    def val_augment(self) -> AugmentConfig:
+        """What the validation graph does (resize, centre crop, normalise): training's size and decoder share."""
+        return AugmentConfig(image_size=self.image_size, hw_decoder_load=self.hw_decoder_load,
+                             channels_last=self.channels_last)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -1,36 +1,19 @@
-"""dali-train over several shard folders (`--data A --data B --data-weights 3,1`): the datasets' union of
-classes stands for the manifest, and evaluation runs on each dataset apart (dalifeed.pipelines.mixing)."""
+"""dali-train over several shard folders (`--data A --data B --data-weights 3,1`): the `Dataset` of their
+union (dalifeed.pipelines.dataset) stands for the manifest, and evaluation runs on each dataset apart
+(dalifeed.pipelines.mixing)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from dalifeed.format import ManifestError
-
-from .config import ConfigError
-
-
-def open_datasets(cfg):
-    """The `MixedDatasets` of `cfg.data` (a list), refused in one line when it cannot be mixed."""
-    from dalifeed.pipelines.mixing import MixError, describe_datasets
-
-    if cfg.task != "classify":
-        raise ConfigError("--task multilabel takes one --data (COCO shards cannot be mixed)")
-    try:
-        return describe_datasets(cfg.data)
-    except (ManifestError, MixError) as e:
-        raise ConfigError(str(e)) from None
-
 
 def mix_plan(cfg, datasets, world_size: int) -> list[dict]:
     """What each --data brings to training, as the mixed loader will draw it: its weight, its samples in every
-    batch of a process (`batch_shares`), its train samples and how many passes over them an epoch makes (an
+    batch of a process (`Dataset.shares`), its train samples and how many passes over them an epoch makes (an
     epoch is the union's samples, in batches of --batch-size on every process)."""
-    from dalifeed.pipelines.mixing import batch_shares
-
     weights = cfg.data_weights or [1.0] * len(cfg.data)
-    shares = batch_shares(weights, cfg.batch_size)
-    samples = [m.num_samples(cfg.train_split) for m in datasets.manifests]
+    shares = datasets.shares(cfg.batch_size)
+    samples = [source.manifest.num_samples(cfg.train_split) for source in datasets.sources]
     batches = sum(samples) // world_size // cfg.batch_size  # MixedLoader's epoch
     return [{"data": str(location), "name": name, "weight": weight, "per_batch": share, "train_samples": n,
              "passes_per_epoch": round(share * batches * world_size / n, 3) if n else 0.0}

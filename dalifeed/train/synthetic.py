@@ -2,29 +2,38 @@
 
 from __future__ import annotations
 
+from dalifeed.pipelines.cursor import EpochCursor
+
 
 class SyntheticLoader:
     """Stands in for the training loader: one real batch of it, kept on the device, handed out `len(loader)`
     times an epoch. What the trainer reaches on it is the speed of model and optimiser alone (the
     ceiling); a run on the real loader at the same options shows how close the data path comes to it.
-    Same interface as `DaliLoader` for what the trainer uses (epochs, mid-epoch state)."""
+    Counts its place as every loader does (`EpochCursor`: epoch, samples consumed by all ranks)."""
 
     def __init__(self, loader):
         self._loader, self._length = loader, len(loader)
         self._batch = None
-        self.epoch, self._done, self._resume_at = 0, 0, 0
+        self.cursor = EpochCursor(loader.cursor.global_batch)
+        self._resuming = False
 
     def __len__(self) -> int:
         return self._length
 
+    @property
+    def epoch(self) -> int:
+        return self.cursor.epoch
+
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.cursor.start(epoch)
+        self._resuming = False
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_done": self._done, "dali": None}
+        return {**self.cursor.state_dict(), "dali": None}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self._resume_at = state["epoch"], state["batches_done"]
+        self.cursor.load_state_dict(state)
+        self._resuming = True
 
     def _first_batch(self):
         images, labels = next(iter(self._loader))
@@ -35,8 +44,10 @@ class SyntheticLoader:
     def __iter__(self):
         if self._batch is None:
             self._batch = self._first_batch()
-        self._done, self._resume_at = self._resume_at, 0
-        while self._done < self._length:
-            self._done += 1
+        if not self._resuming:
+            self.cursor.start(self.cursor.epoch)
+        self._resuming = False
+        while self.cursor.batches_done < self._length:
+            self.cursor.advance()
             yield self._batch
-        self.epoch += 1
+        self.cursor.finish()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -17,9 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dalifeed.atomic import write_json_atomic
 from dalifeed.cliutil import folder_not_created
-from dalifeed.format import ShardManifest
 from dalifeed.nvml import gpu_stats
 from dalifeed.pipelines import ThreadBudget, thread_budget
+from dalifeed.pipelines.dataset import Dataset
 from dalifeed.runtime import DiskFull, folder_lock, free_bytes, is_disk_full, mib
 from dalifeed.s3 import is_s3_url
 
@@ -28,7 +28,7 @@ from .config import ConfigError, TrainConfig
 from .distributed import Dist, gather_objects, log, setup, teardown
 from .loop import EpochStats, TrainState, epoch_score, train_one_epoch, validation_record
 from .mixdata import describe_plan, mix_plan
-from .data import check_batch_fits, load_manifest, loader_device, make_loaders
+from .data import loader_device, loader_options, loader_record, make_loaders, open_data
 from .parts import amp_dtype, build_model, build_optimizer, make_profiler, skips_on_device, warmup_cosine
 from .progress import RunLog
 from .stop import StepChecks, Stop, TrainingStopped
@@ -70,20 +70,20 @@ def make_run_folder(out: str) -> None:
 
 def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     """Data, model, optimiser, schedule and precision for `cfg` on this process; restored from `resume`."""
-    manifest = load_manifest(cfg)
+    manifest = open_data(cfg, dist)  # --data opened once: kind, splits and batch checked
     if resume is not None and resume["classes"] != manifest.classes:
         raise ConfigError(f"{cfg.out}: checkpoint was trained on other classes than {cfg.data} holds")
     dtype = amp_dtype(cfg, dist.device)
     budget = thread_budget(loader_device(cfg, dist))
-    log_start(cfg, dist, manifest, dtype, budget)
+    options = loader_options(cfg, dist, threads=cfg.workers or budget.threads)
+    log_start(cfg, dist, manifest, dtype, budget, options)
     if dist.device.type == "cuda":
         # every batch has the same shape (--image-size): cuDNN times its algorithms once per layer shape in
         # the first steps and keeps the fastest (gpu-check leaves the first epoch out for it)
         torch.backends.cudnn.benchmark = True
 
     model, ema = make_model(cfg, dist, manifest.num_classes)
-    check_batch_fits(cfg, dist, manifest)
-    train_loader, val_loader = make_loaders(cfg, dist, threads=cfg.workers or budget.threads)
+    train_loader, val_loader = make_loaders(cfg, manifest, options)
     steps_per_epoch = len(train_loader) // cfg.accum_steps
     if steps_per_epoch == 0:
         raise ConfigError(f"{len(train_loader)} batches per epoch is fewer than --accum-steps {cfg.accum_steps}")
@@ -104,16 +104,26 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
         run.train_model = torch.compile(run.train_model)
     run.run_log = RunLog(Path(cfg.out), dist.is_main, run.state.epoch if resume is not None else None,
                          run.state.step if resume is not None else None)
-    where = f", batch {run.midway['loaders'][0]['batches_done']} of {len(train_loader)}" if run.midway else ""
+    where = f", batch {resumed_batches(run.midway, train_loader)} of {len(train_loader)}" if run.midway else ""
     log(f"global batch {global_batch} (lr {lr:.4g}), {steps_per_epoch} steps/epoch, amp {dtype or 'off'}, "
         f"starting at epoch {run.state.epoch}{where}" + (", synthetic data (one batch, repeated)" if cfg.synthetic else ""))
     return run
 
 
-def log_start(cfg: TrainConfig, dist: Dist, manifest: ShardManifest, dtype: torch.dtype | None,
-              budget: ThreadBudget) -> None:
-    """The run's first lines (the config, where it trains, on what), and RUN/config.json."""
+def resumed_batches(midway: dict, loader) -> int:
+    """The batches each rank had read of the epoch a mid-epoch checkpoint was saved in."""
+    cursor = replace(loader.cursor)  # a copy: the loader is pointed at the checkpoint when its epoch starts
+    cursor.load_state_dict(midway["loaders"][0])
+    return cursor.batches_done
+
+
+def log_start(cfg: TrainConfig, dist: Dist, manifest: Dataset, dtype: torch.dtype | None,
+              budget: ThreadBudget, options: tuple) -> None:
+    """The run's first lines (the config, the loaders' options, where it trains, on what), and
+    RUN/config.json (both configs)."""
+    loaders = loader_record(options)
     log(f"dali-train config: {json.dumps(cfg.to_json())}")
+    log(f"loaders (rank {dist.rank}): {json.dumps(loaders)}")
     log(f"world size {dist.world_size}, device {dist.device}, {manifest.num_classes} classes, "
         f"{manifest.num_samples(cfg.train_split)} train samples")
     log(f"--dali-threads {cfg.workers}: DALI threads per pipeline" if cfg.workers else budget.describe())
@@ -127,7 +137,7 @@ def log_start(cfg: TrainConfig, dist: Dist, manifest: ShardManifest, dtype: torc
         if local:
             log(f"warning: --cache-dir/--cache-limit apply to s3:// data only; {', '.join(local)} is read in place")
     if dist.is_main:
-        write_json_atomic(Path(cfg.out) / "config.json", {**cfg.to_json(), **mixed})
+        write_json_atomic(Path(cfg.out) / "config.json", {**cfg.to_json(), **mixed, "loaders": loaders})
     if cfg.val_split is None:
         log("--val-split none: no evaluation; best.pt keeps the epoch of lowest train loss")
     if dtype == torch.float16 and dist.device.type == "cpu":

@@ -1,0 +1,49 @@
+"""One epoch cursor for every training loader (`DaliLoader`, `MixedLoader`, dali-train's `SyntheticLoader`):
+where a loader is in its data, counted the same way everywhere and saved the same way.
+
+Its position is global: the samples of the epoch consumed by all ranks together. Training loaders hand out
+the same number of batches on every rank, so one batch on each of W ranks moves it by `batch_size * W`; a
+resume reads the position without knowing how the ranks that saved it shared the work, which is what an
+elastic resume (another number of ranks) needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EpochCursor:
+    """The epoch being read (or the next one, between epochs) and the samples of it consumed by all ranks
+    together. `global_batch`: what one batch on every rank consumes."""
+
+    global_batch: int
+    epoch: int = 0
+    samples_done: int = 0
+
+    @property
+    def batches_done(self) -> int:
+        """Batches handed out by each rank in this epoch."""
+        return self.samples_done // self.global_batch
+
+    def start(self, epoch: int) -> None:
+        """The next iteration reads epoch `epoch` from its start."""
+        self.epoch, self.samples_done = epoch, 0
+
+    def advance(self) -> None:
+        """One batch handed out on every rank."""
+        self.samples_done += self.global_batch
+
+    def finish(self) -> None:
+        """The epoch is over: the cursor points at the start of the next."""
+        self.epoch, self.samples_done = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "samples_done": self.samples_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        """From `state_dict()` (a checkpoint written before the count was global said `batches_done` per rank,
+        the same on every rank)."""
+        self.epoch = state["epoch"]
+        self.samples_done = state["samples_done"] if "samples_done" in state \
+            else state["batches_done"] * self.global_batch
