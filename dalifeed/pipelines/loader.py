@@ -24,6 +24,9 @@ Epoch semantics (what a trainer may rely on):
 - One pipeline per epoch: each iteration builds its DALI pipeline and frees it when the epoch ends, so a
   trainer's rank holds one pipeline at a time (training's while it trains, validation's while it
   evaluates) with its thread pool and decoder buffers. Why not one pipeline for all epochs: docs/gpu.md.
+  What would make the epoch wait, defining the graph (Python: about a second for a policy's graph), is done
+  ahead on a background thread: the next epoch's while this one runs, the first at construction (not
+  with a shard cache, whose tars are pinned when their epoch starts).
 
 Which splits train: `train=None` (the default of `make_loader` and `make_detection_loader`) means a split
 whose name starts with "train" trains (`train`, COCO's `train2017`, `training`, `trainval`) and any other
@@ -45,6 +48,7 @@ that build loaders from a dataset and options are in factory.py.
 from __future__ import annotations
 
 import random
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, Callable, Iterator
@@ -160,11 +164,14 @@ class DaliLoader:
         self.cursor = EpochCursor(options.global_batch)
         self._iterator: DALIGenericIterator | None = None  # the current epoch's, from its build to its end
         self._restore: str | None = None  # a DALI checkpoint the next iteration starts from
+        self._ahead: tuple[int, Future] | None = None  # (epoch, its pipeline being defined in the background)
+        self._definer: ThreadPoolExecutor | None = None
         # A folder in a store: this loader's view of the node's shard cache (its pins are this loader's
         # epoch), the first epoch's tars coming while the caller gets ready.
         self.shard_cache = ShardCache(self.manifest, source.cache) if source.cache is not None else None
         if self.shard_cache is not None:
             self.shard_cache.prefetch(self._epoch_shards(), self._shard_range(options.rank))
+        self._define_ahead(self.cursor.epoch)  # the first epoch's graph, while the caller gets ready
 
     # -- sizes -------------------------------------------------------------------------------------
     def _shard_range(self, shard_id: int) -> tuple[int, int]:
@@ -221,28 +228,30 @@ class DaliLoader:
         random.Random(f"{self.options.seed}:{epoch}").shuffle(order)  # same on every rank: a partition
         return [self._shards[i] for i in order]
 
-    def _epoch_files(self, shards: list[ShardInfo]) -> tuple[list[str], list[str]]:
+    def _epoch_files(self, shards: list[ShardInfo], epoch: int | None = None) -> tuple[list[str], list[str]]:
         """`files` of this epoch's shards; from a store with a shard cache, the local copies of this rank's
         tars, fetched whole first (and the next epoch's started in the background: dalifeed/shardcache.py)."""
         if self.shard_cache is None:
             return self.files(self.manifest, shards)
         tars = self.shard_cache.epoch_files(shards, self._shard_range(self.options.rank),
-                                            upcoming=self._epoch_shards(self.cursor.epoch + 1))
+                                            upcoming=self._epoch_shards((self.cursor.epoch if epoch is None else epoch) + 1))
         return tars, [str(self.manifest.root / s.index) for s in shards]
 
-    def _pipeline_seed(self) -> int:
+    def _pipeline_seed(self, epoch: int) -> int:
         # distinct per rank (different augmentations) and per epoch; below 2**31 as DALI requires
-        return random.Random(f"{self.options.seed}:{self.cursor.epoch}:{self.options.rank}").randrange(2**31)
+        return random.Random(f"{self.options.seed}:{epoch}:{self.options.rank}").randrange(2**31)
 
-    def pipeline(self, checkpoint: str | None = None):
-        """The DALI pipeline of the current epoch, defined but not built (building is what needs the GPU:
-        tests/test_gpu_graphs.py checks the GPU graphs on a machine without one through this)."""
+    def pipeline(self, checkpoint: str | None = None, epoch: int | None = None):
+        """The DALI pipeline of epoch `epoch` (default: the current one), defined but not built (building is
+        what needs the GPU: tests/test_gpu_graphs.py checks the GPU graphs on a machine without one through
+        this)."""
         o = self.options
-        tars, indexes = self._epoch_files(self._epoch_shards())
+        epoch = self.cursor.epoch if epoch is None else epoch
+        tars, indexes = self._epoch_files(self._epoch_shards(epoch), epoch)
         return self.graph(
             tars, indexes, train=o.train, device=o.device, shard_id=o.rank, num_shards=o.world_size,
             initial_fill=o.initial_fill, batch_size=o.batch_size, num_threads=o.num_threads, device_id=o.device_id,
-            seed=self._pipeline_seed(), prefetch_queue_depth=o.prefetch_queue_depth,
+            seed=self._pipeline_seed(epoch), prefetch_queue_depth=o.prefetch_queue_depth,
             enable_checkpointing=o.checkpointing, checkpoint=checkpoint,
             # Said, not assumed: DALI 2.4's iterator hands out its buffers without a copy only under the
             # dynamic executor (plugin/pytorch: `copy = not pipe.exec_dynamic`), and the detection graph reads
@@ -251,12 +260,46 @@ class DaliLoader:
             exec_dynamic=True,
         )
 
+    def _define_ahead(self, epoch: int) -> None:
+        """Start defining epoch `epoch`'s pipeline on a background thread, so that the epoch does not wait for
+        it: defining a graph is Python (a policy's 14 branches take about a second on this machine: docs/
+        benchmarks.md), building and running it are not, and DALI keeps the definition state per thread
+        (`pipeline_tls`, autograph's `ag_ctx.stacks`). Only the definition: building is what allocates the
+        pipeline's threads and (mixed decoding) device memory, and one built pipeline at a time is held.
+        Not with a shard cache: its `epoch_files` fetches and pins the epoch's tars, which waits for the
+        epoch's start."""
+        if self.shard_cache is not None:
+            return
+        if self._definer is None:
+            self._definer = ThreadPoolExecutor(1, thread_name_prefix="dalifeed-define")
+        self._ahead = (epoch, self._definer.submit(self.pipeline, None, epoch))
+
+    def __del__(self):
+        # a definition still under way would outlive the loader, and a process forked meanwhile (a
+        # DataLoader's workers) would copy it half done: let it finish first
+        definer = getattr(self, "_definer", None)
+        if definer is not None:
+            try:
+                definer.shutdown(wait=True, cancel_futures=True)
+            except Exception:  # interpreter shutdown
+                pass
+
+    def _defined(self, checkpoint: str | None):
+        """The current epoch's pipeline: the one defined ahead if it is this epoch's and nothing is restored
+        (a definition that failed raises here, as it would have defined now), else defined now."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and checkpoint is None and ahead[0] == self.cursor.epoch:
+            return ahead[1].result()
+        return self.pipeline(checkpoint)
+
     def _build_iterator(self, checkpoint: str | None) -> DALIGenericIterator:
-        pipe = self.pipeline(checkpoint)
+        pipe = self._defined(checkpoint)
         pipe.build()
         policy = LastBatchPolicy.DROP if self.options.train else LastBatchPolicy.PARTIAL
-        return DALIGenericIterator([pipe], list(self.outputs), reader_name="Reader", last_batch_policy=policy,
-                                   last_batch_padded=False, auto_reset=False)
+        iterator = DALIGenericIterator([pipe], list(self.outputs), reader_name="Reader", last_batch_policy=policy,
+                                       last_batch_padded=False, auto_reset=False)
+        self._define_ahead(self.cursor.epoch + 1)  # while this epoch runs
+        return iterator
 
     def __iter__(self):
         cursor = self.cursor
