@@ -127,7 +127,7 @@ def optimizer_step(run: Run, finite: torch.Tensor) -> torch.Tensor:
     skips (so weights stay equal), on the device. Returns whether it skipped (1.0 or 0.0, on the device, the
     same on every rank), unread: nothing here waits for the device.
 
-    The skip is the fused optimizer's (parts.build_optimizer): given `found_inf`, its kernel leaves weights and
+    The skip is the fused optimizer's (trainer.build_optimizer): given `found_inf`, its kernel leaves weights and
     state as they were when the flag is set, as GradScaler has it do for fp16 (torch/amp/grad_scaler.py). With
     fp16 the GradScaler decides alone, from the gradients it unscales (a non-finite loss has non-finite
     gradients), and lowers its scale as usual; the loss's flag then counts the step as skipped. The schedule

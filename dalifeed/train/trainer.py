@@ -8,6 +8,7 @@ continues one is `resume.resolve_run`'s decision, made before `main`."""
 from __future__ import annotations
 
 import json
+import math
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,13 +24,12 @@ from dalifeed.pipelines import ThreadBudget, thread_budget
 from dalifeed.runtime import DiskFull, folder_lock, free_bytes, is_disk_full, mib
 from dalifeed.s3 import is_s3_url
 
-from . import checkpoint
+from . import checkpoint, models
 from .config import ConfigError, TrainConfig
 from .distributed import Dist, gather_objects, log, setup, teardown
 from .loop import EpochStats, TrainState, epoch_score, train_one_epoch, validation_record
 from .mixdata import describe_plan, mix_plan
 from .data import check_batch_fits, load_manifest, loader_device, make_loaders
-from .parts import amp_dtype, build_model, build_optimizer, make_profiler, skips_on_device, warmup_cosine
 from .progress import RunLog
 from .stop import StepChecks, Stop, TrainingStopped
 
@@ -95,7 +95,7 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     scaler = torch.amp.GradScaler(dist.device.type, enabled=dtype == torch.float16)
 
     run = Run(cfg, dist, model, optimizer, scheduler, scaler, train_loader, val_loader=val_loader, dtype=dtype,
-              ema=ema, classes=manifest.classes, profiler=make_profiler(cfg, Path(cfg.out), dist))
+              ema=ema, classes=manifest.classes, profiler=make_profiler(cfg, dist))
     if resume is not None:
         restore(run, resume)
     if dist.enabled:
@@ -135,10 +135,22 @@ def log_start(cfg: TrainConfig, dist: Dist, manifest: ShardManifest, dtype: torc
             "use --amp off, or bf16 on a CPU with AVX-512 BF16 or AMX")
 
 
+def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """Autocast's dtype; None means full precision."""
+    if cfg.amp == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[cfg.amp]
+
+
 def make_model(cfg: TrainConfig, dist: Dist, num_classes: int) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """The model on this rank's device, and its --ema average (None without)."""
+    """The model on this rank's device, with --pretrained weights loaded, and its --ema average (None without).
+    Tensors the weights could not fill (a head of another class count) keep their fresh initialisation."""
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model, replaced = build_model(cfg, num_classes)
+    try:
+        model = models.build_model(cfg.model, num_classes, cfg.width, cfg.image_size)
+    except models.ModelError as e:
+        raise ConfigError(str(e)) from None
+    replaced = checkpoint.load_pretrained(model, cfg.pretrained) if cfg.pretrained else []
     if replaced:
         log(f"--pretrained: re-initialised {', '.join(replaced)} (class count differs)")
     model = model.to(dist.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
@@ -147,6 +159,69 @@ def make_model(cfg: TrainConfig, dist: Dist, num_classes: int) -> tuple[torch.nn
     # device=: its update count lives beside the weights, where loop.update_ema reads it without a host sync
     return model, torch.optim.swa_utils.AveragedModel(
         model, device=dist.device, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """SGD or AdamW, fused: a fused optimizer takes a `found_inf` flag on the device and leaves weights and state
+    untouched when it is set, so a non-finite step is skipped without the host reading whether it is one
+    (loop.optimizer_step; GradScaler relies on the same for fp16). Fused kernels exist on CUDA and, since torch
+    2.4, on the CPU; the results equal the default (foreach) implementation's to rounding."""
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return skips_on_device(torch.optim.AdamW(groups, lr=lr, fused=True))
+    return skips_on_device(torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum,
+                                           nesterov=cfg.nesterov and cfg.momentum > 0, fused=True))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and normalisation weights (every parameter with fewer than 2 dims)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """`optimizer` (built fused, or loaded from a checkpoint) made able to skip any step on the device:
+    - fused in every group: `load_state_dict` takes a checkpoint's groups, and one saved before fusing says
+      fused False, whose step would refuse `found_inf`;
+    - SGD's momentum buffers exist before the first step: fused SGD's first step takes them from
+      `torch.empty_like` and fills them, so a skipped first step would leave them uninitialised
+      (torch/optim/sgd.py `_fused_sgd`; seen here: 1e18 in a buffer). Zeros give the same first step
+      (buffer = momentum x 0 + gradient);
+    - AdamW's step counts on the parameter's device in float32, where its fused kernel counts (and a skipped
+      step is subtracted again); an unfused checkpoint kept them on the CPU."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, None
+        for p in group["params"]:
+            if "step" in optimizer.state.get(p, {}):
+                optimizer.state[p]["step"] = optimizer.state[p]["step"].to(p.device, torch.float32)
+            if group.get("momentum") and optimizer.state[p].get("momentum_buffer") is None:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
+    """LR multiplier per optimizer step: linear warm-up from ~0, then cosine down to `min_ratio`."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def make_profiler(cfg: TrainConfig, dist: Dist):
+    """--profile N: a torch profiler tracing N steps after two (one skipped, one warm-up) into
+    RUN/profile_trace.json, on rank 0; None otherwise."""
+    if not cfg.profile or not dist.is_main:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if dist.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities, schedule=torch.profiler.schedule(wait=1, warmup=1, active=cfg.profile, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(Path(cfg.out) / "profile_trace.json")),
+    )
 
 
 def restore(run: Run, saved: dict) -> None:
