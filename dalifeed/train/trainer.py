@@ -1,6 +1,7 @@
 """The run, in the order it happens: `main(cfg)` locks the run folder, `build_run` assembles the `Run` (data,
 model, optimiser, schedule, precision, restored from a checkpoint when resuming), `fit` drives its epochs:
-`train_one_epoch` and `validation_record` (loop.py), a metrics line and a checkpoint (`Run.finish_epoch`).
+`train_one_epoch` and `validation_record` (loop.py), a metrics line and a checkpoint (`Run.finish_epoch`,
+run.py).
 Only rank 0 prints and writes. Single process or under torchrun, CPU (gloo) or GPU (NCCL). SIGINT and SIGTERM
 stop every rank after the same step (the next check, within about 2 s), with a mid-epoch checkpoint (stop.py). Whether a command starts a run or
 continues one is `resume.resolve_run`'s decision, made before `main`."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,17 +22,19 @@ from dalifeed.cliutil import folder_not_created
 from dalifeed.format import ShardManifest
 from dalifeed.nvml import gpu_stats
 from dalifeed.pipelines import ThreadBudget, thread_budget
-from dalifeed.runtime import DiskFull, folder_lock, free_bytes, is_disk_full, mib
+from dalifeed.runtime import DiskFull, folder_lock, is_disk_full
 from dalifeed.s3 import is_s3_url
 
 from . import checkpoint, models
 from .config import ConfigError, TrainConfig
-from .distributed import Dist, gather_objects, log, setup, teardown
-from .loop import EpochStats, TrainState, epoch_score, train_one_epoch, validation_record
+from .distributed import Dist, log, setup, teardown
+from .loop import train_one_epoch, validation_record
 from .mixdata import describe_plan, mix_plan
 from .data import check_batch_fits, load_manifest, loader_device, make_loaders
 from .progress import RunLog
-from .stop import StepChecks, Stop, TrainingStopped
+from .run import Run
+from .state import TrainState
+from .stop import TrainingStopped
 
 
 @dataclass
@@ -268,99 +271,3 @@ def fit(run: Run) -> TrainResult:
                 raise TrainingStopped(stop.agreed or stop.requested, run.where(f"the end of epoch {epoch}"))
     run.run_log.close()
     return TrainResult(record, run.model)
-
-
-@dataclass
-class Run:
-    """Everything a run holds once built; `fit` drives it, `train_one_epoch` trains with it. Every rank trains,
-    rank 0 writes."""
-
-    cfg: TrainConfig
-    dist: Dist
-    model: torch.nn.Module  # unwrapped: what checkpoints hold
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    train_loader: object
-    val_loader: object | None = None
-    dtype: torch.dtype | None = None  # autocast's; None: full precision
-    ema: torch.nn.Module | None = None
-    classes: list[str] = field(default_factory=list)
-    train_model: torch.nn.Module | None = None  # what trains: DDP and/or torch.compile around `model` (None: it)
-    state: TrainState = field(default_factory=TrainState)
-    run_log: RunLog | None = None
-    profiler: object | None = None
-    midway: dict | None = None  # the mid-epoch checkpoint this run resumes inside, until its epoch starts
-    stop: Stop = field(default_factory=Stop)
-    checks: StepChecks | None = None  # skipped steps tallied on the device, and when the host reads them
-
-    def __post_init__(self):
-        if self.train_model is None:
-            self.train_model = self.model
-        if self.checks is None:
-            self.checks = StepChecks(self.dist.device)
-
-    @property
-    def out(self) -> Path:
-        return Path(self.cfg.out)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return len(self.train_loader) // self.cfg.accum_steps  # an incomplete last window is dropped
-
-    def start_epoch(self, epoch: int) -> EpochStats | None:
-        """Point the loader at `epoch`, or at the rest of it when resuming mid-epoch (then returns the
-        statistics of the part already run)."""
-        if self.midway is None:
-            self.train_loader.set_epoch(epoch)
-            return None
-        self.train_loader.load_state_dict(self.midway["loaders"][self.dist.rank])
-        partial, self.midway = EpochStats(**self.midway["stats"]), None
-        return partial
-
-    def save_midway(self, stats: EpochStats) -> None:
-        """A mid-epoch last.pt: the run, the epoch's statistics so far and every rank's reader position."""
-        loaders = gather_objects(self.train_loader.state_dict())
-        if self.dist.is_main:
-            payload = self.payload(metrics=None)
-            payload["midway"] = {"stats": asdict(stats), "loaders": loaders}
-            self.save(self.out / checkpoint.LAST, payload)
-
-    def finish_epoch(self, record: dict) -> None:
-        """Rank 0: metrics line first, then last.pt (and best.pt); a crash between them only replays the epoch."""
-        if not self.dist.is_main:
-            return
-        score = epoch_score(self.cfg, record)
-        is_best = score > self.state.best_score
-        self.state.best_score = max(self.state.best_score, score)
-        self.run_log.write(record)
-        log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
-        payload = self.payload(metrics=record)
-        self.save(self.out / checkpoint.LAST, payload)
-        if is_best:
-            self.save(self.out / checkpoint.BEST, payload)
-
-    def payload(self, metrics: dict | None) -> dict:
-        """Everything a resume needs: weights, optimiser, schedule, scaler, EMA, counters, RNG states, config,
-        and the number of processes that trained (a resume on another number keeps the global batch)."""
-        return {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-            "ema": self.ema.state_dict() if self.ema is not None else None, "state": asdict(self.state),
-            "rng": checkpoint.rng_state(), "config": self.cfg.to_json(), "classes": self.classes,
-            "metrics": metrics, "world_size": self.dist.world_size,
-        }
-
-    def save(self, path: Path, payload: dict) -> None:
-        try:
-            checkpoint.save(path, payload)
-        except DiskFull as e:
-            raise DiskFull(f"{e} (a checkpoint of this run takes about {mib(checkpoint.size_of(payload))}, "
-                           f"{mib(free_bytes(path.parent))} free): free space, then "
-                           f"{self.where('its previous checkpoint')}") from e
-
-    def where(self, saved: str) -> str:
-        """The command that continues this run, and what last.pt holds (`saved`)."""
-        if not (self.out / checkpoint.LAST).is_file():
-            return "run the same command again (no checkpoint was saved yet)"
-        return f"continue with: dali-train --resume {self.out} (last.pt holds {saved})"
