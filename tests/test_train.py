@@ -22,12 +22,10 @@ from dalifeed.convert import ConvertConfig, convert_imagefolder
 from dalifeed.train import TrainConfig, checkpoint, main as train, train_one_epoch
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.distributed import Dist
-from dalifeed.train.loop import epoch_score
 from dalifeed.train.models import build_model
-from dalifeed.train.parts import (amp_dtype, build_model as build_run_model, build_optimizer, param_groups,
-                                  skips_on_device, warmup_cosine)
 from dalifeed.train.progress import RunLog
-from dalifeed.train.trainer import Run
+from dalifeed.train.run import Run, epoch_score
+from dalifeed.train.trainer import amp_dtype, build_optimizer, make_model, param_groups, skips_on_device, warmup_cosine
 
 from fast_recipe import fast_args, fast_config
 from helpers import write_imagefolder
@@ -386,21 +384,24 @@ def test_non_finite_loss_skips_then_aborts(shards, tmp_path):
     assert not (tmp_path / "nan" / "last.pt").exists()  # stopped within epoch 0, before its checkpoint
 
 
-def test_pretrained_weights_load_and_a_different_head_is_replaced(tmp_path):
+CPU = Dist(0, 1, 0, torch.device("cpu"))
+
+
+def test_pretrained_weights_load_and_a_different_head_is_replaced(tmp_path, capsys):
     import torchvision
 
     path = tmp_path / "r18-5classes.pt"
     torch.manual_seed(1)
     source = torchvision.models.resnet18(num_classes=5)
     torch.save(source.state_dict(), path)
-    model, replaced = build_run_model(TrainConfig(data=".", out=".", model="resnet18", pretrained=str(path)), 3)
-    assert replaced == ["fc.weight", "fc.bias"]  # what the run then says it re-initialised
+    model, _ = make_model(TrainConfig(data=".", out=".", model="resnet18", pretrained=str(path)), CPU, 3)
+    assert "--pretrained: re-initialised fc.weight, fc.bias (class count differs)" in capsys.readouterr().out
     weights = model.state_dict()
     assert weights["fc.weight"].shape == (3, 512)
     assert all(torch.equal(weights[k], v) for k, v in source.state_dict().items() if not k.startswith("fc."))
 
 
-def test_pretrained_takes_dali_trains_own_last_and_best_checkpoints(shards, tmp_path):
+def test_pretrained_takes_dali_trains_own_last_and_best_checkpoints(shards, tmp_path, capsys):
     """docs/training.md: --pretrained runs/x/last.pt fine-tunes from a dali-train run. Its checkpoints hold RNG
     states besides the weights; they must load with torch.load(weights_only=True), and so must a checkpoint
     written before NumPy's state was stored as a tensor (np.random.get_state()'s ndarray)."""
@@ -412,10 +413,11 @@ def test_pretrained_takes_dali_trains_own_last_and_best_checkpoints(shards, tmp_
     assert isinstance(saved["rng"]["numpy"]["keys"], torch.Tensor)
     old = tmp_path / "old.pt"
     torch.save({**saved, "rng": {**saved["rng"], "numpy": np.random.get_state()}}, old)
+    capsys.readouterr()
     for path in (run / "last.pt", run / "best.pt", old):
-        model, replaced = build_run_model(fast_config(shards, tmp_path / "ft", pretrained=str(path)), 3)
+        model, _ = make_model(fast_config(shards, tmp_path / "ft", pretrained=str(path)), CPU, 3)
         weights = torch.load(path, weights_only=False)["model"]
-        assert replaced == [] and all(torch.equal(model.state_dict()[k], v) for k, v in weights.items()), path
+        assert "re-initialised" not in capsys.readouterr().out and all(torch.equal(model.state_dict()[k], v) for k, v in weights.items()), path
     result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(tmp_path / "ft"),
                                             *fast_args(epochs=1), "--pretrained", str(run / "best.pt")])
     assert result.exit_code == 0, result.output
@@ -512,7 +514,7 @@ def test_width_narrows_a_resnet_and_is_refused_for_other_models(shards, tmp_path
     assert build_model("resnet50", 3, width=16).fc.in_features == 16 * 8 * 4  # bottlenecks expand by 4
     with pytest.raises(ModelError, match="plain ResNets"):
         build_model("resnext50_32x4d", 3, width=16)
-    model, _ = build_run_model(fast_config(shards, tmp_path / "narrow", width=16), 3)  # what dali-train builds
+    model, _ = make_model(fast_config(shards, tmp_path / "narrow", width=16), CPU, 3)  # what dali-train builds
     assert model.layer4[0].conv1.out_channels == 128
     refused = CliRunner().invoke(train_cli, fast_cli_args(shards, 1, model="mobilenet_v3_small", width=16)
                                  + ["--out", str(tmp_path / "mobile")])

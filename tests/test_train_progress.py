@@ -108,27 +108,22 @@ def test_rates_are_images_over_the_seconds_given(tmp_path):
     over the epoch so far, a TensorBoard point over the steps since the point before."""
     from dalifeed.train.config import TrainConfig
     from dalifeed.train.distributed import Dist
-    from dalifeed.train.state import EpochStats
+    from dalifeed.train.state import EpochStats, TrainState
     from dalifeed.train.progress import EpochProgress
-    from dalifeed.train.trainer import Run
 
     cfg = TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"), epochs=1, tensorboard_every=1)
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    run = Run(cfg=cfg, dist=Dist(rank=0, world_size=2, local_rank=0, device=torch.device("cpu")), model=model,
-              optimizer=optimizer, scheduler=torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0),
-              scaler=torch.amp.GradScaler(enabled=False), train_loader=None,
-              run_log=RunLog(tmp_path / "run", enabled=True, resume_epoch=None))
-    progress = EpochProgress(run, steps=5, stats=EpochStats())
+    state, run_log = TrainState(), RunLog(tmp_path / "run", enabled=True, resume_epoch=None)
+    progress = EpochProgress(cfg, Dist(rank=0, world_size=2, local_rank=0, device=torch.device("cpu")), state,
+                             run_log, steps=5, stats=EpochStats())
     start = progress.start
 
     # 2 steps of 8 images per rank in 2 s, 0.5 s of it waiting for data; then 1 step of 8 in the next 4 s
-    run.state.step = 2
+    state.step = 2
     progress.write_scalars(EpochStats(images=16, data_wait=0.5, steps=2), start + 2.0, lr=0.1)
-    run.state.step = 3
+    state.step = 3
     stats = EpochStats(images=24, data_wait=1.5, steps=3)
     progress.write_scalars(stats, start + 6.0, lr=0.1)
-    run.run_log.steps_tb.close()
+    run_log.steps_tb.close()
     steps = tmp_path / "run" / "tensorboard" / "steps"
     assert scalars(steps, "step/images_per_s") == [(2, 16 * 2 / 2.0), (3, 8 * 2 / 4.0)]
     assert scalars(steps, "step/data_wait_share") == [(2, 0.5 / 2.0), (3, 1.0 / 4.0)]

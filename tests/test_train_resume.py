@@ -108,3 +108,23 @@ def test_resolve_run(tmp_path, capsys, resume, saved, typed, world_size, decided
     assert {name: getattr(cfg, name) for name in values} == values
     if "log" in decided:
         assert decided["log"] in capsys.readouterr().out
+
+
+def test_a_resumed_command_validates_only_the_config_it_runs(tmp_path):
+    """TrainConfig.validate builds the model on the meta device (and may probe the GPU stack). --resume auto
+    compares the command's options with the saved run's with only the defaults that follow other options
+    filled in, so the one validation of a command is trainer.main's, of the config that runs. Validating an
+    unchanged config again does nothing; a changed one is checked again."""
+    data, run = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    save_run(run, data)
+    asked, names, _ = command("auto", data, run, {})
+    cfg, saved = resolve_run(asked, names)
+    assert saved is not None and asked.warmup_epochs == 0.2  # filled as when saved: min(5, epochs / 10)
+    assert not asked.validated and not cfg.validated
+    cfg.validate()  # trainer.main's first line
+    assert cfg.validated
+    cfg.lr = -1.0
+    assert not cfg.validated
+    with pytest.raises(ConfigError, match=r"--lr must be > 0, got -1.0"):
+        cfg.validate()

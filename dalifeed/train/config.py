@@ -86,12 +86,28 @@ class TrainConfig:
     mixup_alpha: float = 0.0  # mixup on the batch with lambda ~ Beta(alpha, alpha) (0: off)
     cutmix_alpha: float = 0.0  # cutmix likewise; both on: one of the two per batch, each with probability 0.5
 
-    def validate(self) -> None:
-        """Check every option, naming the bad value; fills in the defaults that depend on others."""
+    def fill_defaults(self) -> None:
+        """The defaults that depend on other options, filled in (nothing checked): what `resume.resolve_run`
+        compares with a saved run's config, which had them filled when it was saved."""
         if self.warmup_epochs is None:
             self.warmup_epochs = min(5.0, self.epochs / 10)
         if self.val_split in NO_SPLIT:
             self.val_split = None
+        if isinstance(self.data, (list, tuple)):
+            self.data = [str(d) for d in self.data] if len(self.data) > 1 else str(self.data[0])
+
+    @property
+    def validated(self) -> bool:
+        """`validate` has passed these very values (a changed option, or a copy, is checked again)."""
+        return getattr(self, "_validated", None) == self.to_json()
+
+    def validate(self) -> None:
+        """Check every option, naming the bad value; fills in the defaults that depend on others. Once per
+        command: an unchanged config already checked is not checked again (checking builds the model on the
+        meta device and may probe the GPU stack)."""
+        if self.validated:
+            return
+        self.fill_defaults()
         checks = [
             (self.task in ("classify", "multilabel"), f"--task must be classify or multilabel, got {self.task!r}"),
             (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
@@ -150,8 +166,6 @@ class TrainConfig:
                 choose_device(self.device, stack_report())
             except StackMismatch as e:
                 raise ConfigError(str(e)) from None
-        if isinstance(self.data, (list, tuple)):
-            self.data = [str(d) for d in self.data] if len(self.data) > 1 else str(self.data[0])
         for data in self.data if isinstance(self.data, list) else [self.data]:
             if not is_s3_url(data) and not Path(data).is_dir():
                 what = "is a file, not a shard folder" if Path(data).exists() else "no such shard folder"
@@ -169,6 +183,7 @@ class TrainConfig:
         if problem:
             raise ConfigError(problem)
         self.check_model()
+        self._validated = self.to_json()  # not a field: neither saved nor compared
 
     def check_model(self) -> None:
         """The model exists and takes --image-size (and --width) in batches of --batch-size: checked on the meta

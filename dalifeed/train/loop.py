@@ -1,6 +1,6 @@
 """The training loop, in the order it runs: `train_one_epoch(run, stats)` -> `optimizer_step` for each
 accumulation window and a `check` now and then, then `evaluate` on the validation split. `trainer.fit` calls
-both once an epoch; `Run` (trainer.py) holds what they use.
+both once an epoch; `Run` (run.py) holds what they use.
 
 A step never waits for the device: whether it is applied is decided on the device (`optimizer_step`), the loss
 is summed there, and the host reads what happened at a check (stop.py) or when progress is shown (progress.py).
@@ -21,10 +21,9 @@ from .distributed import Dist, all_reduce_sum, gather_objects, log
 from .mixdata import evaluate_each
 from .mixup import BatchMixer, soft_cross_entropy
 from .progress import EpochProgress
-from .state import EpochStats, TrainState
+from .run import Run
+from .state import EpochStats
 from .stop import agree_to_skip
-
-# `run` is a trainer.Run, named in annotations only: trainer imports this module.
 
 
 class TrainingDiverged(Exception):
@@ -39,7 +38,7 @@ def train_one_epoch(run: Run, stats: EpochStats | None = None) -> EpochStats:
     model.train()
     stats = stats or EpochStats()
     steps = run.steps_per_epoch
-    progress = EpochProgress(run, steps, stats)
+    progress = EpochProgress(cfg, dist, run.state, run.run_log, steps, stats)
     run.checks.start_epoch(run.state.bad_streak, run.state.step)
     losses = torch.zeros(2, device=dist.device)  # this step's (sum of micro-step losses, count), on the device
     finite = torch.ones((), device=dist.device)  # 0 once a micro-step's loss is not finite
@@ -127,7 +126,7 @@ def optimizer_step(run: Run, finite: torch.Tensor) -> torch.Tensor:
     skips (so weights stay equal), on the device. Returns whether it skipped (1.0 or 0.0, on the device, the
     same on every rank), unread: nothing here waits for the device.
 
-    The skip is the fused optimizer's (parts.build_optimizer): given `found_inf`, its kernel leaves weights and
+    The skip is the fused optimizer's (trainer.build_optimizer): given `found_inf`, its kernel leaves weights and
     state as they were when the flag is set, as GradScaler has it do for fp16 (torch/amp/grad_scaler.py). With
     fp16 the GradScaler decides alone, from the gradients it unscales (a non-finite loss has non-finite
     gradients), and lowers its scale as usual; the loss's flag then counts the step as skipped. The schedule
@@ -207,14 +206,6 @@ def validation_record(run: Run) -> dict:
         ema = measure(run.ema.module)
         record.update({f"ema_{name}": v for name, v in ema.items() if name != "val_samples"})
     return record
-
-
-def epoch_score(cfg: TrainConfig, record: dict) -> float:
-    """What best.pt keeps the best of, higher being better: top-1 for classification, mAP for multilabel, and
-    minus the train loss when there is no evaluation (--val-split none)."""
-    if cfg.val_split is None:
-        return -record["train_loss"]
-    return record["map"] if cfg.task == "multilabel" else record["top1"]
 
 
 @torch.no_grad()

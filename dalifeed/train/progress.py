@@ -15,10 +15,9 @@ from tqdm import tqdm
 from dalifeed.atomic import write_atomic
 from dalifeed.runtime import DiskFull, is_disk_full
 
-from .distributed import log
-from .state import EpochStats
-
-# `run` is a trainer.Run, named in annotations only: trainer imports this module.
+from .config import TrainConfig
+from .distributed import Dist, log
+from .state import EpochStats, TrainState
 
 
 class EpochProgress:
@@ -30,19 +29,21 @@ class EpochProgress:
     epoch's `stats.loss` (written back by `snapshot` and `close`): a run resumed mid-epoch goes on from the
     checkpoint's sum and adds exactly what an uninterrupted run adds, however often its sum was read."""
 
-    def __init__(self, run: Run, steps: int, stats: EpochStats):
-        cfg, dist = run.cfg, run.dist
-        self.cfg, self.dist, self.state, self.steps = cfg, dist, run.state, steps
+    def __init__(self, cfg: TrainConfig, dist: Dist, state: TrainState, run_log: RunLog | None, steps: int,
+                 stats: EpochStats):
+        """For the epoch `state.epoch`, of `steps` optimizer steps; `stats` are those of its part already run
+        (resuming mid-epoch), `state` is read as the steps go (its step count)."""
+        self.cfg, self.dist, self.state, self.steps = cfg, dist, state, steps
         # (loss sum, steps) of the steps taken, on the device
         self.totals = torch.tensor([stats.loss, stats.steps - stats.bad_steps], dtype=torch.float64,
                                    device=dist.device)
         self.start, self.seconds_before, self.steps_before = time.perf_counter(), stats.seconds, stats.steps
-        self.bar = tqdm(total=steps, initial=stats.steps, desc=f"epoch {run.state.epoch}", unit="step",
+        self.bar = tqdm(total=steps, initial=stats.steps, desc=f"epoch {state.epoch}", unit="step",
                         dynamic_ncols=True, leave=False, disable=not (dist.is_main and sys.stderr.isatty()))
         self.lines = dist.is_main and cfg.progress_every > 0 and not sys.stdout.isatty()
         self.next_line = self.start + cfg.progress_every
-        tensorboard = dist.is_main and cfg.tensorboard_every and run.run_log and run.run_log.tb
-        self.run_log = run.run_log if tensorboard else None
+        tensorboard = dist.is_main and cfg.tensorboard_every and run_log and run_log.tb
+        self.run_log = run_log if tensorboard else None
         # where the last TensorBoard point was: time, images, data wait, loss sum, steps taken
         self.mark = (self.start, stats.images, stats.data_wait, stats.loss, stats.steps - stats.bad_steps)
 

@@ -66,7 +66,9 @@ def saved_config_if_same_options(saved: dict, asked: TrainConfig, world_size: in
     """--resume auto on a folder holding a run: the saved config, with RESUMABLE_OVERRIDES as asked, when the
     other options are the ones it was made with."""
     cfg = TrainConfig.from_json(saved["config"])
-    asked.validate()  # fills the defaults that depend on other options, as they were filled when saved
+    # the defaults that depend on other options, as they were filled when saved; only the config that runs is
+    # validated, once, by trainer.main (an option that differs from the saved run is refused here either way)
+    asked.fill_defaults()
     changes = [f"--{f.name.replace('_', '-')} was {getattr(cfg, f.name)!r}, now {getattr(asked, f.name)!r}"
                for f in fields(TrainConfig) if f.name not in RESUMABLE_OVERRIDES | {"batch_size"}
                and getattr(cfg, f.name) != getattr(asked, f.name)]

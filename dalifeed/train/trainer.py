@@ -1,6 +1,7 @@
 """The run, in the order it happens: `main(cfg)` locks the run folder, `build_run` assembles the `Run` (data,
 model, optimiser, schedule, precision, restored from a checkpoint when resuming), `fit` drives its epochs:
-`train_one_epoch` and `validation_record` (loop.py), a metrics line and a checkpoint (`Run.finish_epoch`).
+`train_one_epoch` and `validation_record` (loop.py), a metrics line and a checkpoint (`Run.finish_epoch`,
+run.py).
 Only rank 0 prints and writes. Single process or under torchrun, CPU (gloo) or GPU (NCCL). SIGINT and SIGTERM
 stop every rank after the same step (the next check, within about 2 s), with a mid-epoch checkpoint (stop.py). Whether a command starts a run or
 continues one is `resume.resolve_run`'s decision, made before `main`."""
@@ -8,8 +9,9 @@ continues one is `resume.resolve_run`'s decision, made before `main`."""
 from __future__ import annotations
 
 import json
+import math
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -20,18 +22,19 @@ from dalifeed.cliutil import folder_not_created
 from dalifeed.nvml import gpu_stats
 from dalifeed.pipelines import ThreadBudget, thread_budget
 from dalifeed.pipelines.dataset import Dataset
-from dalifeed.runtime import DiskFull, folder_lock, free_bytes, is_disk_full, mib
+from dalifeed.runtime import DiskFull, folder_lock, is_disk_full
 from dalifeed.s3 import is_s3_url
 
-from . import checkpoint
+from . import checkpoint, models
 from .config import ConfigError, TrainConfig
-from .distributed import Dist, gather_objects, log, setup, teardown
-from .loop import EpochStats, TrainState, epoch_score, train_one_epoch, validation_record
+from .distributed import Dist, log, setup, teardown
+from .loop import train_one_epoch, validation_record
 from .mixdata import describe_plan, mix_plan
 from .data import loader_device, loader_options, loader_record, make_loaders, open_data
-from .parts import amp_dtype, build_model, build_optimizer, make_profiler, skips_on_device, warmup_cosine
 from .progress import RunLog
-from .stop import StepChecks, Stop, TrainingStopped
+from .run import Run
+from .state import TrainState
+from .stop import TrainingStopped
 
 
 @dataclass
@@ -70,20 +73,20 @@ def make_run_folder(out: str) -> None:
 
 def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     """Data, model, optimiser, schedule and precision for `cfg` on this process; restored from `resume`."""
-    manifest = open_data(cfg, dist)  # --data opened once: kind, splits and batch checked
-    if resume is not None and resume["classes"] != manifest.classes:
+    data = open_data(cfg, dist)  # --data opened once: kind, splits and batch checked
+    if resume is not None and resume["classes"] != data.classes:
         raise ConfigError(f"{cfg.out}: checkpoint was trained on other classes than {cfg.data} holds")
     dtype = amp_dtype(cfg, dist.device)
     budget = thread_budget(loader_device(cfg, dist))
     options = loader_options(cfg, dist, threads=cfg.workers or budget.threads)
-    log_start(cfg, dist, manifest, dtype, budget, options)
+    log_start(cfg, dist, data, dtype, budget, options)
     if dist.device.type == "cuda":
         # every batch has the same shape (--image-size): cuDNN times its algorithms once per layer shape in
         # the first steps and keeps the fastest (gpu-check leaves the first epoch out for it)
         torch.backends.cudnn.benchmark = True
 
-    model, ema = make_model(cfg, dist, manifest.num_classes)
-    train_loader, val_loader = make_loaders(cfg, manifest, options)
+    model, ema = make_model(cfg, dist, data.num_classes)
+    train_loader, val_loader = make_loaders(cfg, data, options)
     steps_per_epoch = len(train_loader) // cfg.accum_steps
     if steps_per_epoch == 0:
         raise ConfigError(f"{len(train_loader)} batches per epoch is fewer than --accum-steps {cfg.accum_steps}")
@@ -95,7 +98,7 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     scaler = torch.amp.GradScaler(dist.device.type, enabled=dtype == torch.float16)
 
     run = Run(cfg, dist, model, optimizer, scheduler, scaler, train_loader, val_loader=val_loader, dtype=dtype,
-              ema=ema, classes=manifest.classes, profiler=make_profiler(cfg, Path(cfg.out), dist))
+              ema=ema, classes=data.classes, profiler=make_profiler(cfg, dist))
     if resume is not None:
         restore(run, resume)
     if dist.enabled:
@@ -117,21 +120,21 @@ def resumed_batches(midway: dict, loader) -> int:
     return cursor.batches_done
 
 
-def log_start(cfg: TrainConfig, dist: Dist, manifest: Dataset, dtype: torch.dtype | None,
+def log_start(cfg: TrainConfig, dist: Dist, data: Dataset, dtype: torch.dtype | None,
               budget: ThreadBudget, options: tuple) -> None:
     """The run's first lines (the config, the loaders' options, where it trains, on what), and
     RUN/config.json (both configs)."""
     loaders = loader_record(options)
     log(f"dali-train config: {json.dumps(cfg.to_json())}")
     log(f"loaders (rank {dist.rank}): {json.dumps(loaders)}")
-    log(f"world size {dist.world_size}, device {dist.device}, {manifest.num_classes} classes, "
-        f"{manifest.num_samples(cfg.train_split)} train samples")
+    log(f"world size {dist.world_size}, device {dist.device}, {data.num_classes} classes, "
+        f"{data.num_samples(cfg.train_split)} train samples")
     log(f"--dali-threads {cfg.workers}: DALI threads per pipeline" if cfg.workers else budget.describe())
     mixed = {}
     if isinstance(cfg.data, list):  # the union's classes, in order, and what each dataset brings
-        plan = mix_plan(cfg, manifest, dist.world_size)
+        plan = mix_plan(cfg, data, dist.world_size)
         log(describe_plan(plan, cfg.batch_size))
-        mixed = {"classes": manifest.classes, "mixing": plan}
+        mixed = {"classes": data.classes, "mixing": plan}
     if cfg.cache_dir is not None or cfg.cache_limit is not None:
         local = [str(d) for d in (cfg.data if isinstance(cfg.data, list) else [cfg.data]) if not is_s3_url(d)]
         if local:
@@ -145,10 +148,22 @@ def log_start(cfg: TrainConfig, dist: Dist, manifest: Dataset, dtype: torch.dtyp
             "use --amp off, or bf16 on a CPU with AVX-512 BF16 or AMX")
 
 
+def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """Autocast's dtype; None means full precision."""
+    if cfg.amp == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[cfg.amp]
+
+
 def make_model(cfg: TrainConfig, dist: Dist, num_classes: int) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """The model on this rank's device, and its --ema average (None without)."""
+    """The model on this rank's device, with --pretrained weights loaded, and its --ema average (None without).
+    Tensors the weights could not fill (a head of another class count) keep their fresh initialisation."""
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model, replaced = build_model(cfg, num_classes)
+    try:
+        model = models.build_model(cfg.model, num_classes, cfg.width, cfg.image_size)
+    except models.ModelError as e:
+        raise ConfigError(str(e)) from None
+    replaced = checkpoint.load_pretrained(model, cfg.pretrained) if cfg.pretrained else []
     if replaced:
         log(f"--pretrained: re-initialised {', '.join(replaced)} (class count differs)")
     model = model.to(dist.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
@@ -157,6 +172,69 @@ def make_model(cfg: TrainConfig, dist: Dist, num_classes: int) -> tuple[torch.nn
     # device=: its update count lives beside the weights, where loop.update_ema reads it without a host sync
     return model, torch.optim.swa_utils.AveragedModel(
         model, device=dist.device, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    """SGD or AdamW, fused: a fused optimizer takes a `found_inf` flag on the device and leaves weights and state
+    untouched when it is set, so a non-finite step is skipped without the host reading whether it is one
+    (loop.optimizer_step; GradScaler relies on the same for fp16). Fused kernels exist on CUDA and, since torch
+    2.4, on the CPU; the results equal the default (foreach) implementation's to rounding."""
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return skips_on_device(torch.optim.AdamW(groups, lr=lr, fused=True))
+    return skips_on_device(torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum,
+                                           nesterov=cfg.nesterov and cfg.momentum > 0, fused=True))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """No weight decay on biases and normalisation weights (every parameter with fewer than 2 dims)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """`optimizer` (built fused, or loaded from a checkpoint) made able to skip any step on the device:
+    - fused in every group: `load_state_dict` takes a checkpoint's groups, and one saved before fusing says
+      fused False, whose step would refuse `found_inf`;
+    - SGD's momentum buffers exist before the first step: fused SGD's first step takes them from
+      `torch.empty_like` and fills them, so a skipped first step would leave them uninitialised
+      (torch/optim/sgd.py `_fused_sgd`; seen here: 1e18 in a buffer). Zeros give the same first step
+      (buffer = momentum x 0 + gradient);
+    - AdamW's step counts on the parameter's device in float32, where its fused kernel counts (and a skipped
+      step is subtracted again); an unfused checkpoint kept them on the CPU."""
+    for group in optimizer.param_groups:
+        group["fused"], group["foreach"] = True, None
+        for p in group["params"]:
+            if "step" in optimizer.state.get(p, {}):
+                optimizer.state[p]["step"] = optimizer.state[p]["step"].to(p.device, torch.float32)
+            if group.get("momentum") and optimizer.state[p].get("momentum_buffer") is None:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
+
+
+def warmup_cosine(total_steps: int, warmup_steps: int, min_ratio: float):
+    """LR multiplier per optimizer step: linear warm-up from ~0, then cosine down to `min_ratio`."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return factor
+
+
+def make_profiler(cfg: TrainConfig, dist: Dist):
+    """--profile N: a torch profiler tracing N steps after two (one skipped, one warm-up) into
+    RUN/profile_trace.json, on rank 0; None otherwise."""
+    if not cfg.profile or not dist.is_main:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if dist.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities, schedule=torch.profiler.schedule(wait=1, warmup=1, active=cfg.profile, repeat=1),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(Path(cfg.out) / "profile_trace.json")),
+    )
 
 
 def restore(run: Run, saved: dict) -> None:
@@ -203,99 +281,3 @@ def fit(run: Run) -> TrainResult:
                 raise TrainingStopped(stop.agreed or stop.requested, run.where(f"the end of epoch {epoch}"))
     run.run_log.close()
     return TrainResult(record, run.model)
-
-
-@dataclass
-class Run:
-    """Everything a run holds once built; `fit` drives it, `train_one_epoch` trains with it. Every rank trains,
-    rank 0 writes."""
-
-    cfg: TrainConfig
-    dist: Dist
-    model: torch.nn.Module  # unwrapped: what checkpoints hold
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    train_loader: object
-    val_loader: object | None = None
-    dtype: torch.dtype | None = None  # autocast's; None: full precision
-    ema: torch.nn.Module | None = None
-    classes: list[str] = field(default_factory=list)
-    train_model: torch.nn.Module | None = None  # what trains: DDP and/or torch.compile around `model` (None: it)
-    state: TrainState = field(default_factory=TrainState)
-    run_log: RunLog | None = None
-    profiler: object | None = None
-    midway: dict | None = None  # the mid-epoch checkpoint this run resumes inside, until its epoch starts
-    stop: Stop = field(default_factory=Stop)
-    checks: StepChecks | None = None  # skipped steps tallied on the device, and when the host reads them
-
-    def __post_init__(self):
-        if self.train_model is None:
-            self.train_model = self.model
-        if self.checks is None:
-            self.checks = StepChecks(self.dist.device)
-
-    @property
-    def out(self) -> Path:
-        return Path(self.cfg.out)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return len(self.train_loader) // self.cfg.accum_steps  # an incomplete last window is dropped
-
-    def start_epoch(self, epoch: int) -> EpochStats | None:
-        """Point the loader at `epoch`, or at the rest of it when resuming mid-epoch (then returns the
-        statistics of the part already run)."""
-        if self.midway is None:
-            self.train_loader.set_epoch(epoch)
-            return None
-        self.train_loader.load_state_dict(self.midway["loaders"][self.dist.rank])
-        partial, self.midway = EpochStats(**self.midway["stats"]), None
-        return partial
-
-    def save_midway(self, stats: EpochStats) -> None:
-        """A mid-epoch last.pt: the run, the epoch's statistics so far and every rank's reader position."""
-        loaders = gather_objects(self.train_loader.state_dict())
-        if self.dist.is_main:
-            payload = self.payload(metrics=None)
-            payload["midway"] = {"stats": asdict(stats), "loaders": loaders}
-            self.save(self.out / checkpoint.LAST, payload)
-
-    def finish_epoch(self, record: dict) -> None:
-        """Rank 0: metrics line first, then last.pt (and best.pt); a crash between them only replays the epoch."""
-        if not self.dist.is_main:
-            return
-        score = epoch_score(self.cfg, record)
-        is_best = score > self.state.best_score
-        self.state.best_score = max(self.state.best_score, score)
-        self.run_log.write(record)
-        log(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()))
-        payload = self.payload(metrics=record)
-        self.save(self.out / checkpoint.LAST, payload)
-        if is_best:
-            self.save(self.out / checkpoint.BEST, payload)
-
-    def payload(self, metrics: dict | None) -> dict:
-        """Everything a resume needs: weights, optimiser, schedule, scaler, EMA, counters, RNG states, config,
-        and the number of processes that trained (a resume on another number keeps the global batch)."""
-        return {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-            "ema": self.ema.state_dict() if self.ema is not None else None, "state": asdict(self.state),
-            "rng": checkpoint.rng_state(), "config": self.cfg.to_json(), "classes": self.classes,
-            "metrics": metrics, "world_size": self.dist.world_size,
-        }
-
-    def save(self, path: Path, payload: dict) -> None:
-        try:
-            checkpoint.save(path, payload)
-        except DiskFull as e:
-            raise DiskFull(f"{e} (a checkpoint of this run takes about {mib(checkpoint.size_of(payload))}, "
-                           f"{mib(free_bytes(path.parent))} free): free space, then "
-                           f"{self.where('its previous checkpoint')}") from e
-
-    def where(self, saved: str) -> str:
-        """The command that continues this run, and what last.pt holds (`saved`)."""
-        if not (self.out / checkpoint.LAST).is_file():
-            return "run the same command again (no checkpoint was saved yet)"
-        return f"continue with: dali-train --resume {self.out} (last.pt holds {saved})"
