@@ -17,12 +17,12 @@ from ..runtime import DiskFull, FolderInUse
 from ..s3 import StorageError, is_s3_url
 from ..s3 import list_objects as s3_list_objects
 from ..shardfolder import open_shard_folder
-from .core import skip_reasons
+from .core import merge, skip_reasons
 from .coco import CocoConfig, ExportError, convert_coco, export_coco
 from .imagefolder import TOP_LEVEL, ConvertConfig, UsageError, convert_imagefolder
 from .index import IndexConfig, IndexDataError, IndexUsageError, index_folder
 from .info import describe_folder, folder_info
-from .jobs import MergeError, merge
+from .jobs import MergeError
 from .shards import JOBS_DIR, ConversionFailed, WorkerCrashed
 from .verify import verify_shards
 

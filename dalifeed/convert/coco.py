@@ -37,8 +37,9 @@ from ..format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LAB
                       COCO_LABELS_MEMBER, COCO_MEMBERS, COCO_META, IMAGE_MEMBER, META_MEMBER, ShardManifest,
                       check_split_name, listing_digest, meta_problems)
 from ..shardfolder import open_shard_folder, read_samples
-from .core import Plan, ShardOptions, UsageError, convert, stat_source
+from .core import Plan, convert, stat_source
 from .images import ImageError, to_jpeg
+from .options import ShardOptions, UsageError
 from .shards import Sample, Skip, SourceFile
 
 REQUIRED_KEYS = ("images", "annotations", "categories")

@@ -8,8 +8,8 @@ options, and what it already knows is skipped. `convert` does the rest, the same
 - writes `manifest.json` last, or, for one of N jobs (`--num-jobs N --job-index I`), a job record that
   `merge` later combines into the manifest (`jobs.py`, docs/scaling.md); both are added up by `jobs.add_up`.
 
-For an s3:// OUT the core writes into a local staging folder (`ShardOptions.folder`) as into any OUT and
-`remote.py` uploads what it finishes.
+For an s3:// OUT the core writes into a local staging folder (`ShardOptions.folder`, options.py) as into any
+OUT and `remote.py` uploads what it finishes. The imports run one way: options <- jobs <- remote <- core.
 """
 
 from __future__ import annotations
@@ -29,20 +29,14 @@ from tqdm import tqdm
 
 from ..atomic import write_json_atomic
 from ..format import FORMAT_VERSION, MANIFEST_NAME, ShardManifest, SplitInfo
-from ..runtime import LOCK_NAME, DiskFull, folder_lock, free_bytes, mib, usable_cores
-from .images import DEFAULT_MAX_PIXELS
-from ..s3 import StorageError, is_s3_url, parse_s3_url
+from ..runtime import LOCK_NAME, DiskFull, FolderInUse, folder_lock, free_bytes, mib
+from ..s3 import is_s3_url
 from . import remote
-from .lease import STALE_S, Lease, LeaseHeld
-from .jobs import Part, add_up, job_positions, job_record_path, merge_if_complete, shard_prefix, write_job_record
-from .shards import (JOBS_DIR, PROGRESS_DIR, ProgressStore, Totals, describe_difference, is_output_file,
-                     remove_outputs, write_split)
-
-DEFAULT_MAX_SHARD_BYTES = 256 * 2**20
-
-
-class UsageError(Exception):
-    """Bad input or options: the CLI prints the message in one line and exits 2."""
+from .jobs import (MergeError, Part, add_up, add_up_records, job_positions, job_record_path, shard_prefix,
+                   write_job_record)
+from .lease import Lease, LeaseHeld
+from .options import ShardOptions, UsageError, is_conversion_state
+from .shards import JOBS_DIR, PROGRESS_DIR, ProgressStore, Totals, describe_difference, remove_outputs, write_split
 
 
 @dataclass(frozen=True)
@@ -80,109 +74,6 @@ def stat_source(path: Path) -> SourceStat:
         kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a file")
         return SourceStat(0, st.st_mtime_ns, f"not a regular file: {kind}")
     return SourceStat(st.st_size, st.st_mtime_ns)
-
-
-@dataclass(kw_only=True)
-class ShardOptions:
-    """The options every converter has: where, how shards are cut and images encoded, how many workers, and
-    which of N jobs this run is. `out` stays what the user gave; `folder` is where this run writes."""
-
-    out: Path | str  # OUT as given: a local folder, or s3://bucket/prefix
-    seed: int = 0
-    max_shard_bytes: int | None = None  # None: 256 MiB, unless samples_per_shard alone is given
-    samples_per_shard: int | None = None
-    jpeg_quality: int = 95
-    max_side: int | None = None
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    workers: int = field(default_factory=usable_cores)  # affinity, cgroup quota, Slurm: not the host's CPUs
-    on_error: str = "skip"
-    overwrite: bool = False
-    progress: bool = True
-    num_jobs: int = 1
-    job_index: int = 0
-    staging: Path | None = None  # --staging: with an s3:// OUT, the local folder shards wait in until uploaded
-    lease_stale_s: float = STALE_S  # with an s3:// OUT: another run's lease not renewed for this long is taken over
-    remote: str | None = field(init=False)  # OUT's s3:// URL (convert/remote.py uploads to it); None for a local OUT
-    # where this run writes shards, records and the manifest: OUT, or the staging folder of an s3:// OUT
-    # (--staging, or by default a folder in $TMPDIR named after OUT)
-    folder: Path = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.staging = Path(self.staging) if self.staging is not None else None
-        if is_s3_url(self.out):
-            self.out = str(self.out)
-            self.remote = self.out.rstrip("/")
-            # one staging folder per job: two jobs on one machine must not share (nor wipe) each other's
-            self.folder = self.staging or remote.default_staging(
-                self.remote + (f"#job-{self.job_index}-of-{self.num_jobs}" if self.jobs else ""))
-        else:
-            self.out, self.remote = Path(self.out), None
-            self.folder = self.out
-        # One limit given: that one. Both: a shard ends at whichever it reaches first. Neither: 256 MiB.
-        if self.max_shard_bytes is None and self.samples_per_shard is None:
-            self.max_shard_bytes = DEFAULT_MAX_SHARD_BYTES
-
-    def validate_shard_options(self) -> None:
-        """Check every option up front, naming the bad value."""
-        checks = [
-            (self.samples_per_shard is None or self.samples_per_shard >= 1,
-             f"--samples-per-shard must be >= 1, got {self.samples_per_shard}"),
-            (self.max_shard_bytes is None or self.max_shard_bytes >= 4096,
-             f"--max-shard-bytes must be >= 4096, got {self.max_shard_bytes}"),
-            (1 <= self.jpeg_quality <= 100, f"--jpeg-quality must be in 1..100, got {self.jpeg_quality}"),
-            (self.max_side is None or self.max_side >= 8, f"--max-side must be >= 8, got {self.max_side}"),
-            (self.max_pixels >= 1, f"--max-pixels must be >= 1, got {self.max_pixels}"),
-            (self.workers >= 1, f"--workers must be >= 1, got {self.workers}"),
-            (self.on_error in ("skip", "fail"), f"--on-error must be 'skip' or 'fail', got {self.on_error!r}"),
-            (self.num_jobs >= 1, f"--num-jobs must be >= 1, got {self.num_jobs}"),
-            (0 <= self.job_index < self.num_jobs,
-             f"--job-index must be in 0..{self.num_jobs - 1} (--num-jobs {self.num_jobs}), got {self.job_index}"),
-            (not (self.overwrite and self.num_jobs > 1),
-             "--overwrite with --num-jobs would delete other jobs' shards: empty OUT first instead"),
-            (self.staging is None or self.remote is not None, "--staging applies only to an s3://bucket/prefix OUT"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise UsageError(message)
-        if self.remote is not None:
-            try:
-                parse_s3_url(self.remote)
-            except StorageError as e:
-                raise UsageError(str(e)) from None
-            stray = [p.name for p in self.folder.iterdir() if not (_ours(p.name) or is_output_file(p.name))] \
-                if self.folder.is_dir() else []
-            if stray:
-                raise UsageError(f"--staging {self.folder}: holds other files ({stray[0]}); give an empty or new folder")
-        if self.folder.exists() and not self.folder.is_dir():
-            raise UsageError(f"{self.folder}: output exists and is not a folder")
-
-    def shard_options(self) -> dict:
-        """The options that decide the output bytes (workers, progress and the job index do not)."""
-        return {"seed": self.seed, "jpeg_quality": self.jpeg_quality, "max_side": self.max_side,
-                "max_pixels": self.max_pixels, "samples_per_shard": self.samples_per_shard,
-                "max_shard_bytes": self.max_shard_bytes}
-
-    def to_json(self) -> dict:
-        def plain(value):
-            if isinstance(value, Path):
-                return str(value)
-            return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
-        return {k: plain(v) for k, v in asdict(self).items()}
-
-    @property
-    def jobs(self) -> bool:
-        return self.num_jobs > 1
-
-    @property
-    def location(self) -> str:
-        """Where the shards go, for messages: OUT, or its s3:// URL."""
-        return self.remote or str(self.out)
-
-    @property
-    def temporary_staging(self) -> bool:
-        """Whether `folder` is the default staging folder of an s3:// OUT, removed when the conversion ends or
-        is refused (a --staging folder is kept)."""
-        return self.remote is not None and self.staging is None
 
 
 @dataclass
@@ -255,6 +146,27 @@ def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
             merged.summary = summarize(merged, summary.seconds, "merged")
             return merged
     return manifest
+
+
+def merge(out: Path | str) -> ShardManifest:
+    """Combine the records of every job of a conversion into OUT's manifest.json, checking that all N are
+    there and were made with the same options and plan. Idempotent; holds OUT's lock while it writes. OUT
+    may be s3://bucket/prefix (`remote.merge_in_store`)."""
+    if is_s3_url(out):
+        return remote.merge_in_store(str(out))
+    out = Path(out)
+    manifest = add_up_records(out)
+    with folder_lock(out, "shard-convert merge"):
+        manifest.save()
+    return manifest
+
+
+def merge_if_complete(out: Path | str) -> ShardManifest | None:
+    """After a job: merge when every job's record is there (the last job to finish does it), else None."""
+    try:
+        return merge(out)
+    except (MergeError, FolderInUse):
+        return None
 
 
 @contextmanager
@@ -333,15 +245,10 @@ def prepare_output(opts: ShardOptions, fingerprint: dict) -> str:
                              f"every job of a conversion must run the same command (but --job-index)")
         return "fresh"
     # in a store, records of another run may exist without a shard in the staging folder
-    if any(not _ours(p.name) for p in out.iterdir()) or (opts.remote and existing is not None):
+    if any(not is_conversion_state(p.name) for p in out.iterdir()) or (opts.remote and existing is not None):
         why = f"made with other input: {describe_difference(existing, fingerprint)}" if existing else "not empty"
         raise UsageError(f"{opts.location}: output folder {why}; use --overwrite to replace it or choose another OUT")
     return "fresh"
-
-
-def _ours(name: str) -> bool:
-    """Files a conversion leaves in OUT before it has written anything: state, locks, an error log."""
-    return name in (PROGRESS_DIR, JOBS_DIR, LOCK_NAME, "convert-error.log") or name.startswith(".dalifeed-job-")
 
 
 def _read_fingerprint(path: Path) -> dict | None:

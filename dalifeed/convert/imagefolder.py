@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..format import CLASS_I64_MEMBER, CLASS_MEMBER, IMAGE_MEMBER, META_MEMBER, ShardManifest, listing_digest
-from .core import DEFAULT_MAX_SHARD_BYTES, ConvertSummary, Plan, ShardOptions, UsageError, convert, stat_source
+from .core import ConvertSummary, Plan, convert, stat_source
 from .images import ImageError, to_jpeg
+from .options import DEFAULT_MAX_SHARD_BYTES, ShardOptions, UsageError
 from .shards import Sample, Skip, SourceFile
 
 __all__ = ["ConvertConfig", "ConvertSummary", "DEFAULT_MAX_SHARD_BYTES", "UsageError", "convert_imagefolder"]

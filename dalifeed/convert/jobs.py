@@ -7,9 +7,10 @@ conversion; with byte-sized shards, job I converts a contiguous range of positio
 `<split>-jIIII-NNNNNN`, holding the same samples as a single job would.
 
 A job writes its part of OUT and a job record `OUT/.dalifeed-jobs/job-IIII-of-NNNN.json`: the manifest of its
-part (what a re-run that finds the job done returns) and its skipped files and warnings per split. `merge`
-checks that all N records are there and were made alike, and adds them up with `add_up`, the function a
-single job's manifest is made with too: a single job is the one part of its conversion.
+part (what a re-run that finds the job done returns) and its skipped files and warnings per split.
+`add_up_records` checks that all N records are there and were made alike, and adds them up with `add_up`, the
+function a single job's manifest is made with too: a single job is the one part of its conversion.
+`core.merge` (`shard-convert merge`) saves what they add up to, in OUT or in the store (`remote.py`).
 """
 
 from __future__ import annotations
@@ -17,16 +18,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..atomic import write_json_atomic
 from ..format import ShardManifest, SplitInfo, check_split_name
-from ..runtime import FolderInUse, folder_lock
-from ..s3 import is_s3_url
+from .options import ShardOptions
 from .shards import JOBS_DIR, PROGRESS_DIR, Totals, describe_difference
-
-if TYPE_CHECKING:
-    from .core import ShardOptions
 
 
 def job_positions(n: int, opts: ShardOptions) -> range:
@@ -112,21 +108,6 @@ class MergeError(Exception):
     """A job is missing or was run differently: one line naming it."""
 
 
-def merge(out: Path | str) -> ShardManifest:
-    """Combine the records of every job of a conversion into OUT's manifest.json, checking that all N are
-    there and were made with the same options and plan. Idempotent; holds OUT's lock while it writes. OUT
-    may be s3://bucket/prefix (`remote.merge_in_store`)."""
-    if is_s3_url(out):
-        from .remote import merge_in_store  # remote.py builds on this module
-
-        return merge_in_store(str(out))
-    out = Path(out)
-    manifest = add_up_records(out)
-    with folder_lock(out, "shard-convert merge"):
-        manifest.save()
-    return manifest
-
-
 def add_up_records(out: Path) -> ShardManifest:
     """The manifest the job records in `out` add up to (rooted at `out`, not saved)."""
     records = finished_jobs(out)
@@ -173,11 +154,3 @@ def read_job_record(path: Path) -> dict:
     except (OSError, ValueError, AttributeError, KeyError) as e:
         raise MergeError(f"{path}: unreadable job record ({e}); run that job again") from None
     return doc
-
-
-def merge_if_complete(out: Path | str) -> ShardManifest | None:
-    """After a job: merge when every job's record is there (the last job to finish does it), else None."""
-    try:
-        return merge(out)
-    except (MergeError, FolderInUse):
-        return None

@@ -22,7 +22,6 @@ job (another machine) out.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import tempfile
 from collections import deque
@@ -36,13 +35,6 @@ from .lease import LEASE_DIR, Lease
 from .shards import JOBS_DIR, PROGRESS_DIR, ProgressStore, ShardRecord, is_output_file, remove_outputs
 
 MAX_PENDING = 2  # shards finished but not yet uploaded, beyond the one being written
-
-
-def default_staging(url: str) -> Path:
-    """A staging folder named after the destination, so that a re-run on this machine finds it (and its
-    lock refuses a second conversion to the same place)."""
-    digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"dalifeed-staging-{digest}"
 
 
 def is_ours(name: str) -> bool:
@@ -105,7 +97,7 @@ def abort_uploads_of(url: str, names: set[str]) -> None:
 
 
 def merge_in_store(url: str) -> ShardManifest:
-    """`shard-convert merge s3://...`: `jobs.merge` on the job records in the store, copied into a temporary
+    """`shard-convert merge s3://...`: `core.merge` on the job records in the store, copied into a temporary
     folder (with the progress folders of jobs that started, for MergeError's "still running"); the manifest
     is uploaded last, in one PUT: a reader sees all of it or none. Idempotent: merges running at once write
     the same bytes."""
