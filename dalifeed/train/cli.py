@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import click
@@ -18,7 +17,7 @@ from dalifeed.s3 import StorageError
 from dalifeed.stack import StackMismatch
 
 from .config import NO_SPLIT, RECIPES, ConfigError, TrainConfig
-from .distributed import GpuAssignmentError
+from .distributed import GpuAssignmentError, Launch, launched
 from .loop import TrainingDiverged
 from .resume import resolve_run
 from .stop import TrainingStopped
@@ -208,17 +207,17 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
     typed = {name for name in options if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
     resume_from = None if resume == "auto" else Path(resume)
     run_folder = resume_from or (Path(asked.out) if asked.out else None)  # where a traceback goes
-    rank0 = os.environ.get("RANK", "0") == "0"
+    launch = launched()
 
     def run() -> None:
-        cfg, saved = resolve_run(asked, typed, resume_from, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        cfg, saved = resolve_run(asked, typed, resume_from, world_size=launch.world_size)
         train(cfg, resume=saved)
 
     run_command(run, debug=debug, usage_errors=(ConfigError, FolderInUse, MixError, StackMismatch, GpuAssignmentError),
-                runtime_errors=(ShardDataError, TrainingDiverged, DiskFull, StorageError), prefix=rank_prefix(),
-                log=lambda: error_log(run_folder) if run_folder else None,
+                runtime_errors=(ShardDataError, TrainingDiverged, DiskFull, StorageError), prefix=rank_prefix(launch),
+                log=lambda: error_log(run_folder, launch) if run_folder else None,
                 stopped=lambda e: (e.detail if isinstance(e, TrainingStopped) else
-                                   "stopped before training began; run the same command again") if rank0 else None)
+                                   "stopped before training began; run the same command again") if launch.is_main else None)
 
 
 def apply_recipe(ctx: click.Context, options: dict) -> None:
@@ -229,21 +228,20 @@ def apply_recipe(ctx: click.Context, options: dict) -> None:
         return
     taken = {k: v for k, v in RECIPES[name].items() if ctx.get_parameter_source(k) != ParameterSource.COMMANDLINE}
     options.update(taken)
-    if os.environ.get("RANK", "0") == "0":
+    if launched().is_main:
         kept = sorted(set(RECIPES[name]) - set(taken))
         print(f"--recipe {name}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items())
               + (f" (given explicitly, kept: {', '.join('--' + k.replace('_', '-') for k in kept)})" if kept else ""),
               flush=True)
 
 
-def rank_prefix() -> str:
-    return f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""
+def rank_prefix(launch: Launch) -> str:
+    return f"rank {launch.rank}: " if launch.world_size > 1 else ""
 
 
-def error_log(run: Path) -> Path:
+def error_log(run: Path, launch: Launch) -> Path:
     """Where the traceback of a failure goes: RUN/error.log, one per rank under torchrun."""
-    rank = os.environ.get("RANK", "0")
-    return run / ("error.log" if int(os.environ.get("WORLD_SIZE", 1)) == 1 else f"error-rank{rank}.log")
+    return run / ("error.log" if launch.world_size == 1 else f"error-rank{launch.rank}.log")
 
 
 if __name__ == "__main__":

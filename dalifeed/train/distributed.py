@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,13 +28,29 @@ class Dist:
         return self.world_size > 1
 
 
+@dataclass(frozen=True)
+class Launch:
+    """Where the launcher put this process: torchrun's RANK, WORLD_SIZE and LOCAL_RANK (one process without)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched(environ=os.environ) -> Launch:
+    """The launcher's variables, read here and nowhere else (the CLI's messages and `setup` both use them)."""
+    return Launch(int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1)), int(environ.get("LOCAL_RANK", 0)))
+
+
 def setup(device: str, report: StackReport | None = None) -> Dist:
-    """Rank and world size from RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun); one process otherwise. The device
-    is `stack.choose_device`'s, as the loaders decide it (`report`: this node's, probed when None): 'auto' on a
+    """Rank and world size from the launcher (`launched`); one process otherwise. The device is
+    `stack.choose_device`'s, as the loaders decide it (`report`: this node's, probed when None): 'auto' on a
     node with GPUs and a stack that does not fit them raises `StackMismatch` before any process group forms."""
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, world_size, local_rank = astuple(launched())
     use_gpu = device != "cpu" and uses_gpu(choose_device(device, stack_report() if report is None else report))
     if use_gpu:
         index = cuda_index(local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -122,6 +138,7 @@ def all_reduce_max(values: torch.Tensor) -> torch.Tensor:
 
 def log(message: str) -> None:
     """Print `message` on rank 0 only, flushed (a log file under Slurm or nohup shows it at once). The rank is
-    torchrun's RANK, as `setup` reads it, so a run can say what it decided before its process group exists."""
-    if int(os.environ.get("RANK", 0)) == 0:
+    the launcher's (`launched`), as `setup` reads it, so a run can say what it decided before its process group
+    exists."""
+    if launched().is_main:
         print(message, flush=True)
