@@ -12,7 +12,7 @@ import torch
 
 from dalifeed.format import ShardManifest, listing_digest
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 from dalifeed.shardfolder import open_shard_folder
 from dalifeed.convert.coco import SplitPlan, load_instances, plan_split, training_boxes
 

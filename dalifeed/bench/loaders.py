@@ -70,7 +70,7 @@ def train_transform(augment: AugmentConfig):
 
 def dali_loader(shards: Path, split: str, batch_size: int, threads: int, device: str,
                 augment: AugmentConfig, cache_dir=None, cache_limit=None) -> Iterable:
-    # the prefetch queue dali-train gets on `device` (pipelines/defaults.py: 5 with mixed decoding, 2 where the
+    # the prefetch queue dali-train gets on `device` (dalifeed/defaults.py: 5 with mixed decoding, 2 where the
     # CPU decodes), so that dali-bench and gpu-check race the loader a training run uses
     return make_loader(shards, split, batch_size, device=device, augment=augment, num_threads=threads, train=True,
                        dtype=torch.float16 if augment.fp16 else torch.float32,

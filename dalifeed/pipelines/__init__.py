@@ -19,7 +19,7 @@ _WHERE = {
     "ShardDataError": ".checks",
     "DetectionConfig": ".detection", "detection_pipeline": ".detection",
     "make_detection_loader": ".detection",
-    "ThreadBudget": ".budget", "thread_budget": ".budget",
+    "ThreadBudget": "..budget", "thread_budget": "..budget",
     "MixedLoader": ".mixing", "MixError": ".mixing",
 }
 __all__ = list(_WHERE)

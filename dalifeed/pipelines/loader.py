@@ -51,14 +51,15 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
+from dalifeed import defaults
+from dalifeed.budget import thread_budget
+from dalifeed.decode import DaliDecoder
 from dalifeed.format import ShardInfo, ShardManifest, trains
 from dalifeed.shardcache import shard_cache_of
 from dalifeed.shardfolder import check_split, open_shard_folder
 from dalifeed.stack import StackReport, choose_device, stack_report
 
-from . import defaults
-from .budget import thread_budget
-from .checks import (VERIFY_HINT, DaliDecoder, SampleRef, ShardDataError, explain_dali_error, indexed_samples,
+from .checks import (VERIFY_HINT, SampleRef, ShardDataError, explain_dali_error, indexed_samples,
                      is_pipeline_failure)
 from .graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, AugmentConfig, shard_pipeline, uses_gpu
 
@@ -354,9 +355,9 @@ def make_loader(shards_dir: str | os.PathLike | list, split: str, batch_size: in
     cores; ignored where there is none). `device_id` defaults to the current CUDA device (set it from
     LOCAL_RANK under torchrun). `dtype` float32 or float16; `channels_last` gives
     NHWC. `num_threads`: DALI threads of the pipeline; default: this rank's share of the CPUs the process
-    may use, capped (`dalifeed.pipelines.budget`: 6 with GPU decoding, 16 with CPU decoding).
+    may use, capped (`dalifeed.budget`: 6 with GPU decoding, 16 with CPU decoding).
     `prefetch_queue_depth`: batches DALI prepares ahead; default 5 with GPU decoding, 2 otherwise
-    (`dalifeed.pipelines.defaults`: NVIDIA's published configurations).
+    (`dalifeed.defaults`: NVIDIA's published configurations).
     `checkpointing` enables DALI's checkpointing so that `state_dict()` can be taken mid-epoch (see the
     module docstring). `check`: what is compared with the manifest before reading, 'size' (sizes and
     indexes: two stats and two small reads per shard) or 'sha256' (also hashes every byte of the split).
