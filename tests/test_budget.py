@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dalifeed.pipelines.budget import CPU_DECODE_MAX_THREADS, MIXED_DECODE_MAX_THREADS, ranks_on_node, thread_budget
+from dalifeed.budget import CPU_DECODE_MAX_THREADS, MIXED_DECODE_MAX_THREADS, ranks_on_node, thread_budget
 from dalifeed.runtime import cgroup_cpu_quota, usable_cores
 
 
@@ -186,7 +186,7 @@ def memory_table_rows(gpus: int = 8, nodes_cores=(64, 224)) -> list[str]:
     """docs/gpu.md's rows for `gpus` ranks on nodes of `nodes_cores` CPUs at the shipped default (--device gpu,
     no --dali-threads): now one mixed decoder per rank at a time at thread_budget's threads; before, one per
     pipeline (training and validation, both held) at one thread per CPU with the old paddings."""
-    from dalifeed.pipelines.graphs import decoder_memory
+    from dalifeed.decode import decoder_memory
 
     rows = []
     for cores in nodes_cores:
@@ -207,8 +207,8 @@ def test_docs_memory_table_is_what_the_budget_and_decoder_memory_give():
 
 def test_docs_defaults_table_is_defaults_py():
     """docs/gpu.md's table of the GPU path's defaults and their published sources is what the code uses."""
-    from dalifeed.pipelines import defaults
-    from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+    from dalifeed import defaults
+    from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 
     doc = (Path(__file__).parents[1] / "docs" / "gpu.md").read_text()
     for row in defaults.defaults_table():

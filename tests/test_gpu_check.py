@@ -17,7 +17,7 @@ from dalifeed.bench.gpu_check import (STEPS, CheckRun, GpuCheckConfig, checkpoin
                                       decoder_budget, decoder_memory_line, failed, hw_decoder_config,
                                       main as gpu_check_cli, render_markdown, run_check, train_command, train_slice)
 from dalifeed.pipelines import make_loader
-from dalifeed.pipelines.budget import thread_budget
+from dalifeed.budget import thread_budget
 from dalifeed.stack import StackMismatch
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.synthetic import SyntheticLoader

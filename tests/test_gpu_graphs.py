@@ -33,9 +33,9 @@ import pytest
 import torch
 from nvidia.dali import backend, fn, ops, pipeline_def, types
 
-from dalifeed.pipelines.checks import DaliDecoder, dali_sees_gpu
+from dalifeed.decode import DaliDecoder, dali_sees_gpu, decoder_memory
 from dalifeed.pipelines.gpu_kernels import GPU_KERNELS, input_problem
-from dalifeed.pipelines.graphs import AugmentConfig, decoder_memory
+from dalifeed.pipelines.graphs import AugmentConfig
 
 # Arguments only the mixed decoders get, each a no-op on the CPU backend (its schema doc says it applies only
 # to `mixed`, or makes `mixed` do what `cpu` already does). docs/gpu.md gives the evidence for each.

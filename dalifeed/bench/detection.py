@@ -12,8 +12,8 @@ import torch
 
 from dalifeed.format import ShardManifest, listing_digest
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
+from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 from dalifeed.pipelines.dataset import Dataset
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 from dalifeed.convert.coco import SplitPlan, load_instances, plan_split, training_boxes
 
 from .loaders import DALI_DEVICES, dataloader_options, opened

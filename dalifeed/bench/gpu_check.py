@@ -11,7 +11,7 @@ Steps, in order (each adds its section to WORKDIR/gpu-check.json and gpu-check.m
               (budget.thread_budget with one rank per GPU, not every core), with NVML's JPEG-engine utilisation:
               whether the hardware decoder is used, and the best share for this GPU and this rank's threads
 - defaults    the training graph on the GPU at 4, 6 and 8 DALI threads (as the rank's CPUs allow) and prefetch
-              queues of 2 and 5: the best, against the published defaults dalifeed uses (pipelines/defaults.py)
+              queues of 2 and 5: the best, against the published defaults dalifeed uses (dalifeed/defaults.py)
 - train       a slice of dali-train (ResNet-50, --amp bf16 --channels-last) on the shards, run as the node runs
               it (torchrun, one rank per GPU), against the same command with --synthetic (one batch repeated):
               images/s of the node, data wait, GPU utilisation
@@ -52,7 +52,7 @@ import torch
 
 from dalifeed.atomic import write_atomic, write_json_atomic
 from dalifeed.cliutil import default, run_command
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 from dalifeed.runtime import usable_cores
 
 from . import gpu_recipes

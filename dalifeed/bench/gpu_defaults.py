@@ -1,4 +1,4 @@
-"""gpu-check's `defaults` step: the GPU path's published defaults (pipelines/defaults.py) against their
+"""gpu-check's `defaults` step: the GPU path's published defaults (dalifeed/defaults.py) against their
 neighbours, on this node, so that a user can confirm them (or pick better ones) in minutes.
 
 dali-train's training graph (RandomResizedCrop + flip + normalise, float32, channels-last as the training
@@ -10,8 +10,8 @@ the best setting, and what dalifeed would use here by default.
 
 from __future__ import annotations
 
-from dalifeed.pipelines import defaults
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
+from dalifeed import defaults
+from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 
 from .gpu_node import decoder_budget
 from .gpu_recipes import timed_rate

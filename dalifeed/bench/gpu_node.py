@@ -7,14 +7,15 @@ import os
 
 import torch
 
+from dalifeed.budget import thread_budget
+from dalifeed.decode import decoder_memory
+
 
 def decoder_budget(cores: int | None = None, gpus: int | None = None, environ=os.environ) -> dict:
     """What each `mixed` decoder of a dali-train rank on this node reserves when built, at dali-train's default
     DALI threads per pipeline for one rank per visible GPU (`torchrun --nproc-per-node gpu`; budget.py), not
-    at --workers: graphs.decoder_memory (docs/gpu.md), its paddings per thread and the GPU and pinned host
+    at --workers: decode.decoder_memory (docs/gpu.md), its paddings per thread and the GPU and pinned host
     memory they add up to. `cores` and `gpus` default to this process's (usable_cores, torch)."""
-    from dalifeed.pipelines.budget import thread_budget
-    from dalifeed.pipelines.graphs import decoder_memory
 
     gpus = torch.cuda.device_count() if gpus is None else gpus
     budget = thread_budget("gpu", cores=cores, visible_gpus=gpus, environ={**environ, "LOCAL_WORLD_SIZE": str(max(1, gpus))})

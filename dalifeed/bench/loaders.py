@@ -70,7 +70,7 @@ def train_transform(augment: AugmentConfig):
 
 def dali_loader(dataset: Dataset, split: str, batch_size: int, threads: int, device: str,
                 augment: AugmentConfig) -> Iterable:
-    # the prefetch queue dali-train gets on `device` (pipelines/defaults.py: 5 with mixed decoding, 2 where the
+    # the prefetch queue dali-train gets on `device` (dalifeed/defaults.py: 5 with mixed decoding, 2 where the
     # CPU decodes), so that dali-bench and gpu-check race the loader a training run uses
     return build_dali_loader(dataset, LoaderOptions(split, batch_size, train=True, device=device, num_threads=threads),
                              augment)

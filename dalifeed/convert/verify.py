@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import s3
+from ..decode import DaliDecoder, dali_sees_gpu
 from ..format import (CLASS_I64_MEMBER, CLASS_MEMBER, IMAGE_MEMBER, IMAGEFOLDER_MEMBERS, IMAGEFOLDER_META,
                       META_MEMBER, IndexEntry, ManifestError, ShardInfo, ShardManifest, index_text, meta_problems,
                       split_member_name)
@@ -71,8 +72,6 @@ def verify_shards(root: Path, decode: bool = False, on_shard=lambda: None) -> Ve
 
 def dali_decoder():
     """DALI's decoder on the GPU when DALI sees one (nvJPEG, as training would use), else on the CPU."""
-    from dalifeed.pipelines.checks import DaliDecoder, dali_sees_gpu
-
     return DaliDecoder("gpu", 0) if dali_sees_gpu() else DaliDecoder("cpu")
 
 

@@ -25,7 +25,7 @@ _WHERE = {
     "ShardDataError": ".checks",
     "DetectionConfig": ".detection", "detection_pipeline": ".detection",
     "make_detection_loader": ".detection",
-    "ThreadBudget": ".budget", "thread_budget": ".budget",
+    "ThreadBudget": "..budget", "thread_budget": "..budget",
     "MixedLoader": ".mixing", "ConcatLoader": ".mixing",
 }
 __all__ = list(_WHERE)

@@ -2,11 +2,11 @@
 
 DALI reports a failed decode as a multi-line "Critical error in pipeline" that often names no sample
 ("nvImageCodec failure: '#4'"), and a truncated tar as a malformed *index*. This module holds what the
-loader and `shard-convert verify --decode` need to say instead "<tar>: sample <key>: <what>":
-`summarize_dali_error` (the one informative line of DALI's message), `DaliDecoder` (DALI's own decoder
-run over given encoded images, bisecting a failing batch down to the samples it rejects),
-`find_undecodable` (the first such sample among a range of shard samples, read through their indexes) and
-`explain_dali_error`, which puts them together into the one line every loader raises.
+loader needs to say instead "<tar>: sample <key>: <what>": `find_undecodable` (the first sample among a
+range of shard samples, read through their indexes, that DALI's decoder rejects) and `explain_dali_error`,
+which puts it together with DALI's own line into the one line every loader raises. The decoder and that
+line, `DaliDecoder` and `summarize_dali_error`, live in `dalifeed/decode.py`, below both this package and
+`convert/` (`shard-convert verify --decode` runs the same decoder).
 """
 
 from __future__ import annotations
@@ -16,49 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import numpy as np
-
+from dalifeed.decode import DaliDecoder, summarize_dali_error
 from dalifeed.format import split_member_name
 from dalifeed.s3 import StorageError
 
-from .budget import thread_budget
-
 VERIFY_HINT = "check the shards with: shard-convert verify --decode {root}"
-
-# nvImageCodec's status codes (nvimgcodecStatus_t), as DALI prints them: "nvImageCodec failure: '#4'"
-NVIMGCODEC_STATUS = {3: "bad code stream", 4: "code stream unsupported", 5: "allocator failure",
-                     6: "execution failed", 8: "internal error", 9: "implementation unsupported"}
 
 _SAMPLE_SOURCE = re.compile(r"(?P<tar>\S+?\.tar):(?P<offset>\d+):(?P<member>[^\s:]+)")
 _BAD_INDEX = re.compile(r'Malformed index file at "(?P<idx>[^"]+)"(?P<detail>[^\n]*)')
 
 
-def dali_sees_gpu() -> bool:
-    """Whether DALI can use a CUDA device here (without importing torch)."""
-    from dalifeed.stack import dali_stack
-
-    return dali_stack()[3] > 0
-
-
 class ShardDataError(Exception):
     """The data cannot be read as the manifest describes it; the message is one line naming the shard file
     (and the sample, where known) and what to run. The DALI error, if any, is the `__cause__`."""
-
-
-def summarize_dali_error(error: BaseException) -> str:
-    """The line of a DALI error that says what happened, without its pipeline traceback and boilerplate."""
-    text = str(error)
-    if "encountered:" in text:
-        text = text.rsplit("encountered:", 1)[1]
-    lines = [line.strip() for line in text.splitlines()]
-    keep = [line for line in lines if line and not line.startswith(("Current pipeline object", "C++ context",
-                                                                     "Critical error", "File \""))]
-    summary = keep[0] if keep else lines[0] if lines else type(error).__name__
-    summary = re.sub(r'^Assert on ".*?" failed: ', "", summary).rstrip(" :")
-    code = re.search(r"nvImageCodec failure: '#(\d+)'", summary)
-    if code and int(code.group(1)) in NVIMGCODEC_STATUS:
-        summary += f" ({NVIMGCODEC_STATUS[int(code.group(1))]})"
-    return summary
 
 
 @dataclass(frozen=True)
@@ -98,63 +68,6 @@ def member_key(name: str) -> str:
     """The sample key of an index entry's member name (an index lists members of samples only)."""
     named = split_member_name(name)
     return named[0] if named else name
-
-
-class DaliDecoder:
-    """DALI's image decoder (`mixed`, i.e. nvJPEG, on a GPU; libjpeg-turbo on the CPU) over encoded images
-    handed in from Python, reporting the ones it rejects. The same decoder the training graphs use."""
-
-    def __init__(self, device: str = "cpu", device_id: int | None = None, batch_size: int = 32,
-                 num_threads: int | None = None):
-        self.device, self.device_id, self.batch_size = device, device_id, batch_size
-        self.num_threads = num_threads or thread_budget(device).threads
-        self._pipe = None
-
-    def pipeline(self):
-        """The decoding pipeline, defined but not built (tests/test_gpu_graphs.py checks its GPU graph)."""
-        from nvidia.dali import fn, pipeline_def, types
-
-        from .graphs import decoder_device, decoder_hints
-
-        @pipeline_def(batch_size=self.batch_size, num_threads=self.num_threads, device_id=self.device_id,
-                      prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
-        def decode():
-            encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
-            return fn.decoders.image(encoded, device=decoder_device(self.device), output_type=types.RGB,
-                                     **decoder_hints(self.device, roi=False))
-
-        return decode()
-
-    def _build(self):
-        pipe = self.pipeline()
-        pipe.build()
-        return pipe
-
-    def _decode(self, items: list[bytes]) -> None:
-        if self._pipe is None:
-            self._pipe = self._build()
-        self._pipe.feed_input("encoded", [np.frombuffer(item, np.uint8) for item in items])
-        self._pipe.run()
-
-    def failures(self, items: list[bytes]) -> list[tuple[int, str]]:
-        """(index into `items`, DALI's reason) for every item DALI cannot decode, in index order."""
-        found = [(i, "empty member") for i, item in enumerate(items) if not item]  # never handed to DALI
-        positions = [i for i, item in enumerate(items) if item]
-        for start in range(0, len(positions), self.batch_size):
-            chunk = positions[start:start + self.batch_size]
-            found += [(chunk[j], why) for j, why in self._bisect([items[i] for i in chunk])]
-        return sorted(found)
-
-    def _bisect(self, items: list[bytes]) -> list[tuple[int, str]]:
-        try:
-            self._decode(items)
-            return []
-        except RuntimeError as e:
-            self._pipe = None  # a pipeline that raised is rebuilt, not trusted
-            if len(items) == 1:
-                return [(0, summarize_dali_error(e))]
-        mid = len(items) // 2
-        return self._bisect(items[:mid]) + [(mid + i, why) for i, why in self._bisect(items[mid:])]
 
 
 def find_undecodable(samples: Iterable[SampleRef], decoder: DaliDecoder, chunk: int = 256) \

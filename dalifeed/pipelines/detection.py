@@ -21,12 +21,13 @@ from functools import partial
 import torch
 from nvidia.dali import fn, pipeline_def, types
 
+from dalifeed.decode import DEFAULT_HW_DECODER_LOAD, decoder_device, decoder_hints
 from dalifeed.format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
                              COCO_LABELS_MEMBER, IMAGE_MEMBER)
 
 from .dataset import Dataset, DatasetError, open_dataset
-from .graphs import (ADJUST_ORIENTATION, DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER,
-                     after_decode, decoder_device, decoder_hints, read_members, uses_gpu)
+from .graphs import (ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER, after_decode, read_members,
+                     uses_gpu)
 from .loader import DaliLoader, LoaderOptions, ready
 
 # SSD's sampler (Liu et al. 2016, as DALI's SSD example and torchvision's RandomIoUCrop): minimum IoU of a

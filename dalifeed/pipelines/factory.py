@@ -59,9 +59,9 @@ def make_loader(shards_dir: str | os.PathLike | list | Dataset, split: str, batc
     cores; ignored where there is none). `device_id` defaults to the current CUDA device (set it from
     LOCAL_RANK under torchrun). `dtype` float32 or float16; `channels_last` gives
     NHWC. `num_threads`: DALI threads of the pipeline; default: this rank's share of the CPUs the process
-    may use, capped (`dalifeed.pipelines.budget`: 6 with GPU decoding, 16 with CPU decoding).
+    may use, capped (`dalifeed.budget`: 6 with GPU decoding, 16 with CPU decoding).
     `prefetch_queue_depth`: batches DALI prepares ahead; default 5 with GPU decoding, 2 otherwise
-    (`dalifeed.pipelines.defaults`: NVIDIA's published configurations).
+    (`dalifeed.defaults`: NVIDIA's published configurations).
     `checkpointing` enables DALI's checkpointing so that `state_dict()` can be taken mid-epoch (see
     loader.py's docstring). `multilabel` (COCO shards): labels are float multi-hot (B, num_classes) vectors
     of the categories each image holds, built in the DALI graph. `augment`: the whole AugmentConfig

@@ -16,37 +16,13 @@ from dataclasses import dataclass
 from nvidia.dali import fn, pipeline_def, types
 from nvidia.dali import math as dmath
 
+from dalifeed.decode import DEFAULT_HW_DECODER_LOAD, decoder_device, decoder_hints
 from dalifeed.format import CLASS_I64_MEMBER, COCO_LABELS_MEMBER, IMAGE_MEMBER
 
-from . import augment, defaults
+from . import augment
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-
-# Share of JPEGs `mixed` decoding gives the hardware JPEG decoder of A100/H100-class GPUs (the rest decode on
-# CUDA cores): 0.99, NVIDIA's published DGX-H100 ResNet-50 configuration (defaults.py; DALI's own default is
-# 0.65, DGX-A100's MLPerf v2.0 run used 0). The best value depends on the GPU and on the threads feeding it:
-# make gpu-check measures 0, 0.65 and 0.99 at one rank's threads and prints the best.
-DEFAULT_HW_DECODER_LOAD = defaults.HW_DECODER_LOAD
-
-# What the `mixed` decoder reserves. In DALI 2.4 every fn.decoders.* is the nvImageCodec-based ImageDecoder
-# (dali/operators/imgcodec/image_decoder.h): when built, it allocates for each of its threads (the pipeline's
-# num_threads) one device buffer of `device_memory_padding` bytes and two pinned host buffers of
-# `host_memory_padding` bytes and returns them to DALI's memory pools, which keep them; nvJPEG then adds the same
-# paddings to every buffer it grows (nvjpegSetDeviceMemoryPadding / nvjpegSetPinnedMemoryPadding). The values
-# DALI's ResNet-50 example used to pass, 211025920 and 140544512 (ImageNet's largest image, 5980 x 6430 px), cost
-# 201 MiB of GPU and 268 MiB of pinned memory per thread: 13.5 GB + 18 GB for a rank with 64 threads. Its current
-# version passes no paddings (DALI's defaults: 16 MiB and 8 MiB). We size them for an image of
-# DECODER_SIZED_FOR_SIDE^2 pixels at the bytes per pixel DALI's numbers imply, at most 64 MiB each: a larger
-# image makes nvJPEG grow that thread's buffer once, which is all a padding saves (docs/gpu.md). No
-# preallocate_width/height_hint: with them the hardware decoder preallocates a whole batch of images that size
-# (nvjpegDecodeBatchedPreAllocate, an amount nvJPEG does not document); without them nvImageCodec still
-# preallocates its pool, which is what its source credits with ">20% for 8GPU training".
-DEVICE_BYTES_PER_PIXEL = 211025920 / (5980 * 6430)  # 5.5
-HOST_BYTES_PER_PIXEL = 140544512 / (5980 * 6430)  # 3.7
-DECODER_SIZED_FOR_SIDE = 2048  # 4 Mpx: COCO (<= 640 px) and nearly all of ImageNet (typically <= 500 px) fit
-# (fixed on purpose, not from --image-size or the batch: the buffers hold the source image a thread decodes)
-MAX_DECODER_PADDING = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -93,56 +69,6 @@ class AugmentConfig:
 
 
 DEVICES = ("cpu", "gpu", "hybrid")
-
-
-def decoder_device(device: str) -> str:
-    return "mixed" if device == "gpu" else "cpu"
-
-
-@dataclass(frozen=True)
-class DecoderMemory:
-    """What one `mixed` decoder holds from the moment it is built: per thread, one device buffer of
-    `device_padding` and two pinned host buffers of `host_padding` bytes (DALI 2.4, image_decoder.h)."""
-
-    threads: int
-    device_padding: int
-    host_padding: int
-
-    @property
-    def device_bytes(self) -> int:
-        return self.threads * self.device_padding
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self.threads * 2 * self.host_padding
-
-
-def decoder_memory(threads: int, max_image_side: int = DECODER_SIZED_FOR_SIDE) -> DecoderMemory:
-    """The paddings for images up to `max_image_side` squared (whole MiB, at most MAX_DECODER_PADDING each)
-    and what a decoder with `threads` threads reserves with them."""
-    def padding(bytes_per_pixel: float) -> int:
-        mib = -(-int(bytes_per_pixel * max_image_side**2) // 2**20)
-        return min(MAX_DECODER_PADDING, mib * 2**20)
-
-    return DecoderMemory(threads, padding(DEVICE_BYTES_PER_PIXEL), padding(HOST_BYTES_PER_PIXEL))
-
-
-def decoder_hints(device: str, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, *, roi: bool) -> dict:
-    """The arguments every `mixed` decoder gets and the CPU decoder does not need (each applies only to
-    `mixed`, per DALI's schema; tests/test_gpu_graphs.py holds the graphs to this list). `roi`: the decoder
-    decodes a region (image_random_crop, image_slice)."""
-    if decoder_device(device) != "mixed":
-        return {}
-    memory = decoder_memory(threads=1)  # the paddings are per thread
-    # libjpeg-turbo, the CPU decoder, always interpolates chroma ("fancy upsampling": nvImageCodec's
-    # libjpeg_turbo_decoder defaults to it and DALI 2.4 never turns it off); DALI's mixed default is nvJPEG's
-    # simpler upsampling, so colours at chroma edges differ from the CPU path. Asking nvJPEG for fancy
-    # upsampling is safe for whole images, but nvImageCodec 0.9 (what DALI 2.4 loads) with nvJPEG < 13.2 (all
-    # of CUDA 12) then refuses region decodes of 4:2:0 and 4:2:2 JPEGs ("ROI decode with fancy upsampling may
-    # produce wrong results ... set enable_roi_fancy_upsampling=1", an option DALI cannot pass) and hands
-    # them to libjpeg-turbo on the CPU: the region decoders keep nvJPEG's upsampling (docs/gpu.md).
-    return dict(hw_decoder_load=hw_decoder_load, device_memory_padding=memory.device_padding,
-                host_memory_padding=memory.host_padding, jpeg_fancy_upsampling=not roi)
 
 
 def uses_gpu(device: str) -> bool:

@@ -56,13 +56,14 @@ from typing import Any, Callable, Iterator
 import torch
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
+from dalifeed import defaults
+from dalifeed.budget import thread_budget
+from dalifeed.decode import DaliDecoder
 from dalifeed.format import ShardInfo, ShardManifest, trains
 from dalifeed.shardcache import ShardCache
 from dalifeed.stack import StackReport, choose_device, stack_report
 
-from . import defaults
-from .budget import thread_budget
-from .checks import DaliDecoder, SampleRef, explain_dali_error, indexed_samples, is_pipeline_failure
+from .checks import SampleRef, explain_dali_error, indexed_samples, is_pipeline_failure
 from .cursor import EpochCursor
 from .dataset import Dataset, Source
 from .graphs import DEVICES, AugmentConfig, shard_pipeline, uses_gpu

@@ -66,7 +66,7 @@ class TrainConfig:
     pretrained: str | None = None
     seed: int = 0
     max_bad_steps: int = 5  # abort after this many non-finite losses or gradients in a row
-    workers: int | None = None  # --dali-threads: DALI threads per pipeline; None: pipelines.budget decides
+    workers: int | None = None  # --dali-threads: DALI threads per pipeline; None: dalifeed.budget decides
     profile: int = 0  # write a torch profiler trace of this many steps (0: off)
     checkpoint_every: int = 0  # also save last.pt every this many optimizer steps inside an epoch (0: off)
     device: str = "auto"  # auto | cpu | gpu | hybrid (train on the GPU, decode JPEGs on the CPU)
