@@ -13,7 +13,8 @@ from dalifeed.cliutil import parse_size
 from dalifeed.shardfolder import open_shard_folder
 
 from .detection import DETECTION_LOADERS, same_coco_data_problem
-from .loaders import IMAGEFOLDER_LOADERS, LOADERS, skip_reason
+from .loaders import IMAGEFOLDER_LOADERS, LOADERS, PEERS, skip_reason
+from .peers import missing_package
 from .same_data import same_data_problem
 
 
@@ -72,7 +73,7 @@ class BenchConfig:
         if self.split not in manifest.splits:
             raise BenchUsageError(f"--split {self.split}: --shards {self.shards} has no such split (has: "
                                   f"{', '.join(manifest.splits)})")
-        known = DETECTION_LOADERS if self.task == "detection" else LOADERS
+        known = DETECTION_LOADERS if self.task == "detection" else LOADERS + PEERS
         if self.task == "detection" and self.loaders == list(LOADERS):  # the default list: the detection ones
             self.loaders = list(DETECTION_LOADERS)
         if not self.loaders:
@@ -81,6 +82,9 @@ class BenchConfig:
         if unknown:
             raise BenchUsageError(f"--loaders: unknown {', '.join(unknown)} for --task {self.task} (choose from "
                                   f"{', '.join(known)})")
+        missing = [missing_package(name) for name in self.loaders if name in PEERS and not self._skipped(name)]
+        if any(missing):
+            raise BenchUsageError(next(filter(None, missing)))
         self.check_loaders_run_here()
         if self.task == "classify" and self.reads_imagefolder():
             if self.imagefolder is None:
