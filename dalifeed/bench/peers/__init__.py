@@ -4,8 +4,10 @@ augmentation (`loaders.train_transform`), batch size, cores (`workers`) and outp
 on the model's device, `loaders.Normalize`).
 
     spdl       SPDL's thread pipeline (spdl.pipeline.PipelineBuilder) over the shard folder's tars: tars read
-               with spdl.io.iter_tarfile, JPEGs decoded by spdl.io.load_image (FFmpeg, outside the GIL), the
-               torchvision transform on the decoded tensor, `workers` threads. Following
+               with spdl.io.iter_tarfile, each JPEG decoded, cropped, resized and flipped by one FFmpeg filter
+               graph (spdl.io.decode_packets with filter_desc, outside the GIL; the crop box drawn by
+               torchvision's RandomResizedCrop), policy and erasing as torchvision ops on the tensor, `workers`
+               threads. Following
                https://facebookresearch.github.io/spdl/latest (examples/webdataset_pipeline.py and
                examples/multi_thread_preprocessing.py of facebookresearch/spdl). No conversion: tars of
                JPEGs are what SPDL's own webdataset example reads.
@@ -45,7 +47,8 @@ INSTALL = "pip install 'dalifeed[peers]'"
 
 
 def missing_package(name: str) -> str | None:
-    """Why peer `name` cannot be imported here (one line naming the extra to install), or None."""
+    """Why peer `name` cannot run here (one line naming what to install: the extra, or for SPDL FFmpeg's
+    libraries), or None."""
     import importlib
 
     for module in MODULES[name]:
@@ -85,8 +88,8 @@ def peer_loader(name: str, *, shards: Path, split: str, batch_size: int, image_s
 # -- the same augmentation, on what each peer decodes to ----------------------------------------------------
 
 def tensor_transform(augment: AugmentConfig):
-    """The baseline's transform (loaders.train_transform) for a decoded uint8 (3, H, W) tensor, what SPDL and
-    LitData decode to: the same torchvision ops, without the PIL-to-tensor step."""
+    """The baseline's transform (loaders.train_transform) for a decoded uint8 (3, H, W) tensor, what LitData
+    decodes to: the same torchvision ops, without the PIL-to-tensor step."""
     import torchvision.transforms as T
 
     return T.Compose([t for t in train_transform(augment).transforms if not isinstance(t, T.PILToTensor)])
