@@ -94,7 +94,9 @@ lint: venv
 gpu-check: $(GPU_CHECK_DEPS)
 	$(PY) -m dalifeed.bench.gpu_check --workdir $(BUILD)/gpu-check $(GPU_CHECK_ARGS)
 
+# The peers it races (the `peers` extra) are installed here only: make test never needs them.
 bench: venv
+	$(PY) -m pip install -q -e '.[peers]' 2>&1 | grep -v "is ignored: it is neither" || true
 	$(PY) -m dalifeed.bench.make_bench --workdir $(BUILD)/bench --doc docs/benchmarks.md
 
 docker:

@@ -47,7 +47,8 @@ def d(name: str):
                    "s3://bucket/prefix: DALI then reads the tars from the store (docs/storage.md).")
 @click.option("--loaders", default=",".join(d("loaders")), show_default=True,
               help="Comma-separated subset to run. dali-hybrid and dali-gpu are skipped without a GPU (exit 2 "
-                   "when no loader given can run here).")
+                   "when no loader given can run here). Also: the peers spdl, streaming, litdata (not run unless "
+                   "named; pip install 'dalifeed[peers]').")
 @click.option("--split", default=d("split"), show_default=True)
 @click.option("--batch-size", type=int, default=d("batch_size"), show_default=True)
 @click.option("--image-size", type=int, default=d("image_size"), show_default=True)
@@ -72,7 +73,8 @@ def d(name: str):
               help="Race even when --imagefolder and --shards do not hold the same files (the numbers then "
                    "compare different work).")
 @click.option("--out", type=click.Path(path_type=Path), default=d("out"), show_default=True,
-              help="Folder for bench.json, bench.png and config.json.")
+              help="Folder for bench.json, bench.png and config.json (and the peers' copies of the data, in "
+                   "OUT/peers, kept for the next run).")
 @click.option("--auto-augment", type=click.Choice(POLICIES), default=d("auto_augment"),
               help="Race with this policy in every loader: the DALI graph's, torchvision's transforms.v2 in the torch "
                    "ones (imagenet = AutoAugment, ra = RandAugment, ta_wide = TrivialAugmentWide).")
@@ -99,6 +101,11 @@ def main(debug: bool, **options):
       dali-cpu    dalifeed's DALI pipeline on the CPU
       dali-hybrid the same graph decoding on the CPU, cropping/resizing/normalising on the GPU (GPU only)
       dali-gpu    the same graph decoding with nvJPEG on the GPU, everything on the GPU (GPU only)
+    Peers (named in --loaders only; the `peers` extra), each reading its own copy of the split in its own format,
+    written once under OUT/peers, same augmentation, batch, cores and output (docs/benchmarks.md, "The race"):
+      spdl        SPDL's thread pipeline over the shard tars, spdl.io decoding (needs FFmpeg's shared libraries)
+      streaming   Mosaic streaming: MDSWriter shards, StreamingDataset + DataLoader
+      litdata     LitData: litdata.optimize chunks, StreamingDataset + StreamingDataLoader
 
     \b
     Example:

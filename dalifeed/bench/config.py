@@ -13,7 +13,8 @@ from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig
 from dalifeed.runtime import usable_cores
 
 from .detection import DETECTION_LOADERS, same_coco_data_problem
-from .loaders import IMAGEFOLDER_LOADERS, LOADERS, skip_reason
+from .loaders import IMAGEFOLDER_LOADERS, LOADERS, PEERS, skip_reason
+from .peers import missing_package
 from .same_data import same_data_problem
 
 
@@ -63,7 +64,7 @@ class BenchConfig:
             raise BenchUsageError(f"--task must be classify or detection, got {self.task!r}")
         if self.task == "detection":
             self.validate_detection_source()
-        known = DETECTION_LOADERS if self.task == "detection" else LOADERS
+        known = DETECTION_LOADERS if self.task == "detection" else LOADERS + PEERS
         if self.task == "detection" and self.loaders == list(LOADERS):  # the default list: the detection ones
             self.loaders = list(DETECTION_LOADERS)
         if not self.loaders:
@@ -72,6 +73,9 @@ class BenchConfig:
         if unknown:
             raise BenchUsageError(f"--loaders: unknown {', '.join(unknown)} for --task {self.task} (choose from "
                                   f"{', '.join(known)})")
+        missing = [missing_package(name) for name in self.loaders if name in PEERS and not self._skipped(name)]
+        if any(missing):
+            raise BenchUsageError(next(filter(None, missing)))
         self.check_loaders_run_here()
         if self.task == "classify" and self.reads_imagefolder():
             if self.imagefolder is None:

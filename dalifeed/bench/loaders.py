@@ -29,6 +29,7 @@ LOADERS = ("baseline", "webdataset", "dali-cpu", "dali-hybrid", "dali-gpu")
 GPU_LOADERS = ("dali-hybrid", "dali-gpu")  # skipped where there is no GPU
 DALI_DEVICES = {"dali-cpu": "cpu", "dali-hybrid": "hybrid", "dali-gpu": "gpu"}
 IMAGEFOLDER_LOADERS = ("baseline",)  # the loaders that read --imagefolder; the others read the shards
+PEERS = ("spdl", "streaming", "litdata")  # the loaders a team would pick instead: bench/peers (the `peers` extra)
 
 
 def skip_reason(name: str, shards: Path | str, device_type: str) -> str | None:
@@ -38,6 +39,8 @@ def skip_reason(name: str, shards: Path | str, device_type: str) -> str | None:
         return "skipped (no GPU)"
     if name == "webdataset" and is_s3_url(shards):
         return "skipped (plain webdataset reads s3:// only through a pipe: command; not measured)"
+    if name in PEERS and is_s3_url(shards):
+        return "skipped (the peers convert and read a local shard folder; not measured)"
     return None
 
 

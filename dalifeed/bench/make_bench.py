@@ -16,6 +16,8 @@ import click
 
 from . import convert_rate, stages
 from .config import BenchConfig
+from .loaders import LOADERS, PEERS
+from .peers import missing_package
 from .photos import build_data
 from .report import render_table, write_report
 from .run import run_bench
@@ -67,6 +69,18 @@ def update_doc(doc: Path, section: str) -> None:
     doc.write_text(text)
 
 
+def race_loaders(log) -> list[str]:
+    """Every loader, and the peers (bench/peers) whose packages are here: `make bench` installs them."""
+    peers = []
+    for name in PEERS:
+        problem = missing_package(name)
+        if problem:
+            log(f"{name}: left out of the race ({problem})")
+        else:
+            peers.append(name)
+    return list(LOADERS) + peers
+
+
 @click.command()
 @click.option("--workdir", type=click.Path(path_type=Path), default=Path("build/bench"), show_default=True)
 @click.option("--doc", type=click.Path(path_type=Path), default=Path("docs/benchmarks.md"), show_default=True)
@@ -84,7 +98,7 @@ def main(workdir: Path, doc: Path, per_class: int, seconds: float, repeats: int,
     convert = convert_rate.measure(photos, workdir, repeats=repeats)
     click.echo(convert_rate.render_markdown(convert))
     cfg = BenchConfig(imagefolder=photos / "train", shards=shards, out=workdir / "loaders", seconds=seconds,
-                      repeats=repeats, model=model)
+                      repeats=repeats, model=model, loaders=race_loaders(lambda msg: click.echo(msg, err=True)))
     dataset = cfg.validate()
     bench = run_bench(cfg, dataset, log=lambda msg: click.echo(msg, err=True))
     cfg.out.mkdir(parents=True, exist_ok=True)

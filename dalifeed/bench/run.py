@@ -17,7 +17,8 @@ from dalifeed.stack import choose_device, stack_report
 
 from .config import BenchConfig
 from .detection import build_detection_loader
-from .loaders import build_loader, skip_reason
+from .loaders import PEERS, build_loader, skip_reason
+from .peers import peer_loader
 from .measure import forever, synthetic_batches, time_loader, train_steps_per_s
 
 
@@ -78,6 +79,10 @@ def bench_loader(cfg: BenchConfig, dataset: Dataset, name: str, device: torch.de
         return build_detection_loader(name, images=cfg.images, annotations=cfg.annotations, shards=dataset,
                                       split=cfg.split, batch_size=cfg.batch_size, image_size=cfg.image_size,
                                       workers=cfg.workers, device=device, hw_decoder_load=cfg.hw_decoder_load)
+    if name in PEERS:  # converted once into its own format under OUT/peers
+        return on_device(peer_loader(name, shards=dataset.manifest, split=cfg.split, batch_size=cfg.batch_size,
+                                     image_size=cfg.image_size, workers=cfg.workers, device=device, workdir=cfg.out,
+                                     fp16=cfg.fp16, augment=cfg.augment()), device)
     return on_device(build_loader(name, imagefolder=cfg.imagefolder, shards=dataset, split=cfg.split,
                                   batch_size=cfg.batch_size, image_size=cfg.image_size, workers=cfg.workers,
                                   device=device, fp16=cfg.fp16, hw_decoder_load=cfg.hw_decoder_load,
