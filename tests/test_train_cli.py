@@ -80,7 +80,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_line(shards, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--batch-size", "64"], "--batch-size 64 (x --accum-steps 1) is more than the 45 training samples"),
+    (["--batch-size", "64"], "--batch-size 64 (x --accum-steps 1) is more than the 45 samples of split 'train'"),
     (["--workers", "-1"], "--workers must be >= 1 (DALI threads), got -1"),
     (["--warmup-epochs", "3"], "--warmup-epochs 3.0 must be in [0, --epochs 1]"),
 ])
