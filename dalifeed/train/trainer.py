@@ -1,8 +1,9 @@
 """dali-train's run, top to bottom in the order it happens: `main(cfg)` locks the run folder, builds the run and
 fits it. `fit` drives the epochs (train; evaluate, evaluate.py; a metrics line and a checkpoint,
-`Run.finish_epoch` in run.py), `train_one_epoch` the steps of one, each a forward pass, the loss, backward and
-`optimizer_step`, with `check`, the host's look every few seconds. Below them, `build_run` and what it
-assembles: data, model, optimiser, schedule, precision, restored from a checkpoint when resuming.
+`Run.finish_epoch` in run.py), `train_one_epoch` the steps of one, each a forward pass and loss
+(`forward_loss`), backward and `optimizer_step`, with `check`, the host's look every few seconds. Below them,
+`build_run` and what it assembles: data, model, optimiser, schedule, precision, restored from a checkpoint
+when resuming.
 
 A step never waits for the device: whether it is applied is decided on the device (`optimizer_step`), the loss
 is summed there, and the host reads what happened at a check (stop.py) or when progress is shown (progress.py).
@@ -82,7 +83,7 @@ def make_run_folder(out: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# the run: its epochs (`fit`), an epoch's steps (`train_one_epoch`), one step (forward, loss, backward,
+# the run: its epochs (`fit`), an epoch's steps (`train_one_epoch`), one step (`forward_loss`, backward,
 # `optimizer_step`), and the check the host makes every few seconds (`check`)
 
 
@@ -136,15 +137,7 @@ def train_one_epoch(run: Run, stats: EpochStats | None = None) -> EpochStats:
         last_micro = (i + 1) % cfg.accum_steps == 0
         # DDP all-reduces gradients on every backward unless told not to: only the last micro-step syncs
         with nullcontext() if last_micro or not dist.enabled else model.no_sync():
-            # mixup/cutmix: drawn from (seed, rank, epoch, batch) alone, so a resumed batch mixes as before
-            images, mixing = mixer.mix_images(images, run.state.epoch, i) if mixer.enabled else (images, None)
-            with autocast(dist, run.dtype):
-                logits = model(images)
-                if mixing is None:
-                    loss = task_loss(cfg, logits, labels)
-                else:  # soft targets: the two classes in the mixed shares, label smoothing on top
-                    loss = soft_cross_entropy(logits, mixer.mix_targets(labels, mixing, logits.shape[1]),
-                                              cfg.label_smoothing)
+            loss = forward_loss(run, mixer, images, labels, batch=i)
             run.scaler.scale(loss / cfg.accum_steps).backward()
         finite *= torch.isfinite(loss.detach()).float()
         losses += torch.stack([loss.detach().float().nan_to_num(0.0), torch.ones((), device=dist.device)])
@@ -172,6 +165,19 @@ def train_one_epoch(run: Run, stats: EpochStats | None = None) -> EpochStats:
     progress.close(stats)
     stats.loss /= max(1, stats.steps - stats.bad_steps)  # mean over the steps that were taken
     return stats
+
+
+def forward_loss(run: Run, mixer: BatchMixer, images: torch.Tensor, labels: torch.Tensor, batch: int) -> torch.Tensor:
+    """The loss of batch `batch` of the epoch, under autocast: mixed first with --mixup-alpha / --cutmix-alpha,
+    from (seed, rank, epoch, batch) alone, so that a resumed batch mixes as it did."""
+    images, mixing = mixer.mix_images(images, run.state.epoch, batch) if mixer.enabled else (images, None)
+    with autocast(run.dist, run.dtype):
+        logits = run.train_model(images)
+        if mixing is None:
+            return task_loss(run.cfg, logits, labels)
+        # soft targets: the two classes in the mixed shares, label smoothing on top
+        return soft_cross_entropy(logits, mixer.mix_targets(labels, mixing, logits.shape[1]),
+                                  run.cfg.label_smoothing)
 
 
 def task_loss(cfg: TrainConfig, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
