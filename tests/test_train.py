@@ -23,8 +23,7 @@ from dalifeed.train import TrainConfig, checkpoint, main as train, train_one_epo
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.distributed import Dist
 from dalifeed.train.models import build_model
-from dalifeed.train.progress import RunLog
-from dalifeed.train.run import Run, epoch_score
+from dalifeed.train.run import Run, RunLog, epoch_score
 from dalifeed.train.trainer import amp_dtype, build_optimizer, make_model, param_groups, skips_on_device, warmup_cosine
 
 from fast_recipe import fast_args, fast_config

@@ -17,7 +17,7 @@ import torch
 from click.testing import CliRunner
 
 from dalifeed.train.cli import main as train_cli
-from dalifeed.train.progress import RunLog
+from dalifeed.train.run import RunLog
 
 from fast_recipe import fast_args
 
@@ -108,7 +108,7 @@ def test_rates_are_images_over_the_seconds_given(tmp_path):
     over the epoch so far, a TensorBoard point over the steps since the point before."""
     from dalifeed.train.config import TrainConfig
     from dalifeed.train.distributed import Dist
-    from dalifeed.train.state import EpochStats, TrainState
+    from dalifeed.train.run import EpochStats, TrainState
     from dalifeed.train.progress import EpochProgress
 
     cfg = TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"), epochs=1, tensorboard_every=1)

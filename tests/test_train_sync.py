@@ -20,8 +20,7 @@ import torch
 
 from dalifeed.train import stop
 from dalifeed.train.distributed import Dist
-from dalifeed.train.loop import train_one_epoch
-from dalifeed.train.trainer import build_run
+from dalifeed.train.trainer import build_run, train_one_epoch
 
 from fast_recipe import fast_config
 

@@ -18,10 +18,9 @@ from dalifeed.stack import StackMismatch
 
 from .config import NO_SPLIT, RECIPES, ConfigError, TrainConfig
 from .distributed import GpuAssignmentError, Launch, launched
-from .loop import TrainingDiverged
 from .resume import resolve_run
 from .stop import TrainingStopped
-from .trainer import main as train
+from .trainer import TrainingDiverged, main as train
 
 
 def d(name: str):

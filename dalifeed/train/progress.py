@@ -1,23 +1,18 @@
-"""What rank 0 shows and writes as a run goes: `EpochProgress` between the epoch lines (a bar, progress lines,
-per-step TensorBoard scalars), `RunLog` for every epoch (metrics.jsonl, TensorBoard)."""
+"""What rank 0 shows as an epoch runs, between the epoch lines: `EpochProgress` (a bar, progress lines,
+per-step TensorBoard scalars through the run's `RunLog`)."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from dalifeed.atomic import write_atomic
-from dalifeed.runtime import DiskFull, is_disk_full
-
 from .config import TrainConfig
 from .distributed import Dist, log
-from .state import EpochStats, TrainState
+from .run import EpochStats, RunLog, TrainState
 
 
 class EpochProgress:
@@ -111,66 +106,3 @@ class EpochProgress:
         """The epoch's end: `stats` get the loss sum and the time."""
         self.bar.close()
         stats.loss, stats.seconds = self.read()[0], self.elapsed()
-
-
-class RunLog:
-    """Rank 0's outputs: config.json, metrics.jsonl, TensorBoard events when tensorboard is installed: per
-    epoch in RUN/tensorboard, per optimizer step (`write_step`) in RUN/tensorboard/steps. A writer each,
-    because TensorBoard hides a resumed run's replayed events by step number, which counts epochs in one and
-    optimizer steps in the other."""
-
-    def __init__(self, out: Path, enabled: bool, resume_epoch: int | None, resume_step: int | None = None):
-        self.out, self.enabled, self.tb, self.steps_tb = out, enabled, None, None
-        self.resume_step = resume_step
-        if not enabled:
-            return
-        out.mkdir(parents=True, exist_ok=True)
-        self.metrics = out / "metrics.jsonl"
-        if resume_epoch is not None and self.metrics.exists():
-            # epochs after the checkpoint are replayed: drop their lines so none is written twice
-            kept = [line for line in self.metrics.read_text().splitlines()
-                    if line.strip() and json.loads(line)["epoch"] < resume_epoch]
-            write_atomic(self.metrics, "".join(line + "\n" for line in kept).encode())
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step hides the replayed epochs' events, as the metrics lines above are dropped
-            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=resume_epoch)
-        except ImportError:
-            pass
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        try:
-            with open(self.metrics, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        except OSError as e:
-            if is_disk_full(e):
-                raise DiskFull(f"{self.metrics}: {e.strerror}; free space, then dali-train --resume {self.out}") from e
-            raise
-        if self.tb:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "epoch":
-                    self.tb.add_scalar(key, value, record["epoch"])
-            self.tb.flush()
-
-    def write_step(self, step: int, scalars: dict) -> None:
-        """Per-step scalars at optimizer step `step` (the writer is made on first use)."""
-        if not self.tb:
-            return
-        if self.steps_tb is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # the steps after the checkpoint a resumed run started from are replayed: hide their old events
-            purge = None if self.resume_step is None else self.resume_step + 1
-            self.steps_tb = SummaryWriter(str(self.out / "tensorboard" / "steps"), purge_step=purge)
-        for key, value in scalars.items():
-            self.steps_tb.add_scalar(key, value, step)
-        self.steps_tb.flush()
-
-    def close(self) -> None:
-        for writer in (self.tb, self.steps_tb):
-            if writer:
-                writer.close()
-

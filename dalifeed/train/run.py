@@ -1,22 +1,52 @@
 """`Run`: everything a run holds once built (`trainer.build_run`), what `trainer.fit` drives and
-`loop.train_one_epoch` trains with; at each epoch's end its metrics line and checkpoints (`finish_epoch`), in
-the middle of one a mid-epoch checkpoint (`save_midway`), and what best.pt keeps the best of (`epoch_score`)."""
+`trainer.train_one_epoch` trains with; at each epoch's end its metrics line and checkpoints (`finish_epoch`),
+in the middle of one a mid-epoch checkpoint (`save_midway`), and what best.pt keeps the best of
+(`epoch_score`). Beside it, what a run counts (`EpochStats`, `TrainState`: plain records) and what rank 0
+writes for every epoch (`RunLog`: metrics.jsonl, TensorBoard)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from dalifeed.runtime import DiskFull, free_bytes, mib
+from dalifeed.atomic import write_atomic
+from dalifeed.runtime import DiskFull, free_bytes, is_disk_full, mib
 
 from . import checkpoint
 from .config import TrainConfig
 from .distributed import Dist, gather_objects, log
-from .progress import RunLog
-from .state import EpochStats, TrainState
 from .stop import StepChecks, Stop
+
+
+@dataclass
+class EpochStats:
+    loss: float = 0.0  # the sum over the steps taken while the epoch runs, their mean once it ends
+    images: int = 0
+    seconds: float = 0.0
+    data_wait: float = 0.0
+    bad_steps: int = 0
+    steps: int = 0  # optimizer steps (taken or skipped)
+
+
+@dataclass
+class TrainState:
+    """What moves between epochs and into checkpoints besides the modules."""
+
+    epoch: int = 0  # the next epoch to run
+    step: int = 0  # optimizer steps taken
+    best_score: float = -1.0  # the best `epoch_score` so far: what best.pt holds
+    bad_streak: int = 0
+
+    @classmethod
+    def from_checkpoint(cls, saved: dict) -> TrainState:
+        """A checkpoint's "state"; checkpoints written before the score had its name called it best_top1."""
+        saved = dict(saved)
+        if "best_top1" in saved:
+            saved["best_score"] = saved.pop("best_top1")
+        return cls(**saved)
 
 
 @dataclass
@@ -120,3 +150,65 @@ def epoch_score(cfg: TrainConfig, record: dict) -> float:
     if cfg.val_split is None:
         return -record["train_loss"]
     return record["map"] if cfg.task == "multilabel" else record["top1"]
+
+
+class RunLog:
+    """Rank 0's outputs: config.json, metrics.jsonl, TensorBoard events when tensorboard is installed: per
+    epoch in RUN/tensorboard, per optimizer step (`write_step`) in RUN/tensorboard/steps. A writer each,
+    because TensorBoard hides a resumed run's replayed events by step number, which counts epochs in one and
+    optimizer steps in the other."""
+
+    def __init__(self, out: Path, enabled: bool, resume_epoch: int | None, resume_step: int | None = None):
+        self.out, self.enabled, self.tb, self.steps_tb = out, enabled, None, None
+        self.resume_step = resume_step
+        if not enabled:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        self.metrics = out / "metrics.jsonl"
+        if resume_epoch is not None and self.metrics.exists():
+            # epochs after the checkpoint are replayed: drop their lines so none is written twice
+            kept = [line for line in self.metrics.read_text().splitlines()
+                    if line.strip() and json.loads(line)["epoch"] < resume_epoch]
+            write_atomic(self.metrics, "".join(line + "\n" for line in kept).encode())
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step hides the replayed epochs' events, as the metrics lines above are dropped
+            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=resume_epoch)
+        except ImportError:
+            pass
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        try:
+            with open(self.metrics, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            if is_disk_full(e):
+                raise DiskFull(f"{self.metrics}: {e.strerror}; free space, then dali-train --resume {self.out}") from e
+            raise
+        if self.tb:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and key != "epoch":
+                    self.tb.add_scalar(key, value, record["epoch"])
+            self.tb.flush()
+
+    def write_step(self, step: int, scalars: dict) -> None:
+        """Per-step scalars at optimizer step `step` (the writer is made on first use)."""
+        if not self.tb:
+            return
+        if self.steps_tb is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # the steps after the checkpoint a resumed run started from are replayed: hide their old events
+            purge = None if self.resume_step is None else self.resume_step + 1
+            self.steps_tb = SummaryWriter(str(self.out / "tensorboard" / "steps"), purge_step=purge)
+        for key, value in scalars.items():
+            self.steps_tb.add_scalar(key, value, step)
+        self.steps_tb.flush()
+
+    def close(self) -> None:
+        for writer in (self.tb, self.steps_tb):
+            if writer:
+                writer.close()

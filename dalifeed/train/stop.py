@@ -1,7 +1,7 @@
 """What the ranks agree on between optimizer steps, without making the host wait for the device at each step:
 a stop on SIGINT or SIGTERM, and the steps skipped because a loss or gradient was not finite.
 
-Each step's verdict (skip or not) is agreed on the device and acted on there (`loop.optimizer_step`); the host
+Each step's verdict (skip or not) is agreed on the device and acted on there (`trainer.optimizer_step`); the host
 reads what happened at a check (`StepChecks.read`): after the first step of an epoch, then about every
 `CHECK_SECONDS`, before every checkpoint and at the end of every epoch. A check is one all-reduce and one read,
 the only host sync of the steps it covers, and it happens at the same step on every rank (the interval is

@@ -1,20 +1,31 @@
-"""The run, in the order it happens: `main(cfg)` locks the run folder, `build_run` assembles the `Run` (data,
-model, optimiser, schedule, precision, restored from a checkpoint when resuming), `fit` drives its epochs:
-`train_one_epoch` and `validation_record` (loop.py), a metrics line and a checkpoint (`Run.finish_epoch`,
-run.py).
+"""dali-train's run, top to bottom in the order it happens: `main(cfg)` locks the run folder, builds the run and
+fits it. `fit` drives the epochs (train; evaluate, evaluate.py; a metrics line and a checkpoint,
+`Run.finish_epoch` in run.py), `train_one_epoch` the steps of one, each a forward pass and loss
+(`forward_loss`), backward and `optimizer_step`, with `check`, the host's look every few seconds. Below them,
+`build_run` and what it assembles: data, model, optimiser, schedule, precision, restored from a checkpoint
+when resuming.
+
+A step never waits for the device: whether it is applied is decided on the device (`optimizer_step`), the loss
+is summed there, and the host reads what happened at a check (stop.py) or when progress is shown (progress.py).
+The counting test: tests/test_train_sync.py.
+
 Only rank 0 prints and writes. Single process or under torchrun, CPU (gloo) or GPU (NCCL). SIGINT and SIGTERM
-stop every rank after the same step (the next check, within about 2 s), with a mid-epoch checkpoint (stop.py). Whether a command starts a run or
-continues one is `resume.resolve_run`'s decision, made before `main`."""
+stop every rank after the same step (the next check, within about 2 s), with a mid-epoch checkpoint (stop.py).
+Whether a command starts a run or continues one is `resume.resolve_run`'s decision, made before `main`."""
 
 from __future__ import annotations
 
 import json
 import math
+import time
+from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from itertools import chain
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dalifeed.atomic import write_json_atomic
@@ -28,13 +39,17 @@ from dalifeed.s3 import is_s3_url
 from . import checkpoint, models
 from .config import ConfigError, TrainConfig
 from .distributed import Dist, log, setup, teardown
-from .loop import train_one_epoch, validation_record
-from .mixdata import describe_plan, mix_plan
 from .data import loader_device, loader_options, loader_record, make_loaders, open_data
-from .progress import RunLog
-from .run import Run
-from .state import TrainState
-from .stop import TrainingStopped
+from .evaluate import autocast, validation_record
+from .mixdata import describe_plan, mix_plan
+from .mixup import BatchMixer, soft_cross_entropy
+from .progress import EpochProgress
+from .run import EpochStats, Run, RunLog, TrainState
+from .stop import TrainingStopped, agree_to_skip
+
+
+class TrainingDiverged(Exception):
+    """The loss stayed non-finite for `max_bad_steps` optimizer steps in a row."""
 
 
 @dataclass
@@ -65,6 +80,191 @@ def make_run_folder(out: str) -> None:
         if is_disk_full(e):
             raise DiskFull(f"--out {out}: {e.strerror}") from e
         raise ConfigError(folder_not_created("--out", out, e)) from None
+
+
+# ----------------------------------------------------------------------------------------------------
+# the run: its epochs (`fit`), an epoch's steps (`train_one_epoch`), one step (`forward_loss`, backward,
+# `optimizer_step`), and the check the host makes every few seconds (`check`)
+
+
+def fit(run: Run) -> TrainResult:
+    """The epochs: train, evaluate, record, checkpoint; stop cleanly when a signal asks."""
+    cfg, state, stop = run.cfg, run.state, run.stop
+    record: dict = {}
+    if state.epoch >= cfg.epochs:
+        log(f"{run.out}: this run has finished all {cfg.epochs} epochs; nothing to do (raise --epochs to go on)")
+    with run.profiler or nullcontext(), stop.listening():
+        for epoch in range(state.epoch, cfg.epochs):
+            state.epoch = epoch
+            stats = train_one_epoch(run, run.start_epoch(epoch))
+            if stop.agreed and stats.steps < run.steps_per_epoch:
+                raise TrainingStopped(stop.agreed, run.where(f"epoch {epoch}, step {stats.steps} of "
+                                                             f"{run.steps_per_epoch}"))
+            record = {"epoch": epoch, "lr": run.optimizer.param_groups[0]["lr"], "train_loss": stats.loss,
+                      "images_per_s": stats.images * run.dist.world_size / stats.seconds,
+                      "epoch_seconds": stats.seconds, "data_wait_share": stats.data_wait / stats.seconds,
+                      "bad_steps": stats.bad_steps}
+            record.update(validation_record(run))
+            record.update(gpu_stats(run.dist.device))
+            state.epoch = epoch + 1
+            run.finish_epoch(record)
+            if stop.agreed or stop.requested and not run.dist.enabled:
+                raise TrainingStopped(stop.agreed or stop.requested, run.where(f"the end of epoch {epoch}"))
+    run.run_log.close()
+    return TrainResult(record, run.model)
+
+
+def train_one_epoch(run: Run, stats: EpochStats | None = None) -> EpochStats:
+    """One epoch, or the rest of one: resuming mid-epoch, `stats` are those of the part already run and the
+    loader yields the rest. A mid-epoch checkpoint (`run.save_midway`) every `cfg.checkpoint_every` optimizer
+    steps, and when the ranks agree to stop (then the epoch ends early, `run.stop.agreed` set)."""
+    cfg, dist, model = run.cfg, run.dist, run.train_model
+    model.train()
+    stats = stats or EpochStats()
+    steps = run.steps_per_epoch
+    progress = EpochProgress(cfg, dist, run.state, run.run_log, steps, stats)
+    run.checks.start_epoch(run.state.bad_streak, run.state.step)
+    losses = torch.zeros(2, device=dist.device)  # this step's (sum of micro-step losses, count), on the device
+    finite = torch.ones((), device=dist.device)  # 0 once a micro-step's loss is not finite
+    mixer = BatchMixer(cfg.mixup_alpha, cfg.cutmix_alpha, seed=cfg.seed, rank=dist.rank)
+    wait_start = time.perf_counter()
+    for i, (images, labels) in enumerate(run.train_loader, start=stats.steps * cfg.accum_steps):
+        if i >= steps * cfg.accum_steps:
+            break  # an incomplete accumulation window at the end of the epoch is dropped
+        stats.data_wait += time.perf_counter() - wait_start
+        if cfg.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        last_micro = (i + 1) % cfg.accum_steps == 0
+        # DDP all-reduces gradients on every backward unless told not to: only the last micro-step syncs
+        with nullcontext() if last_micro or not dist.enabled else model.no_sync():
+            loss = forward_loss(run, mixer, images, labels, batch=i)
+            run.scaler.scale(loss / cfg.accum_steps).backward()
+        finite *= torch.isfinite(loss.detach()).float()
+        losses += torch.stack([loss.detach().float().nan_to_num(0.0), torch.ones((), device=dist.device)])
+        stats.images += labels.shape[0]
+        if last_micro:
+            skipped = optimizer_step(run, finite)
+            run.checks.count(skipped)
+            stats.steps += 1
+            progress.step_done(stats, losses, skipped, run.optimizer.param_groups[0]["lr"])
+            losses.zero_()
+            finite.fill_(1.0)
+            if run.profiler is not None:
+                run.profiler.step()
+            periodic = cfg.checkpoint_every and run.state.step % cfg.checkpoint_every == 0
+            if periodic or run.checks.due(run.state.step):
+                check(run, stats)  # before a checkpoint too: a diverged run stops without saving
+            if (run.stop.agreed or periodic) and stats.steps < steps:
+                run.save_midway(progress.snapshot(stats))
+            if run.stop.agreed:
+                break
+        wait_start = time.perf_counter()
+    check(run, stats)  # the steps since the last check, before the epoch's metrics and checkpoint
+    if dist.device.type == "cuda":
+        torch.cuda.synchronize(dist.device)
+    progress.close(stats)
+    stats.loss /= max(1, stats.steps - stats.bad_steps)  # mean over the steps that were taken
+    return stats
+
+
+def forward_loss(run: Run, mixer: BatchMixer, images: torch.Tensor, labels: torch.Tensor, batch: int) -> torch.Tensor:
+    """The loss of batch `batch` of the epoch, under autocast: mixed first with --mixup-alpha / --cutmix-alpha,
+    from (seed, rank, epoch, batch) alone, so that a resumed batch mixes as it did."""
+    images, mixing = mixer.mix_images(images, run.state.epoch, batch) if mixer.enabled else (images, None)
+    with autocast(run.dist, run.dtype):
+        logits = run.train_model(images)
+        if mixing is None:
+            return task_loss(run.cfg, logits, labels)
+        # soft targets: the two classes in the mixed shares, label smoothing on top
+        return soft_cross_entropy(logits, mixer.mix_targets(labels, mixing, logits.shape[1]),
+                                  run.cfg.label_smoothing)
+
+
+def task_loss(cfg: TrainConfig, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """classify: cross-entropy against class indices; multilabel: binary cross-entropy per class against
+    multi-hot targets (each class present or not, independently)."""
+    if cfg.task == "multilabel":
+        return F.binary_cross_entropy_with_logits(logits.float(), targets.float())
+    return F.cross_entropy(logits, targets, label_smoothing=cfg.label_smoothing)
+
+
+def optimizer_step(run: Run, finite: torch.Tensor) -> torch.Tensor:
+    """Apply the window's gradients, unless some rank saw a non-finite loss or gradient in it: then every rank
+    skips (so weights stay equal), on the device. Returns whether it skipped (1.0 or 0.0, on the device, the
+    same on every rank), unread: nothing here waits for the device.
+
+    The skip is the fused optimizer's (build_optimizer, below): given `found_inf`, its kernel leaves weights and
+    state as they were when the flag is set, as GradScaler has it do for fp16 (torch/amp/grad_scaler.py). With
+    fp16 the GradScaler decides alone, from the gradients it unscales (a non-finite loss has non-finite
+    gradients), and lowers its scale as usual; the loss's flag then counts the step as skipped. The schedule
+    steps either way: it follows steps taken or not, so that a resumed run lines up."""
+    if not run.scaler.is_enabled():  # fp16's GradScaler checks the gradients itself
+        # a finite loss can still back-propagate inf/NaN gradients, and one such update poisons the weights
+        finite = finite * torch.isfinite(grad_norm(run.model)).float()
+    skipped = agree_to_skip(finite)
+    if run.cfg.clip_grad:
+        run.scaler.unscale_(run.optimizer)  # clip the true gradients, not the fp16-scaled ones
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.clip_grad)
+    if not run.scaler.is_enabled():
+        run.optimizer.found_inf = skipped
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    run.state.step += 1
+    if run.ema is not None:
+        update_ema(run.ema, run.model, run.cfg.ema, taken=1.0 - skipped)
+    return skipped
+
+
+def grad_norm(model: torch.nn.Module) -> torch.Tensor:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros((), device=next(model.parameters()).device)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+
+@torch.no_grad()
+def update_ema(ema: torch.optim.swa_utils.AveragedModel, model: torch.nn.Module, decay: float,
+               taken: torch.Tensor) -> None:
+    """--ema after an optimizer step: the average of the weights (and buffers) moves 1 - decay of the way to
+    the model's, takes them on its first update, and stays after a skipped step (`taken` 0.0 on the device).
+    The arithmetic of torch's `get_ema_multi_avg_fn`; not `AveragedModel.update_parameters`, which decides its
+    first update on the host (`n_averaged == 0`), copies its count to the device every step (each a host sync
+    on a GPU) and could skip a step only if the host read whether it was."""
+    first = ema.n_averaged == 0  # on the device: trainer.make_model puts the count there
+    weight = taken * torch.where(first, 1.0, 1.0 - decay)  # 1: a copy (lerp's exact end), 0: unchanged
+    floats, others = defaultdict(lambda: ([], [])), []
+    for averaged, current in zip(chain(ema.module.parameters(), ema.module.buffers()),
+                                 chain(model.parameters(), model.buffers())):
+        if averaged.is_floating_point():
+            floats[averaged.dtype][0].append(averaged)
+            floats[averaged.dtype][1].append(current.detach())
+        else:
+            others.append((averaged, current))
+    for dtype, (averaged, current) in floats.items():
+        torch._foreach_lerp_(averaged, current, weight.to(dtype))
+    for averaged, current in others:  # BatchNorm's num_batches_tracked: as get_ema_multi_avg_fn does integers
+        moved = torch.where(first, current, averaged * decay + current * (1 - decay))
+        averaged.copy_(torch.where(taken > 0, moved, averaged))
+    ema.n_averaged += taken.long()
+
+
+def check(run: Run, stats: EpochStats) -> None:
+    """The host's look at the steps since the previous check (`StepChecks.read`, the one host sync): skipped
+    steps are counted in `stats.bad_steps` and warned about, a stop any rank was asked for is agreed
+    (`run.stop.agreed`), and `--max-bad-steps` skipped steps in a row stop the run."""
+    state = run.state
+    seen = run.checks.read(run.stop, state.step)
+    stats.bad_steps += seen.skipped
+    state.bad_streak = seen.streak
+    if seen.skipped:
+        log(f"warning: non-finite loss or gradient in {seen.skipped} of the {seen.steps} optimizer steps up to "
+            f"epoch {state.epoch} step {state.step}: skipped ({seen.streak} in a row now)")
+    if seen.worst >= run.cfg.max_bad_steps:
+        raise TrainingDiverged(f"training diverged: loss or gradients were not finite for {seen.worst} steps in a "
+                               f"row by epoch {state.epoch} step {state.step} (--max-bad-steps "
+                               f"{run.cfg.max_bad_steps}); lower --lr, add --clip-grad, or use --amp bf16/off")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -169,7 +369,7 @@ def make_model(cfg: TrainConfig, dist: Dist, num_classes: int) -> tuple[torch.nn
     model = model.to(dist.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format)
     if not cfg.ema:
         return model, None
-    # device=: its update count lives beside the weights, where loop.update_ema reads it without a host sync
+    # device=: its update count lives beside the weights, where update_ema reads it without a host sync
     return model, torch.optim.swa_utils.AveragedModel(
         model, device=dist.device, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(cfg.ema), use_buffers=True)
 
@@ -177,7 +377,7 @@ def make_model(cfg: TrainConfig, dist: Dist, num_classes: int) -> tuple[torch.nn
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
     """SGD or AdamW, fused: a fused optimizer takes a `found_inf` flag on the device and leaves weights and state
     untouched when it is set, so a non-finite step is skipped without the host reading whether it is one
-    (loop.optimizer_step; GradScaler relies on the same for fp16). Fused kernels exist on CUDA and, since torch
+    (optimizer_step; GradScaler relies on the same for fp16). Fused kernels exist on CUDA and, since torch
     2.4, on the CPU; the results equal the default (foreach) implementation's to rounding."""
     groups = param_groups(model, cfg.weight_decay)
     if cfg.optimizer == "adamw":
@@ -250,34 +450,3 @@ def restore(run: Run, saved: dict) -> None:
     run.state = TrainState.from_checkpoint(saved["state"])
     run.midway = saved.get("midway")
     checkpoint.restore_rng(saved["rng"])
-
-
-# ----------------------------------------------------------------------------------------------------
-# running it
-
-
-def fit(run: Run) -> TrainResult:
-    """The epochs: train, evaluate, record, checkpoint; stop cleanly when a signal asks."""
-    cfg, state, stop = run.cfg, run.state, run.stop
-    record: dict = {}
-    if state.epoch >= cfg.epochs:
-        log(f"{run.out}: this run has finished all {cfg.epochs} epochs; nothing to do (raise --epochs to go on)")
-    with run.profiler or nullcontext(), stop.listening():
-        for epoch in range(state.epoch, cfg.epochs):
-            state.epoch = epoch
-            stats = train_one_epoch(run, run.start_epoch(epoch))
-            if stop.agreed and stats.steps < run.steps_per_epoch:
-                raise TrainingStopped(stop.agreed, run.where(f"epoch {epoch}, step {stats.steps} of "
-                                                             f"{run.steps_per_epoch}"))
-            record = {"epoch": epoch, "lr": run.optimizer.param_groups[0]["lr"], "train_loss": stats.loss,
-                      "images_per_s": stats.images * run.dist.world_size / stats.seconds,
-                      "epoch_seconds": stats.seconds, "data_wait_share": stats.data_wait / stats.seconds,
-                      "bad_steps": stats.bad_steps}
-            record.update(validation_record(run))
-            record.update(gpu_stats(run.dist.device))
-            state.epoch = epoch + 1
-            run.finish_epoch(record)
-            if stop.agreed or stop.requested and not run.dist.enabled:
-                raise TrainingStopped(stop.agreed or stop.requested, run.where(f"the end of epoch {epoch}"))
-    run.run_log.close()
-    return TrainResult(record, run.model)
