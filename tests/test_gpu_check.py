@@ -20,7 +20,7 @@ from dalifeed.pipelines import make_loader
 from dalifeed.budget import thread_budget
 from dalifeed.stack import StackMismatch
 from dalifeed.train.cli import main as train_cli
-from dalifeed.train.synthetic import SyntheticLoader
+from dalifeed.train.data import SyntheticLoader
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 

@@ -1,17 +1,21 @@
 """The data of a run: `--data` opened once (`open_data`: the shard folder(s), checked against the config),
-and this rank's loaders built from it (`make_loaders`)."""
+this rank's loaders built from it (`make_loaders`); with several `--data A --data B --data-weights 3,1`,
+what each brings to a batch (`mix_plan`, printed at start) and evaluation per dataset (`evaluate_each`;
+dalifeed.pipelines.mixing mixes the batches); with `--synthetic`, the loader that stands in for the data
+(`SyntheticLoader`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 
 from dalifeed.format import ManifestError
 from dalifeed.pipelines import LoaderOptions, build_loader
+from dalifeed.pipelines.cursor import EpochCursor
 from dalifeed.pipelines.dataset import Dataset, DatasetError, open_dataset
 
 from .config import ConfigError, TrainConfig
 from .distributed import Dist
-from .synthetic import SyntheticLoader
 
 
 def open_data(cfg: TrainConfig, dist: Dist) -> Dataset:
@@ -74,3 +78,103 @@ def loader_record(options: tuple[LoaderOptions, LoaderOptions | None]) -> dict:
     """The loaders' options as config.json records them beside the run's config."""
     train, val = options
     return {"train": asdict(train), "val": asdict(val) if val is not None else None}
+
+
+# ----------------------------------------------------------------------------------------------------
+# several datasets mixed
+
+
+def mix_plan(cfg, datasets, world_size: int) -> list[dict]:
+    """What each --data brings to training, as the mixed loader will draw it: its weight, its samples in every
+    batch of a process (`Dataset.shares`), its train samples and how many passes over them an epoch makes (an
+    epoch is the union's samples, in batches of --batch-size on every process)."""
+    weights = cfg.data_weights or [1.0] * len(cfg.data)
+    shares = datasets.shares(cfg.batch_size)
+    samples = [source.manifest.num_samples(cfg.train_split) for source in datasets.sources]
+    batches = sum(samples) // world_size // cfg.batch_size  # MixedLoader's epoch
+    return [{"data": str(location), "name": name, "weight": weight, "per_batch": share, "train_samples": n,
+             "passes_per_epoch": round(share * batches * world_size / n, 3) if n else 0.0}
+            for location, name, weight, share, n in zip(cfg.data, dataset_names(cfg.data), weights, shares, samples)]
+
+
+def describe_plan(plan: list[dict], batch_size: int) -> str:
+    return (f"mixing {len(plan)} datasets, in every batch of {batch_size} (per process): "
+            + "; ".join(f"{p['name']} {p['per_batch']} ({p['per_batch'] / batch_size:.0%}, weight {p['weight']:g}, "
+                        f"{p['train_samples']} train samples, {passes(p['passes_per_epoch'])} an epoch)" for p in plan))
+
+
+def passes(count: float) -> str:
+    """How many times an epoch reads a dataset's train split: "1 pass", "0.9 passes"."""
+    return f"{count:g} pass" + ("" if count == 1 else "es")
+
+
+def dataset_names(locations: list[str]) -> list[str]:
+    """Short, distinct names for the metrics of each dataset: the folder's name, or data0, data1, ..."""
+    names = [Path(str(location).rstrip("/")).name or f"data{i}" for i, location in enumerate(locations)]
+    return names if len(set(names)) == len(names) else [f"data{i}" for i in range(len(locations))]
+
+
+def evaluate_each(score, loader) -> dict:
+    """`score(loader) -> {"val_loss", "top1", ..., "val_samples"}` over each dataset of a mixed validation
+    loader (`loader.per_dataset`), reported as `NAME/top1` ..., and over all of them together (the
+    sample-weighted means, what one loader over the union would give) under the usual names."""
+    parts = dict(zip(dataset_names(list(loader.per_dataset)), (score(x) for x in loader.per_dataset.values())))
+    total = sum(r["val_samples"] for r in parts.values())
+    record = {key: sum(r[key] * r["val_samples"] for r in parts.values()) / total
+              for key in next(iter(parts.values())) if key != "val_samples"}
+    record["val_samples"] = total
+    for name, result in parts.items():
+        record.update({f"{name}/{key}": value for key, value in result.items()})
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------
+# --synthetic: data that costs nothing, to measure what loading costs
+
+
+class SyntheticLoader:
+    """Stands in for the training loader: one real batch of it, kept on the device, handed out `len(loader)`
+    times an epoch. What the trainer reaches on it is the speed of model and optimiser alone (the
+    ceiling); a run on the real loader at the same options shows how close the data path comes to it.
+    Counts its place as every loader does (`EpochCursor`: epoch, samples consumed by all ranks)."""
+
+    def __init__(self, loader):
+        self._loader, self._length = loader, len(loader)
+        self._batch = None
+        self.cursor = EpochCursor(loader.cursor.global_batch)
+        self._resuming = False
+
+    def __len__(self) -> int:
+        return self._length
+
+    @property
+    def epoch(self) -> int:
+        return self.cursor.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.cursor.start(epoch)
+        self._resuming = False
+
+    def state_dict(self) -> dict:
+        return {**self.cursor.state_dict(), "dali": None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor.load_state_dict(state)
+        self._resuming = True
+
+    def _first_batch(self):
+        images, labels = next(iter(self._loader))
+        self._loader = None  # its pipeline (and the device memory it holds) is not needed again
+        # DALI reuses its output buffers: keep copies, in the same memory format
+        return images.clone(), labels.clone()
+
+    def __iter__(self):
+        if self._batch is None:
+            self._batch = self._first_batch()
+        if not self._resuming:
+            self.cursor.start(self.cursor.epoch)
+        self._resuming = False
+        while self.cursor.batches_done < self._length:
+            self.cursor.advance()
+            yield self._batch
+        self.cursor.finish()

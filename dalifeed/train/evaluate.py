@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .distributed import Dist, all_reduce_sum, gather_objects
-from .mixdata import evaluate_each
+from .data import evaluate_each
 from .run import Run
 
 
