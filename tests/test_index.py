@@ -207,6 +207,27 @@ def test_usage_and_data_errors(tmp_path):
     assert result.returncode == 2 and "no such folder" in result.stderr
 
 
+def test_a_damaged_tar_is_one_line_naming_the_tar_and_where(tmp_path):
+    """A tar cut inside a member, or with a header overwritten halfway (which tarfile took for the archive's
+    end: the samples after it were silently missing from the index), fails the run in one line naming the
+    tar and the member."""
+    write_shardwriter(tmp_path, "train", 6, per_shard=6)
+    tar = tmp_path / "train-000000.tar"
+    data = tar.read_bytes()
+    offsets = {m.name: (m.offset, m.offset_data) for m in tarfile.open(tar)}
+    tar.write_bytes(data[:offsets["000003.jpg"][1] + 100])
+    with pytest.raises(IndexDataError, match=rf"^{tar}: unreadable tar \(member '000003.jpg' is cut short: its data "
+                                             rf"runs to byte \d+, the file ends at byte \d+\)$"):
+        index_folder(IndexConfig(tmp_path))
+    header = offsets["000004.cls"][0]  # its pax header
+    tar.write_bytes(data[:header] + b"garbage" + data[header + 7:])
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tmp_path)], capture_output=True,
+                            text=True, env=ENV)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == (f"Error: {tar}: unreadable tar (not a tar header at byte {header} (after member "
+                             f"'000003.jpg') (bad checksum))\n")
+
+
 def compress(tar: Path, suffix: str, tool: list[str]) -> Path:
     """`tar` compressed with `tool` (reading stdin, writing stdout) into TAR-without-.tar + suffix; `tar` removed."""
     out = tar.with_name(tar.name[:-len(".tar")] + suffix)

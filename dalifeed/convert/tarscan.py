@@ -59,7 +59,7 @@ class TarScan:
         self._buf = memoryview(self._buffers[0])
         self._start = self._end = 0  # the bytes read but not yet consumed: _buf[_start:_end]
         self._base = 0  # the file offset of _buf[0]
-        self._data_size = -1  # size of the member whose data follows _start, or -1
+        self._member: TarMember | None = None  # the member whose data follows _start, while it is yielded
 
     # --- bytes in, hashed -------------------------------------------------------------------------------
 
@@ -128,10 +128,10 @@ class TarScan:
         """The file offset of the next unconsumed byte."""
         return self._base + self._start
 
-    def _take(self, n: int, what: str) -> bytes:
-        at = self.offset()
+    def _take(self, n: int, what: str, at: int, last: str) -> bytes:
+        """The next `n` bytes, consumed; TarDamaged naming `what` (the header at `at`) if the file ends first."""
         if not self._fill(n):
-            raise TarDamaged(f"{what} at byte {at} is cut short: the file ends at byte {self.size}")
+            raise TarDamaged(f"{what} at {place(at, last)} is cut short: the file ends at byte {self.size}")
         data = bytes(self._buf[self._start:self._start + n])
         self._start += n
         return data
@@ -140,18 +140,19 @@ class TarScan:
 
     def data(self) -> memoryview:
         """The bytes of the member `members()` just yielded (a view into the buffer, valid until the next)."""
-        size = self._data_size
-        if size < 0:
+        member = self._member
+        if member is None:
             raise RuntimeError("data() is for the member members() just yielded")
-        if not self._fill(size):
-            raise TarDamaged(f"member data at byte {self.offset()} is cut short: the file ends at byte {self.size}")
-        return self._buf[self._start:self._start + size]
+        if not self._fill(member.size):
+            raise TarDamaged(cut_short(member, self.size))
+        return self._buf[self._start:self._start + member.size]
 
     def members(self) -> Iterator[TarMember]:
         """The regular members in tar order; the archive's size and sha256 are complete when this ends."""
         global_pax: dict[bytes, bytes] = {}
         local_pax: dict[bytes, bytes] = {}
         long_name: bytes | None = None
+        last = ""  # the last member's name, for the messages
         while True:
             at = self.offset()
             if not self._fill(BLOCK):
@@ -159,51 +160,71 @@ class TarScan:
                     break
                 if at == 0:
                     raise TarDamaged("an empty file" if self._end == 0 else "shorter than one tar header")
-                raise TarDamaged(f"the header at byte {at} is cut short: the file ends at byte {self.size}")
+                raise TarDamaged(f"the header at {place(at, last)} is cut short: the file ends at byte {self.size}")
             block = bytes(self._buf[self._start:self._start + BLOCK])
             self._start += BLOCK
             if block == ZERO_BLOCK:
                 break
-            check_header(block, at)
-            kind, size = block[156:157], header_number(block[124:136], at)
-            padded = -(-size // BLOCK) * BLOCK
+            check_header(block, at, last)
+            kind, size = block[156:157], header_number(block[124:136], at, last)
             if kind in (PAX_LOCAL, PAX_SOLARIS, PAX_GLOBAL):
-                text = self._take(padded, "pax header")[:size]
+                text = self._take(padded(size), "the pax header", at, last)[:size]
                 if any(key in text for key in PAX_KEYS):  # (ShardWriter's carry only an mtime: not parsed)
-                    (global_pax if kind == PAX_GLOBAL else local_pax).update(pax_records(text, at))
+                    (global_pax if kind == PAX_GLOBAL else local_pax).update(pax_records(text, at, last))
                 continue
             if kind in (GNU_LONGNAME, GNU_LONGLINK):
-                text = self._take(padded, "GNU long name")[:size]
+                text = self._take(padded(size), "the GNU long name", at, last)[:size]
                 if kind == GNU_LONGNAME:
                     long_name = text.split(b"\0", 1)[0]
                 continue
             pax = {**global_pax, **local_pax} if global_pax else local_pax
-            name = long_name if long_name is not None else header_name(block)
+            raw_name = long_name if long_name is not None else header_name(block)
             if b"path" in pax:
-                name = pax[b"path"].rstrip(b"/")
+                raw_name = pax[b"path"].rstrip(b"/")
             if b"size" in pax:
-                size = pax_size(pax[b"size"], at)
-                padded = -(-size // BLOCK) * BLOCK
+                size = pax_size(pax[b"size"], at, last)
             local_pax, long_name = {}, None
-            if kind == GNU_SPARSE:  # extension blocks of the sparse map, then the stored data: skipped
+            last = raw_name.decode("utf-8", "surrogateescape")
+            if kind in NO_DATA:
+                continue
+            if kind == GNU_SPARSE:  # the extension blocks of its sparse map come before its data
                 extended = block[482]
                 while extended:
-                    extended = self._take(BLOCK, "GNU sparse header")[504]
-            elif kind in REGULAR and not (kind == b"\0" and name.endswith(b"/")):  # V7: a name/ is a directory
-                if any(k.startswith(b"GNU.sparse.") for k in pax):  # a pax sparse file (same as type S)
-                    pass
-                else:
-                    self._data_size = size
-                    yield TarMember(name.decode("utf-8", "surrogateescape"), self.offset(), size)
-                    self._data_size = -1
-            elif kind in NO_DATA:
-                continue
-            if not self._skip(padded):
-                raise TarDamaged(f"member data at byte {at + BLOCK} is cut short: the file ends at byte {self.size}")
+                    extended = self._take(BLOCK, "the GNU sparse map of the member", at, last)[504]
+            member = TarMember(last, self.offset(), size)
+            if is_regular(kind, raw_name, pax):
+                self._member = member
+                yield member
+                self._member = None
+            if not self._skip(padded(size)):
+                raise TarDamaged(cut_short(member, self.size))
         self.drain()
 
 
-def check_header(block: bytes, at: int) -> None:
+def place(at: int, last: str) -> str:
+    """Where in the tar, for a message: the byte, and the member before it."""
+    return f"byte {at}" + (f" (after member {last!r})" if last else "")
+
+
+def padded(size: int) -> int:
+    """A member's size in the tar: whole blocks."""
+    return -(-size // BLOCK) * BLOCK
+
+
+def is_regular(kind: bytes, name: bytes, pax: dict[bytes, bytes]) -> bool:
+    """Whether the member is a file whose bytes are its data: not a V7 directory (a regular type whose name
+    ends in /), not a sparse file (GNU's type S, or pax GNU.sparse records), whose bytes in the tar are not
+    the file's."""
+    return kind in REGULAR and not (kind == b"\0" and name.endswith(b"/")) and \
+        not any(k.startswith(b"GNU.sparse.") for k in pax)
+
+
+def cut_short(member: TarMember, file_size: int) -> str:
+    return (f"member {member.name!r} is cut short: its data runs to byte {member.offset + member.size}, the file "
+            f"ends at byte {file_size}")
+
+
+def check_header(block: bytes, at: int, last: str) -> None:
     """TarDamaged unless the header's checksum is its bytes' sum (the checksum field counted as spaces),
     unsigned or, as some old tars wrote it, signed."""
     try:
@@ -212,7 +233,7 @@ def check_header(block: bytes, at: int) -> None:
         stored = -1
     if stored != byte_sum(block) - byte_sum(block[148:156]) + 8 * 32 and \
             stored != 256 + sum(struct.unpack_from("148b8x356b", block)):
-        raise TarDamaged(f"not a tar header at byte {at} (bad checksum)")
+        raise TarDamaged(f"not a tar header at {place(at, last)} (bad checksum)")
 
 
 _BYTES_1 = int.from_bytes(b"\xff\x00" * (BLOCK // 2), "little")  # every other byte of a block
@@ -231,14 +252,14 @@ def byte_sum(data: bytes) -> int:
     return x % _LANE_MOD
 
 
-def header_number(field: bytes, at: int) -> int:
+def header_number(field: bytes, at: int, last: str) -> int:
     """A numeric header field: octal text, or GNU's base-256 (first byte 0x80)."""
     if field[0] == 0x80:
         return int.from_bytes(field[1:], "big")
     try:
         return int(field.split(b"\0", 1)[0] or b"0", 8)
     except ValueError:
-        raise TarDamaged(f"the header at byte {at} has a size that is not a number ({field!r})") from None
+        raise TarDamaged(f"the header at {place(at, last)} has a size that is not a number ({field!r})") from None
 
 
 def header_name(block: bytes) -> bytes:
@@ -248,7 +269,7 @@ def header_name(block: bytes) -> bytes:
     return name
 
 
-def pax_records(data: bytes, at: int) -> dict[bytes, bytes]:
+def pax_records(data: bytes, at: int, last: str) -> dict[bytes, bytes]:
     """A pax header's `LENGTH KEY=VALUE\\n` records (LENGTH counts the whole record), as bytes."""
     records, pos = {}, 0
     while pos < len(data) and data[pos] != 0:
@@ -259,15 +280,15 @@ def pax_records(data: bytes, at: int) -> dict[bytes, bytes]:
         except ValueError:
             length = 0
         if space < 0 or equals < 0 or length <= equals - pos or data[pos + length - 1:pos + length] != b"\n":
-            raise TarDamaged(f"the pax header at byte {at} has a malformed record at its byte {pos}")
+            raise TarDamaged(f"the pax header at {place(at, last)} has a malformed record at its byte {pos}")
         records[data[space + 1:equals]] = data[equals + 1:pos + length - 1]
         pos += length
     return records
 
 
-def pax_size(value: bytes, at: int) -> int:
+def pax_size(value: bytes, at: int, last: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise TarDamaged(f"the pax header before byte {at} has a size that is not a number ({value[:20]!r})") \
+        raise TarDamaged(f"the pax header before {place(at, last)} has a size that is not a number ({value[:20]!r})") \
             from None
