@@ -318,8 +318,9 @@ def count_job_records(manifest: ShardManifest) -> int:
                    "not decode (a truncated or corrupt JPEG, which would stop a training run) out of the index, with "
                    "the reason ('image undecodable'). The tars stay unchanged. Slower: the default reads headers.")
 @click.option("--workers", type=int, default=None,
-              help="Worker processes that decode with --decode (default: the CPUs this process may use). The "
-                   "result does not depend on it.")
+              help="Worker processes: each reads one tar at a time (with --decode: the tars are read one at a "
+                   "time and these decode their images). Default: the CPUs this process may use. The result does "
+                   "not depend on it.")
 @click.option("--index-dir", type=click.Path(path_type=Path), default=None,
               help="Write the DALI indexes and manifest.json into this folder (created if missing) instead of beside "
                    "the tars: for tars in a read-only folder. The manifest records where the tars are (their "

@@ -80,7 +80,7 @@ class IndexConfig:
     classes_file: Path | None = None  # one class name a line; line i is class i
     max_pixels: int = DEFAULT_MAX_PIXELS
     decode: bool = False  # decode every image (PIL, in worker processes) and leave out what does not decode
-    workers: int = field(default_factory=usable_cores)  # for decode; the output does not depend on it
+    workers: int = field(default_factory=usable_cores)  # tars read at once (with decode: decoders); same output
     index_dir: Path | None = None  # where the indexes and manifest go; default: beside the tars, in `src`
 
     def __post_init__(self) -> None:
@@ -585,13 +585,19 @@ def count_reasons(skipped: list[dict]) -> str:
 
 
 def scan_split(folder: TarFolder, names: list[str], cfg: IndexConfig) -> list[ScannedTar]:
+    """The split's tars read and judged, in order: `cfg.workers` tars at a time, each in a worker process;
+    with --decode one tar at a time, its images decoded by `cfg.workers` processes (decoding is the work
+    then, and a folder of one big tar gets every core)."""
     wanted = set(IMAGE_EXTS) | {cfg.label_member}
-    tars = []
-    for name in names:
-        tar = read_tar_samples(folder, name, wanted, cfg, keep_images=cfg.decode)
-        if cfg.decode:  # one tar's images held at a time
-            leave_out_undecodable(tar, cfg)
-        tars.append(tar)
+    if cfg.decode:
+        tars = []
+        for name in names:
+            tar = read_tar_samples(folder, name, wanted, cfg, keep_images=True)
+            leave_out_undecodable(tar, cfg)  # one tar's images held at a time
+            tars.append(tar)
+    else:
+        read = partial(read_tar_samples, folder, wanted=wanted, cfg=cfg)
+        tars = list(ordered_map(read, names, min(cfg.workers, len(names)), chunk=1))
     mark_keys_across_tars(tars)
     return tars
 
