@@ -18,7 +18,6 @@ from ..s3 import StorageError, is_s3_url
 from ..s3 import list_objects as s3_list_objects
 from ..shardfolder import open_shard_folder
 from .core import skip_reasons
-from .coco import CocoConfig, ExportError, convert_coco, export_coco
 from .imagefolder import TOP_LEVEL, ConvertConfig, UsageError, convert_imagefolder
 from .index import IndexConfig, IndexDataError, IndexUsageError, index_folder
 from .info import describe_folder, folder_info
@@ -184,6 +183,8 @@ def coco_cmd(out, quiet, debug, **options):
     docs/coco.md has the details.
     Resumable and deterministic like `imagefolder`; OUT may be s3://bucket/prefix (docs/storage.md).
     """
+    from .coco import CocoConfig, convert_coco  # here, not at the top: numpy, which no other command needs
+
     cfg = CocoConfig(out=out, progress=not quiet and sys.stderr.isatty(), **options)
     click.echo(f"shard-convert coco: {json.dumps(cfg.to_json())}", err=True)
     manifest = run_command(
@@ -210,6 +211,8 @@ def export_coco_cmd(out: Path | str, dest: Path, split: str | None):
     categories, crowd flags, areas, segmentation, extra keys), categories and other top-level keys (info,
     licenses) as the file OUT was made from, less what the conversion listed as skipped.
     pycocotools.coco.COCO(DEST) loads it. OUT may be s3://bucket/prefix (each tar is streamed once)."""
+    from .coco import ExportError, export_coco
+
     def run():
         check_destination(dest)  # before reading every shard
         doc = export_coco(out, split)
@@ -239,6 +242,8 @@ def exit_if_nothing_converted(manifest: ShardManifest) -> None:
 def check_destination(dest: Path) -> None:
     """DEST must be a file name in an existing folder that takes a new file (it is written atomically, under a
     temporary name beside itself, then renamed)."""
+    from .coco import ExportError
+
     if dest.is_dir():
         raise ExportError(f"{dest}: is a folder; give the instances file to write, e.g. {dest / 'instances.json'}")
     if not dest.parent.is_dir():

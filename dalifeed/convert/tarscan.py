@@ -29,7 +29,6 @@ REGULAR = (b"0", b"\0", b"7")  # regular file, old regular file, contiguous file
 NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # hard and symbolic link, devices, directory, fifo
 PAX_LOCAL, PAX_GLOBAL, PAX_SOLARIS = b"x", b"g", b"X"
 GNU_LONGNAME, GNU_LONGLINK, GNU_SPARSE = b"L", b"K", b"S"
-PAX_KEYS = (b" path=", b" size=", b" GNU.sparse.")  # the pax records that change what a member is or holds
 USTAR_MAGIC = b"ustar\x0000"  # POSIX: the 155-byte prefix field is a name prefix (GNU's `ustar  ` uses it for times)
 CHUNK = 1 << 20  # bytes asked of the stream at a time; 64 KiB to 4 MiB read and hash alike on a 1.1 GB set
 
@@ -169,7 +168,8 @@ class TarScan:
             kind, size = block[156:157], header_number(block[124:136], at, last)
             if kind in (PAX_LOCAL, PAX_SOLARIS, PAX_GLOBAL):
                 text = self._take(padded(size), "the pax header", at, last)[:size]
-                if any(key in text for key in PAX_KEYS):  # (ShardWriter's carry only an mtime: not parsed)
+                # parsed only when it holds a record that changes what a member is (ShardWriter's hold an mtime)
+                if b" path=" in text or b" size=" in text or b" GNU.sparse." in text:
                     (global_pax if kind == PAX_GLOBAL else local_pax).update(pax_records(text, at, last))
                 continue
             if kind in (GNU_LONGNAME, GNU_LONGLINK):
@@ -231,7 +231,7 @@ def check_header(block: bytes, at: int, last: str) -> None:
         stored = int(block[148:156].split(b"\0", 1)[0] or b"0", 8)
     except ValueError:
         stored = -1
-    if stored != byte_sum(block) - byte_sum(block[148:156]) + 8 * 32 and \
+    if stored != byte_sum(block) - sum(block[148:156]) + 8 * 32 and \
             stored != 256 + sum(struct.unpack_from("148b8x356b", block)):
         raise TarDamaged(f"not a tar header at {place(at, last)} (bad checksum)")
 
