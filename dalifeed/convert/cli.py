@@ -8,7 +8,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import click
-from tqdm import tqdm
 
 from ..cliutil import LOCATION, default, run_command, size_option
 from ..atomic import temp_name, write_json_atomic
@@ -389,6 +388,8 @@ def verify_cmd(out: Path, decode: bool, as_json: bool):
 
     total = run_command(count_shards, debug=False, runtime_errors=(StorageError, OSError))
     show = sys.stderr.isatty() and not as_json
+    from tqdm import tqdm  # here, as in core
+
     with tqdm(total=total, unit="shard", desc="verify", disable=not show) as bar:
         report = run_command(lambda: verify_shards(out, decode=decode, on_shard=lambda: bar.update(1)), debug=False,
                              runtime_errors=(StorageError, OSError), stopped=lambda e: "nothing was changed")
