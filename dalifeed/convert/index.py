@@ -48,6 +48,7 @@ IMAGE_EXTS = ("jpg", "jpeg")  # the first of these a sample has is its image; DA
 IMAGE_FILE_EXTS = {"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"}
 NAME_LABEL_EXT = "dalifeed.label"  # the empty index component whose name carries the label (module docstring)
 LABEL_DIGITS = 10  # width of the decimal label in that name, and the longest `.cls` text the graph parses
+CLS_DIGITS = re.compile(r"[0-9]{1,%d}" % LABEL_DIGITS)  # a `.cls` label DALI's graph reads, whitespace cut off
 # `train-000000.tar`, `val_00012.tar`: split prefix, separator, shard number. `00000.tar` (img2dataset) has none.
 SHARD_NAME = re.compile(r"^(?P<split>.*?)[-_]?(?P<number>\d+)\.tar$")
 SPLIT_NAMES = {"train": "train", "training": "train",
@@ -167,9 +168,6 @@ class Sample:
     reason: str | None = None  # why it is left out, or None
     label: int | str | None = None  # an int (class index) or a class name, before classes are known
     label_size: int | None = None  # `.cls` labels: the digits' length (whitespace after them cut off)
-
-    def ext_counts(self) -> Counter:
-        return Counter(m.ext for m in self.members)
 
 
 class TarFolder:
@@ -347,7 +345,7 @@ def read_label(sample: Sample, cfg: IndexConfig) -> tuple[int | str | None, str 
         return (value.strip() if isinstance(value, str) else value), None
     if ext == "cls":
         digits = text.rstrip()
-        if not re.fullmatch(r"[0-9]{1,%d}" % LABEL_DIGITS, digits):
+        if not CLS_DIGITS.fullmatch(digits):
             return None, f"label unreadable: .cls is {text[:40]!r}, not a decimal integer (webdataset's convention)"
         sample.label_size = len(digits.encode())
         return int(digits), None
@@ -672,7 +670,7 @@ def index_folder(cfg: IndexConfig) -> ShardManifest:
         info = SplitInfo(class_counts=[0] * len(classes))
         for tar in tars:
             skipped += [{"path": f"{tar.name}:{s.key}", "reason": s.reason} for s in tar.samples if s.reason]
-            extensions[tar.name] = dict(sorted(sum((s.ext_counts() for s in tar.samples), Counter()).items()))
+            extensions[tar.name] = dict(sorted(Counter(m.ext for s in tar.samples for m in s.members).items()))
             kept = [s for s in tar.samples if s.reason is None]
             if not kept:  # DALI refuses an index without samples
                 warnings.append(f"{tar.name}: no sample kept, left out of split {split!r}")
