@@ -164,7 +164,7 @@ class Sample:
     key: str
     members: list[Member] = field(default_factory=list)
     data: dict[str, bytes] = field(default_factory=dict)  # the label members' bytes (and images' with --decode)
-    heads: dict[str, ImageHead] = field(default_factory=dict)  # the first member of each image extension's
+    heads: dict[str, ImageHead] = field(default_factory=dict)  # image extension -> its first member's head
     reason: str | None = None  # why it is left out, or None
     label: int | str | None = None  # an int (class index) or a class name, before classes are known
     label_size: int | None = None  # `.cls` labels: the digits' length (whitespace after them cut off)
@@ -232,7 +232,8 @@ def read_tar_samples(folder: TarFolder, name: str, wanted: set[str], cfg: IndexC
                      keep_images: bool = False) -> ScannedTar:
     """The samples of tar `name` in order, each judged (`judge`) as soon as its last member is read, and the
     tar's size and sha256, from one sequential read (`tarscan`). Of an image member only its headers are
-    parsed (`ImageHead`), from the read buffer; the label members' bytes are kept until the sample is judged.
+    parsed (`ImageHead`), from the read buffer; the bytes of the other `wanted` members (the label's) are
+    kept until the sample is judged.
     With `keep_images` (index and verify --decode) the images' bytes are kept too: one tar's, never more.
     IndexDataError naming the tar if it cannot be read to its end."""
     samples: list[Sample] = []
@@ -267,9 +268,7 @@ def read_tar_samples(folder: TarFolder, name: str, wanted: set[str], cfg: IndexC
                     sample.data[ext] = bytes(scan.data())
             if samples:
                 finish(samples[-1])
-    except TarDamaged as e:
-        raise IndexDataError(f"{folder.where(name)}: unreadable tar ({e})") from None
-    except OSError as e:
+    except (TarDamaged, OSError) as e:
         raise IndexDataError(f"{folder.where(name)}: unreadable tar ({e})") from None
     return ScannedTar(name, samples, scan.size, scan.sha256.hexdigest())
 
@@ -353,7 +352,7 @@ def read_label(sample: Sample, cfg: IndexConfig) -> tuple[int | str | None, str 
     return (name, None) if name else (None, f"no label: .{ext} is empty")
 
 
-WHITESPACE = re.compile(r"\s")  # str.isspace's characters
+WHITESPACE = re.compile(r"\s")  # in a str pattern, what str.isspace calls whitespace
 
 
 def judge(sample: Sample, cfg: IndexConfig) -> None:

@@ -1,11 +1,13 @@
 """A tar read once, front to back, as `shard-convert index` and `verify` read the tars they adopt: each regular
 member's name, data offset and size (what a DALI index lists), the bytes of the members the caller asks for,
 and the size and sha256 of every byte of the file, hashed as the bytes go by. Works on any binary stream (a
-local file, an object streamed from a store); nothing is read twice and nothing is held beyond one buffer.
+local file, an object streamed from a store); nothing is read twice and nothing is held beyond two buffers
+(of CHUNK bytes, or of the largest member asked for).
 
 Why not `tarfile`: on ShardWriter's tars (a pax header before every member) its header parsing and stream
-layer took 1.3 s of the 2.6 s CPU `index` spent on 10,000 photos (1.1 GB), more than reading and hashing
-them (docs/benchmarks.md, "shard-convert index"). This reads the same headers with a few slices each.
+layer took about half of the 2.6 s CPU `index` spent on 10,000 photos (1.1 GB), more than reading and
+hashing them (docs/benchmarks.md, "shard-convert index against DALI's wds2idx"). This reads the same
+headers with a few slices each.
 
 The headers are read as POSIX (ustar, pax) and GNU tar write them and as `tarfile` reads them: a name of up
 to 100 bytes, with the ustar prefix before it, or a GNU long name (`L`) or a pax `path` record; the size in
@@ -14,7 +16,8 @@ Regular files (types `0`, NUL, `7`) are the members; links, directories and devi
 files are skipped with their data (their bytes in the tar are not the file's, and DALI reads a member's
 bytes as they are), as wds2idx skips them. The first zero block, or the file's end at a header, ends the
 archive. Anything else -- a header whose checksum is wrong, a member or header cut short -- is `TarDamaged`
-with the byte offset, where `tarfile` would silently end the archive at a bad header.
+naming the member, or the byte and the member before it, where `tarfile` would silently end the archive at
+a bad header.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # hard and symbolic link, device
 PAX_LOCAL, PAX_GLOBAL, PAX_SOLARIS = b"x", b"g", b"X"
 GNU_LONGNAME, GNU_LONGLINK, GNU_SPARSE = b"L", b"K", b"S"
 USTAR_MAGIC = b"ustar\x0000"  # POSIX: the 155-byte prefix field is a name prefix (GNU's `ustar  ` uses it for times)
-CHUNK = 1 << 20  # bytes asked of the stream at a time; 64 KiB to 4 MiB read and hash alike on a 1.1 GB set
+CHUNK = 1 << 20  # bytes asked of the stream at a time; 64 KiB to 4 MiB read and hash alike (measured)
 
 
 class TarDamaged(Exception):
