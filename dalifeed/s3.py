@@ -96,6 +96,11 @@ def client():
     return _clients[key]
 
 
+# A forked worker (`shard-convert index --workers`, the converters') makes its own client: the parent's holds
+# pooled connections that two processes must not read from at once.
+os.register_at_fork(after_in_child=_clients.clear)
+
+
 def endpoint() -> str:
     return client().meta.endpoint_url
 

@@ -207,6 +207,47 @@ def test_usage_and_data_errors(tmp_path):
     assert result.returncode == 2 and "no such folder" in result.stderr
 
 
+def test_a_damaged_tar_is_one_line_naming_the_tar_and_where(tmp_path):
+    """A tar cut inside a member, or with a header overwritten halfway (which tarfile took for the archive's
+    end: the samples after it were silently missing from the index), fails the run in one line naming the
+    tar and the member."""
+    write_shardwriter(tmp_path, "train", 6, per_shard=6)
+    tar = tmp_path / "train-000000.tar"
+    data = tar.read_bytes()
+    offsets = {m.name: (m.offset, m.offset_data) for m in tarfile.open(tar)}
+    tar.write_bytes(data[:offsets["000003.jpg"][1] + 100])
+    with pytest.raises(IndexDataError, match=rf"^{tar}: unreadable tar \(member '000003.jpg' is cut short: its data "
+                                             rf"runs to byte \d+, the file ends at byte \d+\)$"):
+        index_folder(IndexConfig(tmp_path))
+    header = offsets["000004.cls"][0]  # its pax header
+    tar.write_bytes(data[:header] + b"garbage" + data[header + 7:])
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "index", str(tmp_path)], capture_output=True,
+                            text=True, env=ENV)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr == (f"Error: {tar}: unreadable tar (not a tar header at byte {header} (after member "
+                             f"'000003.jpg') (bad checksum))\n")
+
+
+def test_workers_read_tars_in_parallel_with_the_same_result_and_errors(tmp_path):
+    """--workers N reads N tars at once: the indexes and manifest are those of one worker; a damaged tar
+    read by a worker process fails the run with the same one line."""
+    labels = write_shardwriter(tmp_path / "ds", "train", 23, per_shard=4)
+    one = index_folder(IndexConfig(tmp_path / "ds", workers=1, index_dir=tmp_path / "one"))
+    three = index_folder(IndexConfig(tmp_path / "ds", workers=3, index_dir=tmp_path / "three"))
+    assert len(one.splits["train"].shards) == 6 and one.splits["train"].class_counts == [labels.count(c)
+                                                                                         for c in range(3)]
+    for name in [*(p.name for p in (tmp_path / "one").glob("*.idx")), "manifest.json"]:
+        text = (tmp_path / "one" / name).read_text()
+        assert (tmp_path / "three" / name).read_text() == text.replace(str(tmp_path / "one"),
+                                                                         str(tmp_path / "three"))
+    assert three.splits["train"].shards == one.splits["train"].shards
+    tar = tmp_path / "ds" / "train-000004.tar"
+    tar.write_bytes(tar.read_bytes()[:3000])
+    with pytest.raises(IndexDataError, match=rf"^{tar}: unreadable tar \(the pax header at byte 2048 \(after "
+                                             rf"member '000016.cls'\) is cut short: the file ends at byte 3000\)$"):
+        index_folder(IndexConfig(tmp_path / "ds", workers=3))
+
+
 def compress(tar: Path, suffix: str, tool: list[str]) -> Path:
     """`tar` compressed with `tool` (reading stdin, writing stdout) into TAR-without-.tar + suffix; `tar` removed."""
     out = tar.with_name(tar.name[:-len(".tar")] + suffix)

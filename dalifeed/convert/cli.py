@@ -8,7 +8,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import click
-from tqdm import tqdm
 
 from ..cliutil import LOCATION, default, run_command, size_option
 from ..atomic import temp_name, write_json_atomic
@@ -18,7 +17,6 @@ from ..s3 import StorageError, is_s3_url
 from ..s3 import list_objects as s3_list_objects
 from ..shardfolder import open_shard_folder
 from .core import merge, skip_reasons
-from .coco import CocoConfig, ExportError, convert_coco, export_coco
 from .imagefolder import TOP_LEVEL, ConvertConfig, UsageError, convert_imagefolder
 from .index import IndexConfig, IndexDataError, IndexUsageError, index_folder
 from .info import describe_folder, folder_info
@@ -184,6 +182,8 @@ def coco_cmd(out, quiet, debug, **options):
     docs/coco.md has the details.
     Resumable and deterministic like `imagefolder`; OUT may be s3://bucket/prefix (docs/storage.md).
     """
+    from .coco import CocoConfig, convert_coco  # here, not at the top: numpy, which no other command needs
+
     cfg = CocoConfig(out=out, progress=not quiet and sys.stderr.isatty(), **options)
     click.echo(f"shard-convert coco: {json.dumps(cfg.to_json())}", err=True)
     manifest = run_command(
@@ -210,6 +210,8 @@ def export_coco_cmd(out: Path | str, dest: Path, split: str | None):
     categories, crowd flags, areas, segmentation, extra keys), categories and other top-level keys (info,
     licenses) as the file OUT was made from, less what the conversion listed as skipped.
     pycocotools.coco.COCO(DEST) loads it. OUT may be s3://bucket/prefix (each tar is streamed once)."""
+    from .coco import ExportError, export_coco
+
     def run():
         check_destination(dest)  # before reading every shard
         doc = export_coco(out, split)
@@ -239,6 +241,8 @@ def exit_if_nothing_converted(manifest: ShardManifest) -> None:
 def check_destination(dest: Path) -> None:
     """DEST must be a file name in an existing folder that takes a new file (it is written atomically, under a
     temporary name beside itself, then renamed)."""
+    from .coco import ExportError
+
     if dest.is_dir():
         raise ExportError(f"{dest}: is a folder; give the instances file to write, e.g. {dest / 'instances.json'}")
     if not dest.parent.is_dir():
@@ -318,8 +322,9 @@ def count_job_records(manifest: ShardManifest) -> int:
                    "not decode (a truncated or corrupt JPEG, which would stop a training run) out of the index, with "
                    "the reason ('image undecodable'). The tars stay unchanged. Slower: the default reads headers.")
 @click.option("--workers", type=int, default=None,
-              help="Worker processes that decode with --decode (default: the CPUs this process may use). The "
-                   "result does not depend on it.")
+              help="Worker processes: each reads one tar at a time (with --decode: the tars are read one at a "
+                   "time and these decode their images). Default: the CPUs this process may use. The result does "
+                   "not depend on it.")
 @click.option("--index-dir", type=click.Path(path_type=Path), default=None,
               help="Write the DALI indexes and manifest.json into this folder (created if missing) instead of beside "
                    "the tars: for tars in a read-only folder. The manifest records where the tars are (their "
@@ -384,6 +389,8 @@ def verify_cmd(out: Path, decode: bool, as_json: bool):
     folder = run_command(open_folder, debug=False, runtime_errors=(StorageError, OSError))
     total = sum(len(s.shards) for s in folder.splits.values()) if isinstance(folder, ShardManifest) else None
     show = sys.stderr.isatty() and not as_json
+    from tqdm import tqdm  # here, as in core
+
     with tqdm(total=total, unit="shard", desc="verify", disable=not show) as bar:
         report = run_command(lambda: verify_shards(folder, decode=decode, on_shard=lambda: bar.update(1)), debug=False,
                              runtime_errors=(StorageError, OSError), stopped=lambda e: "nothing was changed")

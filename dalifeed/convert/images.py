@@ -11,6 +11,7 @@ the reason is recorded; what PIL cannot decode is skipped with a reason that say
 from __future__ import annotations
 
 import io
+import struct
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -93,16 +94,17 @@ class JpegFrame:
         return None
 
 
-def read_jpeg_frame(data: bytes) -> JpegFrame | None:
+def read_jpeg_frame(data: bytes | memoryview) -> JpegFrame | None:
     """The frame header of a JPEG, or None when `data` is not a JPEG or ends before its frame header.
-    Walks the marker segments from SOI to the first SOS; reads nothing of the entropy-coded data."""
+    Walks the marker segments from SOI to the first SOS; reads nothing of the entropy-coded data. `data`
+    may be a memoryview (`shard-convert index` passes the tar's read buffer: no copy of the image)."""
     if data[:2] != b"\xff\xd8":
         return None
     pos, adobe_transform, end = 2, None, len(data)
     while pos + 4 <= end:
-        if data[pos] != 0xFF:
+        prefix, marker, length = _MARKER.unpack_from(data, pos)
+        if prefix != 0xFF:
             return None  # not at a marker: damaged
-        marker = data[pos + 1]
         if marker == 0xFF:  # fill byte before a marker
             pos += 1
             continue
@@ -111,13 +113,12 @@ def read_jpeg_frame(data: bytes) -> JpegFrame | None:
             continue
         if marker in (0xDA, 0xD9):  # SOS or EOI before any frame header
             return None
-        length = int.from_bytes(data[pos + 2:pos + 4], "big")
-        segment = data[pos + 4:pos + 2 + length]
-        if length < 2 or len(segment) != length - 2:
+        if length < 2 or pos + 2 + length > end:
             return None
-        if marker == 0xEE and segment[:5] == b"Adobe" and len(segment) >= 12:
-            adobe_transform = segment[11]
-        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) and len(segment) >= 6:
+        if marker == 0xEE:
+            adobe_transform = _adobe_transform(data, pos, length, adobe_transform)
+        elif 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC) and length >= 8:
+            segment = bytes(data[pos + 4:pos + 2 + length])
             components = segment[5]
             ids = tuple(segment[6 + 3 * i] for i in range(components) if 6 + 3 * i < len(segment))
             return JpegFrame(marker, segment[0], int.from_bytes(segment[3:5], "big"),
@@ -127,15 +128,27 @@ def read_jpeg_frame(data: bytes) -> JpegFrame | None:
     return None
 
 
-def _adobe_after(data: bytes, pos: int, found: int | None) -> int | None:
+_MARKER = struct.Struct(">BBH")  # a marker segment's start: 0xFF, the marker, the length (itself included)
+
+
+def _adobe_transform(data: bytes | memoryview, pos: int, length: int, found: int | None) -> int | None:
+    """The colour transform of the APP14 segment at `pos` if it is Adobe's (else `found`)."""
+    if length >= 14 and data[pos + 4:pos + 9] == b"Adobe":
+        return data[pos + 15]
+    return found
+
+
+def _adobe_after(data: bytes | memoryview, pos: int, found: int | None) -> int | None:
     """An APP14 Adobe marker may also follow the frame header; look until the first scan."""
     if found is not None:
         return found
-    while pos + 4 <= len(data) and data[pos] == 0xFF and data[pos + 1] not in (0xDA, 0xD9):
-        length = int.from_bytes(data[pos + 2:pos + 4], "big")
-        segment = data[pos + 4:pos + 2 + length]
-        if data[pos + 1] == 0xEE and segment[:5] == b"Adobe" and len(segment) >= 12:
-            return segment[11]
+    end = len(data)
+    while pos + 4 <= end:
+        prefix, marker, length = _MARKER.unpack_from(data, pos)
+        if prefix != 0xFF or marker in (0xDA, 0xD9):
+            return None
+        if marker == 0xEE and data[pos + 4:pos + 9] == b"Adobe" and min(pos + 2 + length, end) - pos >= 16:
+            return data[pos + 15]  # (a segment cut short by the file's end counts while it holds the field)
         if length < 2:
             return None
         pos += 2 + length
