@@ -57,7 +57,8 @@ def d(name: str):
 @click.option("--repeats", type=int, default=d("repeats"), show_default=True,
               help="Timed runs per loader (median reported).")
 @click.option("--warmup", "warmup_batches", type=int, default=d("warmup_batches"), show_default=True,
-              help="Untimed batches first.")
+              help="Untimed batches first, then as many as the loader holds ready (a DataLoader's workers x "
+                   "prefetch_factor, DALI's prefetch queue), so that no timed run counts batches made before it.")
 @click.option("--workers", type=int, default=d("workers"), show_default=True,
               help="DataLoader workers and DALI threads alike: the same cores for everyone.")
 @click.option("--fp16", is_flag=True, help="Every loader hands out float16 batches (what an AMP model consumes).")

@@ -113,6 +113,24 @@ class TorchLoader:
             yield self.normalize(images, labels)
 
 
+# what a loader of unknown read-ahead may hold ready: a DataLoader's default (2 workers x prefetch_factor 4)
+DEFAULT_AHEAD = 8
+
+
+def batches_ahead(loader) -> int:
+    """How many batches `loader` can hold ready before it is asked for them: a DataLoader's workers x
+    prefetch_factor, a DALI loader's prefetch queue. A timed window that began with them full would count
+    them as made inside it (a 0.75 s window of the demo read 8 prefetched DataLoader batches, most of what it
+    counted), so the warm-up drains them first (`measure.time_loader`)."""
+    inner = getattr(loader, "loader", loader)  # run.on_device's
+    if isinstance(inner, TorchLoader):
+        return inner.dataloader.num_workers * (inner.dataloader.prefetch_factor or 0)
+    options = getattr(inner, "options", None)  # a DaliLoader's LoaderOptions (resolved)
+    if options is not None and getattr(options, "prefetch_queue_depth", None):
+        return options.prefetch_queue_depth
+    return DEFAULT_AHEAD
+
+
 def dataloader_options(workers: int, device: torch.device) -> dict:
     options = dict(num_workers=workers, pin_memory=device.type == "cuda")
     if workers > 0:

@@ -42,7 +42,7 @@ def render(convert: dict, bench: dict, stage: dict[str, float], command: str) ->
         "",
         f"RandomResizedCrop({cfg['image_size']}) + flip + normalise to float batches, batch {cfg['batch_size']}, "
         f"{cfg['workers']} DataLoader workers / DALI threads, {cfg['repeats']} timed runs of {cfg['seconds']} s "
-        f"after {cfg['warmup_batches']} warm-up batches; median and min-max.",
+        f"after {cfg['warmup_batches']} warm-up batches and each loader's read-ahead; median and min-max.",
         "",
         render_table(bench),
         "",

@@ -43,11 +43,13 @@ class Timing:
 
 
 def time_loader(loader: Iterable, device: torch.device, *, warmup_batches: int, seconds: float | None,
-                batches: int | None, repeats: int, cores: int) -> Timing:
-    """`repeats` timed windows of `seconds` (or of `batches` batches) after `warmup_batches` untimed ones.
-    Only the end of each window synchronises: a sync per batch would serialise the pipeline."""
+                batches: int | None, repeats: int, cores: int, ahead: int = 0) -> Timing:
+    """`repeats` timed windows of `seconds` (or of `batches` batches) after `warmup_batches` untimed ones and
+    `ahead` more: the batches the loader can hold ready (`loaders.batches_ahead`), drained so that no window
+    counts batches made before it began. Only the end of each window synchronises: a sync per batch would
+    serialise the pipeline."""
     stream = forever(loader)
-    for _ in range(warmup_batches):
+    for _ in range(warmup_batches + ahead):
         images, labels = next(stream)
     synchronize(device)
     rates = []
