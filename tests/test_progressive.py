@@ -123,12 +123,41 @@ def test_a_progressive_loader_restored_mid_epoch_continues_at_the_epochs_size(sh
     assert {tuple(images.shape[-2:]) for images, _ in resumed} == {(48, 48)}  # and epoch 2 at its size
 
 
-def test_a_mixed_loader_refuses_a_schedule(shards, other_shards):
-    from dalifeed.pipelines import MixError
-
+def mixed_progressive_loader(shards, other_shards):
+    """45 + 18 samples at 2 + 2 a batch of 4: 15 batches a mixed epoch, in which `other_shards`' loader (9
+    batches an epoch of its own) runs two of its epochs: both must be at the mixed epoch's size."""
     data = open_dataset([shards, other_shards], splits=("train",))
-    with pytest.raises(MixError, match="progressive resizing \\(image_size=\\) takes one shard folder"):
-        build_loader(data, LoaderOptions("train", 4, train=True, device="cpu"), AugmentConfig(), image_size=SCHEDULE.size)
+    options = LoaderOptions("train", 4, train=True, seed=5, device="cpu", num_threads=2, checkpointing=True)
+    return build_loader(data, options, AugmentConfig(image_size=16, crop_scale=(0.5, 1.0)), image_size=SCHEDULE.size)
+
+
+def test_a_mixed_loader_yields_each_epochs_size_in_every_part_of_a_batch(shards, other_shards):
+    loader = mixed_progressive_loader(shards, other_shards)
+    assert loader.reserved == [1, 2]  # what the test is about: a dataset that repeats within an epoch
+    for size in (16, 32, 48):
+        shapes = [tuple(images.shape) for images, _ in loader]
+        assert shapes == [(4, 3, size, size)] * 15
+
+
+def test_a_mixed_progressive_loader_restored_mid_epoch_continues_at_the_epochs_size(shards, other_shards):
+    straight = mixed_progressive_loader(shards, other_shards)
+    list(straight)
+    epoch1 = [(images.clone(), labels.clone()) for images, labels in straight]
+
+    first = mixed_progressive_loader(shards, other_shards)
+    first.set_epoch(1)
+    batches = iter(first)
+    for _ in range(11):  # past the end of other_shards' first epoch of the two
+        next(batches)
+    state = first.state_dict()
+    del batches, first
+
+    resumed = mixed_progressive_loader(shards, other_shards)
+    resumed.load_state_dict(state)
+    rest = [(images.clone(), labels.clone()) for images, labels in resumed]
+    assert len(rest) == 15 - 11
+    for (a_images, a_labels), (b_images, b_labels) in zip(rest, epoch1[11:]):
+        assert a_images.shape[-1] == 32 and torch.equal(a_labels, b_labels) and torch.equal(a_images, b_images)
 
 
 def test_validation_resizes_to_val_resize_then_crops_the_val_size(real_photo_shards):  # noqa: F811
@@ -233,13 +262,6 @@ def test_bad_sizes_are_one_line_and_exit_2(shards, tmp_path, extra, message):
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split())
     assert "Traceback" not in result.output and not (tmp_path / "r" / "last.pt").exists()
-
-
-def test_progressive_resize_takes_one_data_folder(shards, other_shards, tmp_path):
-    result = CliRunner().invoke(train_cli, fast_cli_args(shards, epochs=1) + [
-        "--data", str(other_shards), "--progressive-resize", "16:32", "--out", str(tmp_path / "r")])
-    assert result.exit_code == 2
-    assert "--progressive-resize takes one --data" in result.output
 
 
 def test_recipe_fast_resnet50_prints_what_it_sets_and_cannot_do(shards, tmp_path):

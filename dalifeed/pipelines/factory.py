@@ -20,7 +20,7 @@ import torch
 from .dataset import Dataset, DatasetError, open_dataset
 from .graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig
 from .loader import DaliLoader, LoaderOptions, classification_loader, ready
-from .mixing import ConcatLoader, MixError, MixedLoader, mixed_loader
+from .mixing import ConcatLoader, MixedLoader, mixed_loader
 
 
 def build_loader(dataset: Dataset, options: LoaderOptions, augment: AugmentConfig | None = None,
@@ -30,17 +30,16 @@ def build_loader(dataset: Dataset, options: LoaderOptions, augment: AugmentConfi
     One shard folder gives a `DaliLoader`; several, a `MixedLoader` for a training split and a
     `ConcatLoader` (each dataset in turn) otherwise (mixing.py). A detection dataset is
     `make_detection_loader`'s. `image_size`: epoch -> that epoch's image size, for progressive resizing
-    (`resolution.ProgressiveResize(...).size`), one shard folder only: a mixed loader runs its datasets'
-    loaders at epochs of their own (mixing.py)."""
+    (`resolution.ProgressiveResize(...).size`)."""
     if dataset.task == "detection":
         raise DatasetError(f"{dataset.described}: opened for detection: use make_detection_loader")
-    if image_size is not None and dataset.mixed:
-        raise MixError("progressive resizing (image_size=) takes one shard folder, not several mixed")
     options = ready(dataset, options)
     augment = augment or AugmentConfig()
     multilabel = dataset.task == "multilabel"
     if dataset.mixed:
-        return mixed_loader(dataset, options, lambda source, o: classification_loader(source, o, augment))
+        return mixed_loader(dataset, options,
+                            lambda source, o, size: classification_loader(source, o, augment, image_size=size),
+                            image_size)
     return classification_loader(dataset.sources[0], options, augment, multilabel, image_size)
 
 

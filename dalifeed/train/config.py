@@ -192,9 +192,6 @@ class TrainConfig:
             if not ok:
                 raise ConfigError(message)
         self.resize_schedule()  # a schedule that is not one: its one line
-        if self.progressive_resize is not None and isinstance(self.data, list):
-            raise ConfigError("--progressive-resize takes one --data: mixed datasets run their loaders at epochs "
-                              "of their own")
         if self.cache_limit is not None:
             from dalifeed.cliutil import parse_size
 
