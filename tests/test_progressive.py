@@ -165,7 +165,8 @@ def test_validation_resizes_to_val_resize_then_crops_the_val_size(real_photo_sha
     test_pipelines' (resampling arithmetic), and the default resize is farther than it from these photos."""
     size, resize = 35, 48
     def reference(shorter):
-        return T.Compose([T.Resize(shorter), T.CenterCrop(size), T.ToTensor(), T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+        return T.Compose([T.Resize(shorter), T.CenterCrop(size), T.ToTensor(),
+                          T.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
     source = read_source(real_photo_shards)
     expected = torch.stack([reference(resize)(img) for img, _ in source])
     default = torch.stack([reference(int(size / 0.875))(img) for img, _ in source])

@@ -246,7 +246,8 @@ def resize_square(images, cfg: AugmentConfig):
 def val_transform(jpegs, cfg: AugmentConfig, device: str):
     """Resize(shorter side = cfg.val_resize: image_size / 0.875 unless given) + CenterCrop(image_size) + Normalize,
     pixel for pixel where torchvision puts them: its output size and crop offset are computed here from each
-    image's shape, because DALI rounds both differently (see `torchvision_resize_shape` and `torchvision_centre_crop_pos`)."""
+    image's shape, because DALI rounds both differently (see `torchvision_resize_shape` and
+    `torchvision_centre_crop_pos`)."""
     images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
                                adjust_orientation=ADJUST_ORIENTATION,
                                **decoder_hints(device, cfg.hw_decoder_load, roi=False))

@@ -47,7 +47,7 @@ class ProgressiveResize:
         if len(numbers) == 2 and epochs is not None:
             numbers += [0, max(epochs - 1, 0)]
         if len(numbers) != 4:
-            form = "START:END or START:END:FROM_EPOCH:TO_EPOCH" if epochs is not None else "START:END:FROM_EPOCH:TO_EPOCH"
+            form = ("START:END or " if epochs is not None else "") + "START:END:FROM_EPOCH:TO_EPOCH"
             raise ValueError(f"expected {form} in whole numbers, such as 160:192:65:76, got {text!r}")
         try:
             return cls(*numbers)

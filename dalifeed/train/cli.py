@@ -128,7 +128,7 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
                    "change on resume: --no-compile turns off what the run was started with.")
 @click.option("--image-size", type=int, default=d("image_size"), show_default=True,
               help="Training's image size (RandomResizedCrop output), and validation's unless --val-image-size. "
-                   "With --progressive-resize: the size the model is built for (ViT) and nothing else.")
+                   "With --progressive-resize: only the size the model is built for (ViT) and validation's default.")
 @click.option("--progressive-resize", default=d("progressive_resize"), callback=parse_progressive_resize,
               metavar="START:END[:FROM:TO]",
               help="Train at a size that grows with the epoch (FFCV's schedule; epochs count from 0): START up to "
