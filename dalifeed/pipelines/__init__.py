@@ -21,7 +21,7 @@ _WHERE = {
     "DaliLoader": ".loader", "LoaderOptions": ".loader", "resolve_device": ".loader",
     "build_loader": ".factory", "make_loader": ".factory",
     "Dataset": ".dataset", "DatasetError": ".dataset", "MixError": ".dataset", "open_dataset": ".dataset",
-    "EpochCursor": ".cursor",
+    "EpochCursor": ".cursor", "ProgressiveResize": ".resolution",
     "ShardDataError": ".checks",
     "DetectionConfig": ".detection", "detection_pipeline": ".detection",
     "make_detection_loader": ".detection",

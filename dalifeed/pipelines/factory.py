@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -22,21 +23,24 @@ from .loader import DaliLoader, LoaderOptions, classification_loader, ready
 from .mixing import ConcatLoader, MixedLoader, mixed_loader
 
 
-def build_loader(dataset: Dataset, options: LoaderOptions,
-                 augment: AugmentConfig | None = None) -> DaliLoader | MixedLoader | ConcatLoader:
+def build_loader(dataset: Dataset, options: LoaderOptions, augment: AugmentConfig | None = None,
+                 image_size: Callable[[int], int] | None = None) -> DaliLoader | MixedLoader | ConcatLoader:
     """Batches of `(images, labels)` of `options.split` of `dataset` for this rank (the epoch contract:
     loader.py's docstring; `augment` default: AugmentConfig(), ImageNet's RandomResizedCrop recipe at 224).
     One shard folder gives a `DaliLoader`; several, a `MixedLoader` for a training split and a
     `ConcatLoader` (each dataset in turn) otherwise (mixing.py). A detection dataset is
-    `make_detection_loader`'s."""
+    `make_detection_loader`'s. `image_size`: epoch -> that epoch's image size, for progressive resizing
+    (`resolution.ProgressiveResize(...).size`)."""
     if dataset.task == "detection":
         raise DatasetError(f"{dataset.described}: opened for detection: use make_detection_loader")
     options = ready(dataset, options)
     augment = augment or AugmentConfig()
     multilabel = dataset.task == "multilabel"
     if dataset.mixed:
-        return mixed_loader(dataset, options, lambda source, o: classification_loader(source, o, augment))
-    return classification_loader(dataset.sources[0], options, augment, multilabel)
+        return mixed_loader(dataset, options,
+                            lambda source, o, size: classification_loader(source, o, augment, image_size=size),
+                            image_size)
+    return classification_loader(dataset.sources[0], options, augment, multilabel, image_size)
 
 
 def make_loader(shards_dir: str | os.PathLike | list | Dataset, split: str, batch_size: int, *, rank: int = 0,

@@ -34,6 +34,7 @@ class AugmentConfig:
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # RandomResizedCrop(ratio=...)
     flip: bool = True
     val_crop_fraction: float = 0.875  # resize the shorter side to image_size / 0.875, then centre crop
+    val_resize_size: int | None = None  # validation's shorter side before the crop, if not image_size / 0.875
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     fp16: bool = False
@@ -51,6 +52,9 @@ class AugmentConfig:
             raise ValueError(f"crop_scale must satisfy 0 < min <= max <= 1, got {self.crop_scale}")
         if self.image_size < 8:
             raise ValueError(f"image_size must be >= 8, got {self.image_size}")
+        if self.val_resize_size is not None and self.val_resize_size < self.image_size:
+            raise ValueError(f"val_resize_size {self.val_resize_size} must be >= image_size {self.image_size}: the "
+                             f"centre crop is taken from the resized image")
         if not 0 <= self.hw_decoder_load <= 1:
             raise ValueError(f"hw_decoder_load must be in [0, 1], got {self.hw_decoder_load}")
         if self.auto_augment not in (None, *augment.POLICIES):
@@ -65,6 +69,9 @@ class AugmentConfig:
 
     @property
     def val_resize(self) -> int:
+        """Validation resizes the shorter side to this, then centre crops image_size (torchvision's presets)."""
+        if self.val_resize_size is not None:
+            return self.val_resize_size
         return int(self.image_size / self.val_crop_fraction)
 
 
@@ -163,9 +170,10 @@ def resize_square(images, cfg: AugmentConfig):
 
 
 def val_transform(jpegs, cfg: AugmentConfig, device: str):
-    """Resize(shorter side = image_size / 0.875) + CenterCrop(image_size) + Normalize, pixel for pixel where
-    torchvision puts them: its output size and crop offset are computed here from each image's shape, because
-    DALI rounds both differently (see `torchvision_resize_shape` and `torchvision_centre_crop_pos`)."""
+    """Resize(shorter side = cfg.val_resize: image_size / 0.875 unless given) + CenterCrop(image_size) + Normalize,
+    pixel for pixel where torchvision puts them: its output size and crop offset are computed here from each
+    image's shape, because DALI rounds both differently (see `torchvision_resize_shape` and
+    `torchvision_centre_crop_pos`)."""
     images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
                                adjust_orientation=ADJUST_ORIENTATION,
                                **decoder_hints(device, cfg.hw_decoder_load, roi=False))

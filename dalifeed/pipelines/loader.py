@@ -27,6 +27,9 @@ Epoch semantics (what a trainer may rely on):
   What would make the epoch wait, defining the graph (Python: about a second for a policy's graph), is done
   ahead on a background thread: the next epoch's while this one runs, the first at construction (not
   with a shard cache, whose tars are pinned when their epoch starts).
+- Progressive resizing (`classification_loader(..., image_size=)`): the graph of epoch e is built for the
+  image size of epoch e (a function of the epoch alone: resolution.py), so the epoch defined ahead, one set
+  by `set_epoch` and one restored mid-epoch all train at the size an uninterrupted run would have.
 
 Which splits train: `train=None` (the default of `make_loader` and `make_detection_loader`) means a split
 whose name starts with "train" trains (`train`, COCO's `train2017`, `training`, `trainval`) and any other
@@ -150,16 +153,23 @@ Graph = Callable[..., Any]
 
 
 class DaliLoader:
-    """An iterable of torch batches of `options.split` of the shard folder `source`: `graph` (see `Graph`) run
-    by DALI's PyTorch iterator, whose batch (a dict by `outputs`) `to_torch` converts. `options` are resolved
+    """An iterable of torch batches of `options.split` of the shard folder `source`: `graph` (see `Graph`), or
+    for each epoch `epoch_graph(epoch)`, run by DALI's PyTorch iterator, whose batch (a dict by `outputs`)
+    `to_torch` converts. `options` are resolved
     and checked (`ready`). See the module docstring for epochs; `files` says where an epoch's shards are read
     from, the source's shard cache (a folder in a store) where it has one."""
 
-    def __init__(self, source: Source, options: LoaderOptions, *, graph: Graph, to_torch: Callable[[dict], Any],
-                 outputs: tuple[str, ...] = CLASSIFICATION_OUTPUTS,
-                 files: Callable[[ShardManifest, list[ShardInfo]], tuple[list[str], list[str]]] = epoch_files):
+    def __init__(self, source: Source, options: LoaderOptions, *, graph: Graph | None = None,
+                 to_torch: Callable[[dict], Any], outputs: tuple[str, ...] = CLASSIFICATION_OUTPUTS,
+                 files: Callable[[ShardManifest, list[ShardInfo]], tuple[list[str], list[str]]] = epoch_files,
+                 epoch_graph: Callable[[int], Graph] | None = None):
+        if (graph is None) == (epoch_graph is None):
+            raise ValueError("DaliLoader takes one of graph= (every epoch's) and epoch_graph= (epoch -> its graph)")
         self.manifest, self.split, self.options = source.manifest, options.split, options
-        self.graph, self.to_torch, self.outputs, self.files = graph, to_torch, outputs, files
+        # graph: the same every epoch; epoch_graph: one per epoch (progressive resizing binds each epoch's
+        # image size), asked for the epoch being defined, also when it is defined ahead or restored
+        self.epoch_graph = epoch_graph or (lambda epoch: graph)
+        self.to_torch, self.outputs, self.files = to_torch, outputs, files
         self._shards = self.manifest.split_info(self.split).shards
         self.total_samples = self.manifest.num_samples(self.split)
         self.cursor = EpochCursor(options.global_batch)
@@ -249,7 +259,7 @@ class DaliLoader:
         o = self.options
         epoch = self.cursor.epoch if epoch is None else epoch
         tars, indexes = self._epoch_files(self._epoch_shards(epoch), epoch)
-        return self.graph(
+        return self.epoch_graph(epoch)(
             tars, indexes, train=o.train, device=o.device, shard_id=o.rank, num_shards=o.world_size,
             initial_fill=o.initial_fill, batch_size=o.batch_size, num_threads=o.num_threads, device_id=o.device_id,
             seed=self._pipeline_seed(epoch), prefetch_queue_depth=o.prefetch_queue_depth,
@@ -371,12 +381,17 @@ def images_and_labels(batch: dict, *, channels_last: bool, multilabel: bool) -> 
 
 
 def classification_loader(source: Source, options: LoaderOptions, augment: AugmentConfig,
-                          multilabel: bool = False) -> DaliLoader:
+                          multilabel: bool = False, image_size: Callable[[int], int] | None = None) -> DaliLoader:
     """A `DaliLoader` of `(images, labels)` of one shard folder: images float (B, 3, H, W) or (B, H, W, 3)
     normalised, labels int64 (B,) (or float multi-hot (B, num_classes) with `multilabel`), both on the GPU
-    for devices 'gpu' and 'hybrid', on the CPU for 'cpu'. `options` resolved and checked (`ready`)."""
+    for devices 'gpu' and 'hybrid', on the CPU for 'cpu'. `options` resolved and checked (`ready`).
+    `image_size`: epoch -> the image size of that epoch (progressive resizing: `resolution.ProgressiveResize.size`)
+    instead of `augment.image_size` in every epoch."""
     manifest = source.manifest
     classes = manifest.num_classes if multilabel else 0
-    return DaliLoader(source, options, graph=partial(shard_pipeline, cfg=augment, multilabel_classes=classes,
-                                                     text_label=manifest.dali_text_label),
-                      to_torch=partial(images_and_labels, channels_last=augment.channels_last, multilabel=multilabel))
+    graph = partial(shard_pipeline, multilabel_classes=classes, text_label=manifest.dali_text_label)
+    to_torch = partial(images_and_labels, channels_last=augment.channels_last, multilabel=multilabel)
+    if image_size is None:
+        return DaliLoader(source, options, graph=partial(graph, cfg=augment), to_torch=to_torch)
+    return DaliLoader(source, options, to_torch=to_torch,
+                      epoch_graph=lambda epoch: partial(graph, cfg=replace(augment, image_size=image_size(epoch))))

@@ -16,6 +16,8 @@ in torch. The contract, extending `dalifeed.pipelines.loader`'s:
   most it can need per epoch: the order is a function of `(seed, epoch)` only, and `set_epoch` jumps.
 - **Classes**: the union of the datasets' class names, sorted as ImageFolder sorts folders; each dataset's
   own indices are mapped to it (`Source.remap`, dataset.py) on the batch's device.
+- **Progressive resizing** (`build_loader(..., image_size=)`): dataset i's own epoch s trains at the size of
+  mixed epoch s // R_i, so all parts of a batch have the mixed epoch's size.
 - **Resume**: `state_dict()` between two batches holds its cursor (the epoch and the samples of it consumed
   by all ranks, `cursor.EpochCursor`, as every loader counts) and every dataset loader's own state (DALI
   checkpoints: `checkpointing=True`); a fresh loader given it yields exactly the rest of the epoch.
@@ -69,8 +71,7 @@ class MixedLoader:
         self.remaps = [torch.tensor(r, dtype=torch.int64) for r in remaps]
         self.total_samples, self.world_size = total_samples, world_size
         self.batches = total_samples // world_size // batch_size  # >= 1: Dataset.check_batch_fits
-        # the most of its own epochs dataset i can need in one mixed epoch
-        self.reserved = [-(-self.batches // len(loader)) for loader in loaders]
+        self.reserved = [own_epochs(self.batches, len(loader)) for loader in loaders]
         self.cursor = EpochCursor(batch_size * world_size)
         self._restore: list | None = None  # the dataset loaders' states the next iteration continues from
 
@@ -153,19 +154,36 @@ class ConcatLoader:
             yield from loader
 
 
-def mixed_loader(dataset: Dataset, options, make_one) -> MixedLoader | ConcatLoader:
+def own_epochs(batches: int, loader_batches: int) -> int:
+    """The most of its own epochs (of `loader_batches` batches) a dataset's loader can need in one mixed epoch
+    of `batches` batches: in mixed epoch e it runs its epochs e * that, e * that + 1, ..."""
+    return -(-batches // loader_batches)
+
+
+def mixed_loader(dataset: Dataset, options, make_one, image_size=None) -> MixedLoader | ConcatLoader:
     """The loader of a mixed `dataset` (see the module docstring) with `options` (a resolved, checked
-    `loader.LoaderOptions`); `make_one(source, options)` makes one dataset's loader. Training: a
-    `MixedLoader` whose dataset loaders run at their shares of the batch; evaluation: a `ConcatLoader`."""
+    `loader.LoaderOptions`); `make_one(source, options, image_size)` makes one dataset's loader. Training: a
+    `MixedLoader` whose dataset loaders run at their shares of the batch; evaluation: a `ConcatLoader`.
+    `image_size` (training: mixed epoch -> image size, progressive resizing) is handed to each dataset's
+    loader in its own epochs: its epoch s is part of mixed epoch s // (its `own_epochs`), so every part of a
+    batch has the mixed epoch's size, also after a restore (each loader's state holds its own epoch)."""
     if not options.train:
-        return ConcatLoader({source.location: RemappedLoader(make_one(source, options), source.remap)
+        return ConcatLoader({source.location: RemappedLoader(make_one(source, options, None), source.remap)
                              for source in dataset.sources})
     shares = dataset.shares(options.batch_size)
     for source, share, weight in zip(dataset.sources, shares, dataset.weights):
         if share == 0:
             raise MixError(f"{source.location}: weight {weight} gives it no sample of a batch of "
                            f"{options.batch_size}: raise its weight or the batch size")
-    loaders = [make_one(source, replace(options, batch_size=share)) for source, share in zip(dataset.sources, shares)]
+    totals = [source.manifest.num_samples(options.split) for source in dataset.sources]
+    batches = sum(totals) // options.world_size // options.batch_size  # MixedLoader's, before its loaders exist
+    loaders = []
+    for source, share, total in zip(dataset.sources, shares, totals):
+        size = None
+        if image_size is not None:  # a DaliLoader's training epoch: (total // world) // batch (loader.py)
+            reserved = own_epochs(batches, (total // options.world_size) // share)
+            size = (lambda epoch, reserved=reserved: image_size(epoch // reserved))
+        loaders.append(make_one(source, replace(options, batch_size=share), size))
     return MixedLoader(loaders, shares, [source.remap for source in dataset.sources],
                        sum(loader.total_samples for loader in loaders), options.batch_size, options.world_size,
                        dataset)

@@ -16,7 +16,7 @@ from dalifeed.runtime import DiskFull, FolderInUse
 from dalifeed.s3 import StorageError
 from dalifeed.stack import StackMismatch
 
-from .config import NO_SPLIT, RECIPES, ConfigError, TrainConfig
+from .config import NO_SPLIT, RECIPE_GAPS, RECIPES, ConfigError, TrainConfig
 from .distributed import GpuAssignmentError, Launch, launched
 from .resume import resolve_run
 from .stop import TrainingStopped
@@ -51,6 +51,19 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
     except ValueError:
         raise click.BadParameter(f"expected MIN,MAX such as 0.08,1 — got {value!r}") from None
     return lo, hi
+
+
+def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
+    """The schedule's syntax and values, checked here (exit 2, one line); kept as text in the config."""
+    if value is None:
+        return None
+    from dalifeed.pipelines.resolution import ProgressiveResize
+
+    try:
+        ProgressiveResize.parse(value, epochs=1)  # START:END is filled from --epochs by the config
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    return value
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -112,7 +125,21 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 @click.option("--compile/--no-compile", default=d("compile"), show_default=True,
               help="torch.compile the model (minutes of compilation before the first step; docs/gpu.md). May "
                    "change on resume: --no-compile turns off what the run was started with.")
-@click.option("--image-size", type=int, default=d("image_size"), show_default=True)
+@click.option("--image-size", type=int, default=d("image_size"), show_default=True,
+              help="Training's image size (RandomResizedCrop output), and validation's unless --val-image-size. "
+                   "With --progressive-resize: only the size the model is built for (ViT) and validation's default.")
+@click.option("--progressive-resize", default=d("progressive_resize"), callback=parse_progressive_resize,
+              metavar="START:END[:FROM:TO]",
+              help="Train at a size that grows with the epoch (FFCV's schedule; epochs count from 0): START up to "
+                   "epoch FROM, END from epoch TO on, in between the straight line rounded to multiples of 32 px "
+                   "(e.g. 160:192:65:76 of 88 epochs, FFCV's ResNet-50). START:END ramps from the first epoch to "
+                   "the last. Each epoch's size is printed at start; a resume trains at the epoch's size.")
+@click.option("--val-image-size", type=int, default=d("val_image_size"), metavar="PX",
+              help="Evaluate at this size (the centre crop) instead of --image-size: testing above the training "
+                   "size gains accuracy (Touvron et al. 2019; FFCV trains at 160-192 and tests at 256).")
+@click.option("--val-resize", type=int, default=d("val_resize"), metavar="PX",
+              help="Validation resizes the shorter side to PX before the centre crop [default: the validation "
+                   "size / 0.875, torchvision's 256 for 224].")
 @click.option("--crop-scale", default=",".join(f"{v:g}" for v in d("crop_scale")), show_default=True,
               callback=parse_crop_scale, help="RandomResizedCrop area range MIN,MAX.")
 @click.option("--no-flip", "flip", is_flag=True, flag_value=False, default=d("flip"),
@@ -170,9 +197,11 @@ def parse_crop_scale(ctx, param, value: str) -> tuple[float, float]:
 @click.option("--cutmix-alpha", type=float, default=d("cutmix_alpha"), show_default=True, metavar="A",
               help="CutMix on each batch, lambda ~ Beta(A, A). With --mixup-alpha: one of the two per batch.")
 @click.option("--recipe", type=click.Choice(sorted(RECIPES)), default=None,
-              help="Set torchvision's current ResNet-50 recipe (TrivialAugmentWide, random erase 0.1, mixup 0.2, "
-                   "cutmix 1.0, label smoothing 0.1, EMA, cosine, 600 epochs, ...: printed at start); options given "
-                   "explicitly override it.")
+              help="torchvision-resnet50: torchvision's current ResNet-50 recipe (TrivialAugmentWide, random erase "
+                   "0.1, mixup 0.2, cutmix 1.0, label smoothing 0.1, EMA, cosine, 600 epochs, ...). fast-resnet50: "
+                   "FFCV's 88-epoch ResNet-50 (progressive resize 160 to 192 px, evaluation at 256 after a resize "
+                   "to 292, label smoothing 0.1, 2 warm-up epochs). Printed at start with what it cannot take "
+                   "over; options given explicitly override it.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 @click.pass_context
 def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
@@ -230,8 +259,8 @@ def apply_recipe(ctx: click.Context, options: dict) -> None:
     if launched().is_main:
         kept = sorted(set(RECIPES[name]) - set(taken))
         print(f"--recipe {name}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in taken.items())
-              + (f" (given explicitly, kept: {', '.join('--' + k.replace('_', '-') for k in kept)})" if kept else ""),
-              flush=True)
+              + (f" (given explicitly, kept: {', '.join('--' + k.replace('_', '-') for k in kept)})" if kept else "")
+              + (f"; {RECIPE_GAPS[name]}" if name in RECIPE_GAPS else ""), flush=True)
 
 
 def rank_prefix(launch: Launch) -> str:

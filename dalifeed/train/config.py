@@ -8,6 +8,7 @@ from pathlib import Path
 from dalifeed.cliutil import output_folder_problem
 from dalifeed.pipelines.augment import POLICIES
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, AugmentConfig, uses_gpu
+from dalifeed.pipelines.resolution import ProgressiveResize
 from dalifeed.s3 import is_s3_url
 
 NO_SPLIT = ("none", "")  # --val-split values that mean: train without evaluation
@@ -16,8 +17,20 @@ NO_SPLIT = ("none", "")  # --val-split values that mean: train without evaluatio
 # torchvision's classification README: --batch-size 128 (x 8 GPUs) --lr 0.5 --lr-scheduler cosineannealinglr
 # --lr-warmup-epochs 5 --auto-augment ta_wide --epochs 600 --random-erase 0.1 --weight-decay 0.00002
 # --norm-weight-decay 0.0 --label-smoothing 0.1 --mixup-alpha 0.2 --cutmix-alpha 1.0 --train-crop-size 176
-# --model-ema --val-resize-size 232 --ra-sampler --ra-reps 4. Not taken over: the crop sizes (dali-train trains
-# and evaluates at one --image-size) and the repeated-augmentation sampler (dalifeed has none).
+# --model-ema --val-resize-size 232 --ra-sampler --ra-reps 4. Not taken over: the crop sizes (its ResNet-50 trains
+# at 176 and evaluates at 224 after a resize to 232: --image-size 176 --val-image-size 224 --val-resize 232 say
+# it, but the recipe keeps --image-size for the user) and the repeated-augmentation sampler (dalifeed has none).
+#
+# --recipe fast-resnet50: FFCV's ResNet-50 recipe, libffcv/ffcv-imagenet rn50_configs/rn50_88_epochs.yaml (78.4%
+# top-1 in 77 minutes on 8 A100s, its README): epochs 88; resolution min_res 160, max_res 192, start_ramp 65,
+# end_ramp 76 (train_imagenet.py get_resolution: --progressive-resize 160:192:65:76); label_smoothing 0.1; sgd,
+# momentum 0.9 (torch's SGD: no Nesterov), weight_decay 1e-4, bn_wd 0 (dali-train never decays norm weights);
+# lr 1.7 for batch_size 512 x world_size 8 = 4096 images (1.7 * 256 / 4096 = 0.10625 per 256); lr_schedule_type
+# cyclic with lr_peak_epoch 2 (train_imagenet.py's default): linear from 1e-4 * lr up to lr at epoch 2, then
+# linear down to 0 at the last epoch; validation resolution 256 through CenterCropRGBImageDecoder(ratio=224/256),
+# a centre square of 224/256 of the shorter side resized to 256, i.e. a resize to 256 / (224/256) = 292 then a
+# 256 centre crop; lr_tta (logits averaged with the flipped image's); use_blurpool 1. FFCV's other rn50 configs
+# (16, 24, 32, 40, 56 epochs) differ only in epochs and ramp: --epochs N --progressive-resize 160:192:S:E.
 RECIPES = {
     "torchvision-resnet50": {
         "auto_augment": "ta_wide", "random_erase": 0.1, "mixup_alpha": 0.2, "cutmix_alpha": 1.0,
@@ -28,6 +41,21 @@ RECIPES = {
         # steps of its 1024-image batch, i.e. 0.999966 per step; dali-train updates the EMA every step
         "ema": 0.999966,
     },
+    "fast-resnet50": {
+        "epochs": 88, "progressive_resize": "160:192:65:76", "val_image_size": 256, "val_resize": 292,
+        "label_smoothing": 0.1, "optimizer": "sgd", "momentum": 0.9, "nesterov": False, "weight_decay": 1e-4,
+        "lr": 0.10625,  # FFCV's 1.7 for 4096 images; dali-train's --lr is per 256 and scaled linearly
+        "warmup_epochs": 2.0, "min_lr_ratio": 0.0,  # FFCV: linear up to epoch 2, then linear (here: cosine) to 0
+    },
+}
+
+# What a recipe's source does that dali-train cannot: printed with the recipe's options.
+RECIPE_GAPS = {
+    "torchvision-resnet50": "not taken over: the repeated-augmentation sampler (--ra-sampler --ra-reps 4), and its "
+                            "train/val sizes 176/224 after a resize to 232 (--image-size 176 --val-image-size 224 "
+                            "--val-resize 232)",
+    "fast-resnet50": "not taken over: BlurPool (use_blurpool 1), left-right flip averaging at test time (lr_tta), "
+                     "the linear decay after warm-up (cosine here); FFCV's batch is 512 x 8 GPUs",
 }
 
 
@@ -60,7 +88,10 @@ class TrainConfig:
     amp: str = "auto"  # auto | bf16 | fp16 | off; auto = bf16 on a GPU that has it, off on the CPU
     channels_last: bool = False
     compile: bool = False
-    image_size: int = 224
+    image_size: int = 224  # training's size (without --progressive-resize), validation's unless --val-image-size
+    progressive_resize: str | None = None  # START:END:FROM_EPOCH:TO_EPOCH (resolution.py); START:END ramps the run
+    val_image_size: int | None = None  # validation's centre crop (None: --image-size)
+    val_resize: int | None = None  # validation's shorter side before the crop (None: val size / 0.875)
     crop_scale: tuple[float, float] = (0.08, 1.0)
     flip: bool = True
     pretrained: str | None = None
@@ -95,6 +126,9 @@ class TrainConfig:
             self.val_split = None
         if isinstance(self.data, (list, tuple)):
             self.data = [str(d) for d in self.data] if len(self.data) > 1 else str(self.data[0])
+        if self.progressive_resize is not None and self.progressive_resize.count(":") == 1:
+            # START:END ramps over the whole run; written out, so that the saved run keeps its schedule
+            self.progressive_resize += f":0:{max(self.epochs - 1, 0)}"
 
     @property
     def validated(self) -> bool:
@@ -127,6 +161,11 @@ class TrainConfig:
             (0 < self.crop_scale[0] <= self.crop_scale[1] <= 1,
              f"--crop-scale must be MIN,MAX with 0 < MIN <= MAX <= 1, got {self.crop_scale}"),
             (self.image_size >= 8, f"--image-size must be >= 8, got {self.image_size}"),
+            (self.val_image_size is None or self.val_image_size >= 8,
+             f"--val-image-size must be >= 8, got {self.val_image_size}"),
+            (self.val_resize is None or self.val_resize >= self.val_size,
+             f"--val-resize {self.val_resize} must be >= the validation size {self.val_size} (--val-image-size, "
+             f"else --image-size): the centre crop is taken from the resized image"),
             (self.width is None or self.width >= 4, f"--width must be >= 4, got {self.width}"),
             (self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}"),
             (self.device in ("auto", *DEVICES),
@@ -152,6 +191,7 @@ class TrainConfig:
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self.resize_schedule()  # a schedule that is not one: its one line
         if self.cache_limit is not None:
             from dalifeed.cliutil import parse_size
 
@@ -186,26 +226,50 @@ class TrainConfig:
         self._validated = self.to_json()  # not a field: neither saved nor compared
 
     def check_model(self) -> None:
-        """The model exists and takes --image-size (and --width) in batches of --batch-size: checked on the meta
-        device, before any data is read, instead of failing at the first batch."""
+        """The model exists and takes --image-size (and --width) in batches of --batch-size, and, built for
+        --image-size, every size --progressive-resize trains at and the validation size: checked on the meta
+        device, before any data is read, instead of failing at the first batch of an epoch."""
         from . import models  # torchvision: imported when a run is checked, not by `dali-train --help`
 
+        others = {}
+        schedule = self.resize_schedule()
+        if schedule is not None:
+            for size, epochs in schedule.sizes(self.epochs).items():
+                others.setdefault(size, f"--progressive-resize {schedule}'s size of epoch {epochs[0]}")
+        others.setdefault(self.val_size, "--val-image-size")
         try:
             models.check_input_size(self.model, self.image_size, self.width, batch_size=self.batch_size)
+            models.check_other_sizes(self.model, self.image_size, others, self.width, batch_size=self.batch_size)
         except models.ModelError as e:
             raise ConfigError(str(e)) from None
 
+    def resize_schedule(self) -> ProgressiveResize | None:
+        """--progressive-resize as a schedule (None without it); ConfigError naming it if it is not one."""
+        if self.progressive_resize is None:
+            return None
+        try:
+            return ProgressiveResize.parse(self.progressive_resize, self.epochs)
+        except ValueError as e:
+            raise ConfigError(f"--progressive-resize {e}") from None
+
+    @property
+    def val_size(self) -> int:
+        """The size validation evaluates at: --val-image-size, else --image-size."""
+        return self.image_size if self.val_image_size is None else self.val_image_size
+
     def train_augment(self) -> AugmentConfig:
-        """What the training graph does to each image (the loader's dtype and layout aside)."""
+        """What the training graph does to each image (the loader's dtype and layout aside); with
+        --progressive-resize, each epoch's graph has the schedule's size instead of --image-size."""
         return AugmentConfig(image_size=self.image_size, crop_scale=tuple(self.crop_scale), flip=self.flip,
                              hw_decoder_load=self.hw_decoder_load, auto_augment=self.auto_augment,
                              ra_magnitude=self.ra_magnitude, ra_num_ops=self.ra_num_ops,
                              random_erase=self.random_erase, channels_last=self.channels_last)
 
     def val_augment(self) -> AugmentConfig:
-        """What the validation graph does (resize, centre crop, normalise): training's size and decoder share."""
-        return AugmentConfig(image_size=self.image_size, hw_decoder_load=self.hw_decoder_load,
-                             channels_last=self.channels_last)
+        """What the validation graph does: resize the shorter side to --val-resize (default: the validation
+        size / 0.875), centre crop --val-image-size (default: --image-size), normalise."""
+        return AugmentConfig(image_size=self.val_size, val_resize_size=self.val_resize,
+                             hw_decoder_load=self.hw_decoder_load, channels_last=self.channels_last)
 
     def to_json(self) -> dict:
         return asdict(self)

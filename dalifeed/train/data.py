@@ -15,7 +15,7 @@ from dalifeed.pipelines.cursor import EpochCursor
 from dalifeed.pipelines.dataset import Dataset, DatasetError, open_dataset
 
 from .config import ConfigError, TrainConfig
-from .distributed import Dist
+from .distributed import Dist, log
 
 
 def open_data(cfg: TrainConfig, dist: Dist) -> Dataset:
@@ -67,9 +67,14 @@ def loader_options(cfg: TrainConfig, dist: Dist, threads: int) -> tuple[LoaderOp
 
 
 def make_loaders(cfg: TrainConfig, dataset: Dataset, options: tuple[LoaderOptions, LoaderOptions | None]):
-    """This rank's training loader and validation loader (None with --val-split none) over `dataset`."""
+    """This rank's training loader and validation loader (None with --val-split none) over `dataset`; with
+    --progressive-resize, the training loader's graph of each epoch is built for that epoch's size."""
     train_options, val_options = options
-    train = build_loader(dataset, train_options, cfg.train_augment())
+    schedule = cfg.resize_schedule()
+    if schedule is not None:
+        log(f"--progressive-resize {schedule}: {schedule.describe(cfg.epochs)}; validation at {cfg.val_size} px")
+    train = build_loader(dataset, train_options, cfg.train_augment(),
+                         image_size=schedule.size if schedule is not None else None)
     val = build_loader(dataset, val_options, cfg.val_augment()) if val_options is not None else None
     return (SyntheticLoader(train) if cfg.synthetic else train), val
 

@@ -126,6 +126,27 @@ def check_input_size(name: str, image_size: int, width: int | None = None, batch
     raise ModelError(size_refused(name, image_size, problem))
 
 
+def check_other_sizes(name: str, image_size: int, sizes: dict[int, str], width: int | None = None,
+                      batch_size: int = 2) -> None:
+    """Raise ModelError, in one line, if `name` built for `image_size` (which `check_input_size` has passed)
+    cannot take one of `sizes` (size -> the option that asks for it: a progressive-resize epoch, validation's
+    size): ResNets and other pooling models take them all, a ViT built for one size takes no other."""
+    sizes = {size: what for size, what in sizes.items() if size != image_size}
+    if not sizes:
+        return
+    try:
+        model = build_on_meta(name, image_size, width)
+    except NotImplementedError:  # regnets: see check_input_size
+        return
+    for size, what in sorted(sizes.items()):
+        problem = forward_problem(model, size, batch_size)
+        if problem is not None:
+            hint = (" (a model built for one size: train and evaluate at --image-size)" if sized_by_builder(name)
+                    else "")
+            raise ModelError(f"--model {name} (built for --image-size {image_size}) cannot take {what}, {size} px: "
+                             f"{problem.rstrip('.')}{hint}")
+
+
 def build_on_meta(name: str, image_size: int, width: int | None = None) -> nn.Module:
     with torch.device("meta"):
         return build_model(name, 2, width, image_size).train()
