@@ -381,7 +381,8 @@ def test_dali_opens_every_tar_when_it_builds_the_pipeline(store, tmp_path):
     others = [t for t in tars if Path(t).name not in {s.path for s in rank_shards(loader._epoch_shards(),
                                                                                   loader._shard_range(0))}]
     missing = str(tmp_path / "missing.tar")
-    loader._epoch_files = lambda shards: ([missing if t == others[0] else t for t in tars], indexes)
+    loader._epoch_files = lambda shards, epoch=None: ([missing if t == others[0] else t for t in tars], indexes)
+    loader._ahead = None  # the first epoch's graph, defined ahead at construction, read the real files
     with pytest.raises(ShardDataError, match=rf"\(File mapping failed: {re.escape(missing)}\); check the shards"):
         next(iter(loader))
 
