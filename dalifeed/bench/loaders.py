@@ -179,7 +179,8 @@ def webdataset_loader(shards: Path | Dataset, split: str, batch_size: int, worke
     return TorchLoader(loader, device, augment)
 
 
-def build_loader(name: str, *, imagefolder: Path, shards: Path | str | Dataset, split: str, batch_size: int, image_size: int,
+def build_loader(name: str, *, imagefolder: Path, shards: Path | str | Dataset, split: str, batch_size: int,
+                 image_size: int,
                  workers: int, device: torch.device, fp16: bool = False,
                  hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, cache_dir=None, cache_limit=None,
                  augment: AugmentConfig | None = None) -> Iterable:

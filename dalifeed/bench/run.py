@@ -57,8 +57,9 @@ def run_bench(cfg: BenchConfig, dataset: Dataset, log=print) -> dict:
         eta = f" (about {cfg.repeats * cfg.seconds + 5:.0f} s)" if not batches else ""
         log(f"{name}: warming up, then {cfg.repeats} x {window}{eta} ...")
         loader = bench_loader(cfg, dataset, name, device)
-        timing = time_loader(loader, device, warmup_batches=cfg.warmup_batches, seconds=None if batches else cfg.seconds,
-                             batches=batches, repeats=cfg.repeats, cores=usable_cores(), ahead=batches_ahead(loader))
+        timing = time_loader(loader, device, warmup_batches=cfg.warmup_batches,
+                             seconds=None if batches else cfg.seconds, batches=batches, repeats=cfg.repeats,
+                             cores=usable_cores(), ahead=batches_ahead(loader))
         record = {"loader": name, "images_per_s": timing.median, "images_per_s_runs": timing.images_per_s,
                   "cpu_percent": timing.cpu_percent, "peak_rss_mb": timing.peak_rss_mb, "output": timing.output}
         log(f"{name}: {timing.median:.0f} images/s (runs: {', '.join(f'{r:.0f}' for r in timing.images_per_s)})")

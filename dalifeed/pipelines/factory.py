@@ -74,7 +74,7 @@ def make_loader(shards_dir: str | os.PathLike | list | Dataset, split: str, batc
     Giving `augment` with an image_size, crop_scale, flip or hw_decoder_load other than their defaults is
     refused (ValueError): one of the two would be ignored.
 
-    Opening the data (`open_dataset`, ignored for a `Dataset`, which was opened with its own): `check`, what
+    Opening the data (`open_dataset`; refused with a `Dataset`, which was opened with its own): `check`, what
     is compared with the manifest before reading, 'size' (sizes and indexes: two stats and two small reads
     per shard) or 'sha256' (also hashes every byte of the split). A list of shard folders mixes them
     (`weights`: their proportions in every batch, default equal; `dalifeed.pipelines.mixing` says how

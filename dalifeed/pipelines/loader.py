@@ -155,9 +155,9 @@ Graph = Callable[..., Any]
 class DaliLoader:
     """An iterable of torch batches of `options.split` of the shard folder `source`: `graph` (see `Graph`), or
     for each epoch `epoch_graph(epoch)`, run by DALI's PyTorch iterator, whose batch (a dict by `outputs`)
-    `to_torch` converts. `options` are resolved
-    and checked (`ready`). See the module docstring for epochs; `files` says where an epoch's shards are read
-    from, the source's shard cache (a folder in a store) where it has one."""
+    `to_torch` converts. `options` are resolved and checked (`ready`). See the module docstring for epochs;
+    `files` says where an epoch's shards are read from, the source's shard cache (a folder in a store) where
+    it has one."""
 
     def __init__(self, source: Source, options: LoaderOptions, *, graph: Graph | None = None,
                  to_torch: Callable[[dict], Any], outputs: tuple[str, ...] = CLASSIFICATION_OUTPUTS,
@@ -244,8 +244,9 @@ class DaliLoader:
         tars, fetched whole first (and the next epoch's started in the background: dalifeed/shardcache.py)."""
         if self.shard_cache is None:
             return self.files(self.manifest, shards)
+        epoch = self.cursor.epoch if epoch is None else epoch
         tars = self.shard_cache.epoch_files(shards, self._shard_range(self.options.rank),
-                                            upcoming=self._epoch_shards((self.cursor.epoch if epoch is None else epoch) + 1))
+                                            upcoming=self._epoch_shards(epoch + 1))
         return tars, [str(self.manifest.root / s.index) for s in shards]
 
     def _pipeline_seed(self, epoch: int) -> int:
@@ -273,8 +274,8 @@ class DaliLoader:
 
     def _define_ahead(self, epoch: int) -> None:
         """Start defining epoch `epoch`'s pipeline on a background thread, so that the epoch does not wait for
-        it: defining a graph is Python (a policy's 14 branches take about a second on this machine: docs/
-        benchmarks.md), building and running it are not, and DALI keeps the definition state per thread
+        it: defining a graph is Python (a policy's 14 branches take about a second on this machine: docs/gpu.md,
+        "One pipeline per epoch"), building and running it are not, and DALI keeps the definition state per thread
         (`pipeline_tls`, autograph's `ag_ctx.stacks`). Only the definition: building is what allocates the
         pipeline's threads and (mixed decoding) device memory, and one built pipeline at a time is held.
         Not with a shard cache: its `epoch_files` fetches and pins the epoch's tars, which waits for the
