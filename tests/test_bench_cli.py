@@ -111,3 +111,22 @@ def test_bench_of_an_adopted_folder_needs_no_imagefolder_for_shard_loaders(tmp_p
     assert [line for line in baseline.stderr.splitlines() if line.startswith("Error:")] == [
         "Error: --imagefolder is required by the baseline loader (the ImageFolder tree the shards were made from); "
         "without one, race only the loaders that read the shards: --loaders webdataset,dali-cpu,dali-hybrid,dali-gpu"]
+
+
+def test_bench_races_at_each_size_given(bench_data, tmp_path):
+    """--image-size 16,24 (a progressive schedule's sizes): one race per size, each its own report, and the
+    sizes side by side in sizes.json."""
+    _, shards = bench_data
+    out = tmp_path / "sizes"
+    result = run_bench("--shards", str(shards), "--batch-size", "4", "--loaders", "dali-cpu", "--image-size", "16,24",
+                       "--seconds", "0.2", "--repeats", "1", "--warmup", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    for size in (16, 24):
+        report = json.loads((out / f"{size}px" / "bench.json").read_text())
+        assert report["config"]["image_size"] == size
+        assert report["results"][0]["output"] == f"(4, 3, {size}, {size}) float32 cpu"
+    summary = json.loads((out / "sizes.json").read_text())
+    assert summary["image_sizes"] == [16, 24] and summary["vs_first_size"]["16"] == {"dali-cpu": 1.0}
+    assert summary["images_per_s"]["24"]["dali-cpu"] > 0
+    bad = run_bench("--shards", str(shards), "--image-size", "16,x", "--out", str(tmp_path / "bad"))
+    assert bad.returncode == 2 and "'16,x': one size in pixels, or several separated by commas" in bad.stderr

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -26,6 +27,17 @@ from .run import run_bench
 
 def d(name: str):
     return default(BenchConfig, name)
+
+
+def parse_image_sizes(ctx, param, value: str) -> list[int]:
+    """--image-size 224, or several (160,192): the race at each, e.g. a --progressive-resize schedule's sizes."""
+    try:
+        sizes = [int(part) for part in str(value).split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: one size in pixels, or several separated by commas (160,192)") from None
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter(f"{value!r}: sizes must be >= 1 pixel")
+    return sizes
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -51,7 +63,9 @@ def d(name: str):
                    "named; pip install 'dalifeed[peers]').")
 @click.option("--split", default=d("split"), show_default=True)
 @click.option("--batch-size", type=int, default=d("batch_size"), show_default=True)
-@click.option("--image-size", type=int, default=d("image_size"), show_default=True)
+@click.option("--image-size", default=str(d("image_size")), show_default=True, callback=parse_image_sizes,
+              help="Output size in pixels; several (160,192: what a --progressive-resize schedule trains at) race "
+                   "the loaders at each, into OUT/<size>px/, with OUT/sizes.json beside.")
 @click.option("--seconds", type=float, default=d("seconds"), show_default=True, help="Length of each timed run.")
 @click.option("--epochs", type=int, default=d("epochs"), help="Time whole passes over the split instead of --seconds.")
 @click.option("--repeats", type=int, default=d("repeats"), show_default=True,
@@ -124,32 +138,58 @@ def main(debug: bool, **options):
     options["loaders"] = [name.strip() for name in options["loaders"].split(",") if name.strip()]
     if options["epochs"] is not None:
         options["seconds"] = None
-    cfg = BenchConfig(**options)
+    sizes = options.pop("image_size")
+    cfg = BenchConfig(**options, image_size=sizes[0])
+    # one config per size, each into its own folder when there are several: the same data, opened once
+    races = [cfg] if len(sizes) == 1 else [replace(cfg, image_size=size, out=cfg.out / f"{size}px") for size in sizes]
 
-    def bench() -> dict:
-        dataset = cfg.validate()  # --shards opened once, for every loader
-        click.echo(f"dali-bench: {json.dumps(cfg.to_json())}", err=True)
-        try:
-            cfg.out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise BenchUsageError(folder_not_created("--out", cfg.out, e)) from None
-        write_json_atomic(cfg.out / "config.json", cfg.to_json())
-        if cfg.preview:
-            from dalifeed.pipelines.preview import write_preview
+    def bench() -> list[dict]:
+        dataset = cfg.validate()  # --shards opened once, for every loader and size
+        for race in races[1:]:
+            if race.model:  # the model must take every size
+                race.check_model()
+        reports = []
+        for race in races:
+            click.echo(f"dali-bench: {json.dumps(race.to_json())}", err=True)
+            try:
+                race.out.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise BenchUsageError(folder_not_created("--out", race.out, e)) from None
+            write_json_atomic(race.out / "config.json", race.to_json())
+            if race.preview:
+                from dalifeed.pipelines.preview import write_preview
 
-            write_preview(dataset.manifest, cfg.out / "preview.png", cfg.preview, cfg.augment() or
-                          AugmentConfig(image_size=cfg.image_size), split=cfg.split)
-            click.echo(f"wrote {cfg.out / 'preview.png'}", err=True)
-        report = run_bench(cfg, dataset, log=lambda msg: click.echo(msg, err=True))
-        write_report(report, cfg.out)
-        return report
+                write_preview(dataset.manifest, race.out / "preview.png", race.preview, race.augment() or
+                              AugmentConfig(image_size=race.image_size), split=race.split)
+                click.echo(f"wrote {race.out / 'preview.png'}", err=True)
+            report = run_bench(race, dataset, log=lambda msg: click.echo(msg, err=True))
+            write_report(report, race.out)
+            reports.append(report)
+        if len(races) > 1:
+            write_json_atomic(cfg.out / "sizes.json", sizes_summary(sizes, reports))
+        return reports
 
-    report = run_command(bench, debug=debug, usage_errors=(BenchUsageError, StackMismatch),
-                         runtime_errors=(ShardDataError, StorageError),
-                         log=lambda: cfg.out / "bench-error.log" if cfg.out.is_dir() else None,
-                         stopped=lambda e: "nothing was written")
-    click.echo(render_table(report))
-    click.echo(f"\nwrote {cfg.out / 'bench.json'} and {cfg.out / 'bench.png'}", err=True)
+    reports = run_command(bench, debug=debug, usage_errors=(BenchUsageError, StackMismatch),
+                          runtime_errors=(ShardDataError, StorageError),
+                          log=lambda: cfg.out / "bench-error.log" if cfg.out.is_dir() else None,
+                          stopped=lambda e: "nothing was written")
+    for race, report in zip(races, reports):
+        if len(races) > 1:
+            click.echo(f"\n{race.image_size} px:")
+        click.echo(render_table(report))
+        click.echo(f"\nwrote {race.out / 'bench.json'} and {race.out / 'bench.png'}", err=True)
+    if len(races) > 1:
+        click.echo(f"wrote {cfg.out / 'sizes.json'}", err=True)
+
+
+def sizes_summary(sizes: list[int], reports: list[dict]) -> dict:
+    """Each loader's images/s at each size, and what each size gives against the first (a schedule's saving)."""
+    rates = {size: {r["loader"]: r["images_per_s"] for r in report["results"]} for size, report in zip(sizes, reports)}
+    first = rates[sizes[0]]
+    return {"image_sizes": sizes,
+            "images_per_s": {str(size): rate for size, rate in rates.items()},
+            "vs_first_size": {str(size): {name: rate[name] / first[name] for name in rate if first.get(name)}
+                              for size, rate in rates.items()}}
 
 
 if __name__ == "__main__":
