@@ -59,6 +59,21 @@ def write_imagefolder(root: Path, counts: dict[str, int], seed: int = 0, size=(2
     return root
 
 
+def one_image_classes(root: Path, n: int, seed: int, prefix: str, samples_per_shard: int) -> Path:
+    """Shards of `n` classes of one random 20x20 JPEG each (`{prefix}00`, `{prefix}01`, ...): every label names
+    its sample, so a test can see exactly which samples a loader gave."""
+    from dalifeed.convert import ConvertConfig, convert_imagefolder
+
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        folder = root / "src" / f"{prefix}{i:02d}"
+        folder.mkdir(parents=True)
+        Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(folder / "x.jpg")
+    convert_imagefolder(ConvertConfig(src=root / "src", out=root / "shards", samples_per_shard=samples_per_shard,
+                                      progress=False))
+    return root / "shards"
+
+
 def convert(src: Path, out: Path | str, **options):
     """Convert through the library, without a progress bar: the ImageFolder tree `src` (ConvertConfig
     options), or with `annotations=` that COCO instances file over the images in `src` (CocoConfig options).

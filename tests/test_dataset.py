@@ -3,15 +3,14 @@ graph defined ahead (loader.py), and dali-bench's warm-up draining each loader's
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from dalifeed.convert import ConvertConfig, convert_imagefolder
 from dalifeed.pipelines import AugmentConfig, LoaderOptions, build_loader, make_loader, open_dataset
 from dalifeed.pipelines.cursor import EpochCursor
 from dalifeed.pipelines.dataset import DatasetError, MixError
+
+from helpers import one_image_classes
 
 N = 29  # prime: no batch size or world size used here divides it
 
@@ -19,14 +18,7 @@ N = 29  # prime: no batch size or world size used here divides it
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """N one-image classes: each sample's label names it."""
-    tmp = tmp_path_factory.mktemp("dataset")
-    rng = np.random.default_rng(1)
-    for i in range(N):
-        folder = tmp / "src" / f"c{i:02d}"
-        folder.mkdir(parents=True)
-        Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(folder / "x.jpg")
-    convert_imagefolder(ConvertConfig(src=tmp / "src", out=tmp / "shards", samples_per_shard=5, progress=False))
-    return tmp / "shards"
+    return one_image_classes(tmp_path_factory.mktemp("dataset"), N, seed=1, prefix="c", samples_per_shard=5)
 
 
 def test_open_dataset_refuses_in_one_line_what_no_loader_could_read(shards, tmp_path):

@@ -6,29 +6,21 @@ import shutil
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from dalifeed.pipelines import make_detection_loader, make_loader
 from dalifeed.pipelines.dataset import Source
 from dalifeed.pipelines.loader import trains
-from dalifeed.convert import ConvertConfig, convert_imagefolder
+
+from helpers import one_image_classes
 
 N = 37  # prime: divisible by no batch size or world size used here
 
 
 @pytest.fixture(scope="module")
 def unique_shards(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("unique")
-    rng = np.random.default_rng(0)
-    for i in range(N):
-        folder = tmp / "src" / f"s{i:02d}"
-        folder.mkdir(parents=True)
-        Image.fromarray(rng.integers(0, 256, (20, 20, 3), dtype=np.uint8)).save(folder / "x.jpg")
-    convert_imagefolder(ConvertConfig(src=tmp / "src", out=tmp / "shards", samples_per_shard=6, progress=False))
-    return tmp / "shards"
+    return one_image_classes(tmp_path_factory.mktemp("unique"), N, seed=0, prefix="s", samples_per_shard=6)
 
 
 def labels_of(loader) -> list[list[int]]:

@@ -47,3 +47,22 @@ class EpochCursor:
         self.epoch = state["epoch"]
         self.samples_done = state["samples_done"] if "samples_done" in state \
             else state["batches_done"] * self.global_batch
+
+
+class FollowsCursor:
+    """What every training loader built on an `EpochCursor` answers the same way: its epoch, and a jump to
+    another epoch. A loader sets `cursor`, keeps in `_restore` what a loaded state hands its next iteration
+    (None: the iteration starts its epoch afresh), and writes its own `state_dict` / `load_state_dict`
+    around `cursor.state_dict()`."""
+
+    cursor: EpochCursor
+    _restore = None
+
+    @property
+    def epoch(self) -> int:
+        return self.cursor.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next iteration yields epoch `epoch` from its start (a loaded state is dropped)."""
+        self.cursor.start(epoch)
+        self._restore = None

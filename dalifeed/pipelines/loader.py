@@ -67,7 +67,7 @@ from dalifeed.shardcache import ShardCache
 from dalifeed.stack import StackReport, choose_device, stack_report
 
 from .checks import SampleRef, explain_dali_error, indexed_samples, is_pipeline_failure
-from .cursor import EpochCursor
+from .cursor import EpochCursor, FollowsCursor
 from .dataset import Dataset, Source
 from .graphs import DEVICES, AugmentConfig, shard_pipeline, uses_gpu
 
@@ -152,7 +152,7 @@ def epoch_files(manifest: ShardManifest, shards: list[ShardInfo]) -> tuple[list[
 Graph = Callable[..., Any]
 
 
-class DaliLoader:
+class DaliLoader(FollowsCursor):
     """An iterable of torch batches of `options.split` of the shard folder `source`: `graph` (see `Graph`), or
     for each epoch `epoch_graph(epoch)`, run by DALI's PyTorch iterator, whose batch (a dict by `outputs`)
     `to_torch` converts. `options` are resolved and checked (`ready`). See the module docstring for epochs;
@@ -205,15 +205,6 @@ class DaliLoader:
         return -(-self.num_samples // o.batch_size)
 
     # -- epochs ------------------------------------------------------------------------------------
-    @property
-    def epoch(self) -> int:
-        return self.cursor.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """The next iteration yields epoch `epoch` (its order depends only on seed and epoch)."""
-        self.cursor.start(epoch)
-        self._restore = None
-
     def state_dict(self) -> dict:
         """Where this loader is: the cursor (epoch, samples consumed by all ranks) and, between two batches of
         an epoch, DALI's checkpoint of this rank after the last of them (only with `checkpointing=True`)."""

@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from .cursor import EpochCursor
+from .cursor import EpochCursor, FollowsCursor
 from .dataset import Dataset, MixError
 
 __all__ = ["ConcatLoader", "MixError", "MixedLoader", "RemappedLoader", "mixed_loader"]
@@ -60,7 +60,7 @@ class RemappedLoader:
             yield images, remap[labels]
 
 
-class MixedLoader:
+class MixedLoader(FollowsCursor):
     """Training batches drawn from several datasets in fixed proportions (module docstring): `loaders[i]`
     reads dataset i at `shares[i]` samples a batch, its labels mapped by `remaps[i]`; `dataset` is what they
     read (its classes, the union's)."""
@@ -81,14 +81,6 @@ class MixedLoader:
     @property
     def num_samples(self) -> int:
         return self.batches * self.batch_size
-
-    @property
-    def epoch(self) -> int:
-        return self.cursor.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        self.cursor.start(epoch)
-        self._restore = None
 
     def state_dict(self) -> dict:
         """The cursor and, between two batches of an epoch, every dataset loader's state (needs

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dalifeed.format import ManifestError
 from dalifeed.pipelines import LoaderOptions, build_loader
-from dalifeed.pipelines.cursor import EpochCursor
+from dalifeed.pipelines.cursor import EpochCursor, FollowsCursor
 from dalifeed.pipelines.dataset import Dataset, DatasetError, open_dataset
 
 from .config import ConfigError, TrainConfig
@@ -137,7 +137,7 @@ def evaluate_each(score, loader) -> dict:
 # --synthetic: data that costs nothing, to measure what loading costs
 
 
-class SyntheticLoader:
+class SyntheticLoader(FollowsCursor):
     """Stands in for the training loader: one real batch of it, kept on the device, handed out `len(loader)`
     times an epoch. What the trainer reaches on it is the speed of model and optimiser alone (the
     ceiling); a run on the real loader at the same options shows how close the data path comes to it.
@@ -147,25 +147,16 @@ class SyntheticLoader:
         self._loader, self._length = loader, len(loader)
         self._batch = None
         self.cursor = EpochCursor(loader.cursor.global_batch)
-        self._resuming = False
 
     def __len__(self) -> int:
         return self._length
-
-    @property
-    def epoch(self) -> int:
-        return self.cursor.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        self.cursor.start(epoch)
-        self._resuming = False
 
     def state_dict(self) -> dict:
         return {**self.cursor.state_dict(), "dali": None}
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor.load_state_dict(state)
-        self._resuming = True
+        self._restore = state  # the next iteration continues at the cursor
 
     def _first_batch(self):
         images, labels = next(iter(self._loader))
@@ -176,9 +167,9 @@ class SyntheticLoader:
     def __iter__(self):
         if self._batch is None:
             self._batch = self._first_batch()
-        if not self._resuming:
+        restore, self._restore = self._restore, None
+        if restore is None:
             self.cursor.start(self.cursor.epoch)
-        self._resuming = False
         while self.cursor.batches_done < self._length:
             self.cursor.advance()
             yield self._batch
