@@ -106,12 +106,17 @@ def make_loader(shards_dir: str | os.PathLike | list | Dataset, split: str, batc
     return build_loader(dataset, options, augment)
 
 
+def not_defaults(**given) -> list[str]:
+    """`name=value` of each of make_loader's keyword options given a value other than its default."""
+    defaults = inspect.signature(make_loader).parameters
+    return [f"{name}={value!r}" for name, value in given.items()
+            if value != (tuple(defaults[name].default) if name == "crop_scale" else defaults[name].default)]
+
+
 def refuse_shadowed_options(**given) -> None:
     """make_loader's keyword options that `augment=` replaces, refused when they differ from their defaults:
     the AugmentConfig would silently win over them."""
-    defaults = inspect.signature(make_loader).parameters
-    shadowed = [f"{name}={value!r}" for name, value in given.items()
-                if value != (tuple(defaults[name].default) if name == "crop_scale" else defaults[name].default)]
+    shadowed = not_defaults(**given)
     if shadowed:
         raise ValueError(f"{', '.join(shadowed)} with augment=: the AugmentConfig decides these; set them in it "
                          f"(dataclasses.replace(augment, ...))")
@@ -120,8 +125,7 @@ def refuse_shadowed_options(**given) -> None:
 def refuse_opening_options(dataset: Dataset, task: str, **given) -> None:
     """make_loader's options that open a dataset, refused with one already opened when they differ from their
     defaults (`open_dataset` took its own), and a `multilabel` that is not the dataset's task."""
-    defaults = inspect.signature(make_loader).parameters
-    ignored = [f"{name}={value!r}" for name, value in given.items() if value != defaults[name].default]
+    ignored = not_defaults(**given)
     if ignored:
         raise ValueError(f"{', '.join(ignored)} with an opened Dataset: open_dataset took these; pass them to it")
     if dataset.task != task:
