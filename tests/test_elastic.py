@@ -2,12 +2,15 @@
 SIGKILL mid-epoch is restarted by torchrun (`--max-restarts 1`) and the run continues from its mid-epoch
 checkpoint; SIGTERM to the torchrun agent (what Slurm sends) stops every rank after its step with a
 mid-epoch checkpoint, and the same command continues the run. Either way the final weights equal an
-uninterrupted run's, bit for bit."""
+uninterrupted run's, bit for bit. A mid-epoch checkpoint of 2 ranks continues on 1 and on 3 (elastic resume):
+the interrupted epoch trains every sample once, and two resumes on 3 ranks end with the same weights."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -167,6 +170,67 @@ def test_sigterm_to_torchrun_stops_every_rank_with_a_checkpoint_and_the_same_com
     assert f"starting at epoch 0, batch {step} of {STEPS}" in output
     assert epoch_lines(tmp_path / "again.txt") == epoch_lines(straight.parent / "log.txt")
     assert_same_weights(straight, run)
+
+
+# Elastic resume: a global batch of 12, which 1, 2 and 3 processes share; 240 train samples, 20 steps an epoch
+# that train every sample once
+ELASTIC = ["--model", "resnet18", "--width", "8", "--image-size", "32", "--batch-size", "6", "--epochs", "2",
+           "--optimizer", "adamw", "--lr", "0.032", "--crop-scale", "0.5,1", "--workers", "1", "--checkpoint-every", "3",
+           "--log-samples"]
+ELASTIC_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def elastic_shards(make_shards) -> Path:
+    return make_shards({"train": {"red": 80, "green": 80, "blue": 80}, "val": {"red": 4, "green": 4, "blue": 4}},
+                       samples_per_shard=17)[1]
+
+
+def torchrun(args: list[str], processes: int, log: Path) -> subprocess.Popen:
+    """`torchrun --nproc-per-node PROCESSES -m dalifeed.train.cli ARGS`, its output in `log`."""
+    command = [PY, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "dalifeed.train.cli", *args]
+    with open(log, "w") as f:
+        return subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def logged_samples(run: Path, epoch: int) -> list[str]:
+    """Every sample the run's ranks trained on in `epoch`, as --log-samples logged them (all attempts)."""
+    return [sample for path in sorted((run / "samples").glob("*.jsonl")) for line in path.read_text().splitlines()
+            if json.loads(line)["epoch"] == epoch for sample in json.loads(line)["samples"]]
+
+
+@pytest.mark.slow  # four trainings under torchrun: about 2 minutes on 2 cores
+def test_a_mid_epoch_checkpoint_of_two_ranks_continues_on_one_and_on_three(elastic_shards, tmp_path):
+    run, log = tmp_path / "run", tmp_path / "log.txt"
+    agent = torchrun(["--data", str(elastic_shards), "--out", str(run), *ELASTIC], 2, log)
+    wait_for_mid_epoch_checkpoint(run, agent)
+    agent.send_signal(signal.SIGTERM)  # a preempting scheduler; the job comes back on another number of GPUs
+    finish(agent, timeout=60)
+    saved = mid_epoch_checkpoint(run)
+    assert saved is not None and saved["state"]["epoch"] == 0, log.read_text()[-3000:]
+    step = saved["state"]["step"]
+    assert 0 < step < ELASTIC_STEPS
+    assert len(logged_samples(run, 0)) == step * 12  # what the two ranks trained before they stopped
+
+    copies = {}
+    for name, processes in (("one", 1), ("three", 3), ("three-again", 3)):
+        copies[name] = copy = tmp_path / name
+        shutil.copytree(run, copy)
+        log = tmp_path / f"{name}.txt"
+        assert finish(torchrun(["--resume", str(copy)], processes, log), timeout=600) == 0, log.read_text()[-3000:]
+        output = log.read_text()
+        assert (f"the rest of epoch 0: its samples not trained by the 2 processes that saved it ({step * 12} were), "
+                f"shared by {processes}") in output, output[-3000:]
+        assert f"starting at epoch 0, batch {step} of {ELASTIC_STEPS}" in output  # --batch-size 12 / processes
+        last = torch.load(copy / "last.pt", weights_only=False)
+        # the schedule went on at the step it stopped at: the two epochs' steps in all, then both epochs' metrics
+        assert last["state"]["step"] == 2 * ELASTIC_STEPS and last["world_size"] == processes
+        assert [json.loads(line)["epoch"] for line in (copy / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+        for epoch in (0, 1):  # the interrupted epoch and the next, on the new processes: each sample once
+            samples = logged_samples(copy, epoch)
+            assert len(samples) == len(set(samples)) == 240, (epoch, len(samples), len(set(samples)))
+    assert_same_weights(copies["three"], copies["three-again"])  # a function of the checkpoint and the processes
 
 
 def test_a_repeated_sigterm_is_the_same_request_and_a_second_ctrl_c_stops_at_once():

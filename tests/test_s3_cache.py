@@ -21,6 +21,7 @@ import torch
 from dalifeed import s3
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.checks import ShardDataError
+from dalifeed.pipelines.elastic import merge_rank_states
 from dalifeed.shardcache import CacheConfig, CacheFull, ShardCache, cache_config, rank_shards
 from dalifeed.shardfolder import open_shard_folder
 from dalifeed.convert import ConvertConfig, convert_imagefolder
@@ -114,6 +115,36 @@ def test_one_get_per_tar_then_none_and_the_batches_of_the_local_folder(store, tm
     rest.load_state_dict(state)
     assert_same(head + list(rest), want)
     assert store.gets(store.url) - before == fetched  # all from the cache
+
+
+def test_a_mid_epoch_state_of_two_ranks_continues_on_three_through_the_cache(store, tmp_path):
+    """Elastic resume from s3:// through the node cache: 2 ranks stop after 2 steps, 3 ranks read the rest of the
+    epoch (each rank fetching the tars its share of the remaining samples lies in): every sample of the epoch's 5
+    global batches of 6 once, as the loaders name them (`last_samples`)."""
+    def ranks(world):
+        return [make_loader(store.url, "train", 6 // world, rank=r, world_size=world, checkpointing=True,
+                            cache_dir=tmp_path / "cache", **OPTIONS) for r in range(world)]
+
+    two = ranks(2)
+    iterators = [iter(loader) for loader in two]
+    seen = []
+    for _ in range(2):
+        for loader, it in zip(two, iterators):
+            next(it)
+            seen += loader.last_samples
+    merged = merge_rank_states([loader.state_dict() for loader in two])
+    del iterators
+    three = ranks(3)
+    for loader in three:
+        loader.load_state_dict(merged)
+    steps = []
+    for loader in three:
+        steps.append(0)
+        for _ in loader:
+            seen += loader.last_samples
+            steps[-1] += 1
+    assert steps == [3, 3, 3]  # 31 // 6 = 5 steps an epoch, 2 of them taken
+    assert len(seen) == len(set(seen)) == 30  # one sample of 31 is left out, as in every epoch of batch 6
 
 
 def test_the_limit_evicts_shards_already_read(store, tmp_path):

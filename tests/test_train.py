@@ -145,12 +145,14 @@ def test_resume_mid_epoch_equals_an_uninterrupted_run(shards, tmp_path, monkeypa
     assert saved["state"]["epoch"] == 1 and saved["midway"]["loaders"][0]["samples_done"] == 2 * 8  # 2 batches of 8
     assert [r["epoch"] for r in metrics(run)] == [0]
 
-    other = tmp_path / "saved-by-two-ranks"  # the same checkpoint as a 2-process run would have left it
+    other = tmp_path / "saved-by-two-ranks"  # one rank's reader state given as two ranks': samples twice
     shutil.copytree(run, other)
     two = dict(saved, midway={**saved["midway"], "loaders": saved["midway"]["loaders"] * 2})
     torch.save(two, other / "last.pt")
     refused = CliRunner().invoke(train_cli, ["--resume", str(other)])
-    assert refused.exit_code == 2 and "saved mid-epoch by 2 processes; resume it with as many" in refused.output
+    assert refused.exit_code == 2, refused.output
+    assert ("saved mid-epoch by 2 processes and cannot be resumed on 1 (the ranks recorded 16 samples more than "
+            "once") in refused.output
 
     resumed = CliRunner().invoke(train_cli, ["--resume", str(run)])
     assert resumed.exit_code == 0, resumed.output

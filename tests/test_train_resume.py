@@ -17,14 +17,21 @@ from dalifeed.train.resume import resolve_run
 SAVED = dict(model="resnet18", image_size=16, batch_size=8, epochs=2, workers=2)  # the run in the folder
 
 
-def save_run(run: Path, data: Path, world_size: int = 1, midway_ranks: int = 0, truncated: bool = False) -> None:
+# a rank's loader state mid-epoch as an older dalifeed saved it (batches per rank, no samples recorded), and as
+# today's saves one at a point no samples were consumed yet (what merge_rank_states merges without a pipeline)
+OLD_MIDWAY_STATE = {"batches_done": 2}
+MIDWAY_STATE = {"epoch": 1, "samples_done": 0, "dali": None}
+
+
+def save_run(run: Path, data: Path, world_size: int = 1, midway_ranks: int = 0, truncated: bool = False,
+             midway_state: dict = OLD_MIDWAY_STATE) -> None:
     """RUN/last.pt of a run of SAVED trained by `world_size` processes, saved mid-epoch by `midway_ranks`."""
     cfg = TrainConfig(data=str(data), out=str(run), **SAVED)
     cfg.validate()  # as saved: the defaults that depend on other options filled in
     payload = {"config": cfg.to_json(), "world_size": world_size, "classes": ["blue", "green", "red"],
                "state": {"epoch": 1, "step": 5, "best_score": 0.5, "bad_streak": 0}}
     if midway_ranks:
-        payload["midway"] = {"stats": {}, "loaders": [{"batches_done": 2}] * midway_ranks}
+        payload["midway"] = {"stats": {}, "loaders": [midway_state] * midway_ranks}
     run.mkdir()
     torch.save(payload, run / "last.pt")
     if truncated:
@@ -81,8 +88,13 @@ RULES = [
                  "trained on 2 processes with global batch 16 (8 each x 1 steps); 3 processes cannot share it evenly",
                  id="processes that cannot share the global batch: refused"),
     pytest.param("RUN", {"world_size": 2, "midway_ranks": 2}, {}, 1,
-                 "last.pt was saved mid-epoch by 2 processes; resume it with as many (not 1)",
-                 id="mid-epoch checkpoint on other processes: refused"),
+                 "last.pt was saved mid-epoch by 2 processes and cannot be resumed on 1 (the mid-epoch checkpoint "
+                 "does not record which samples were consumed (written by an older dalifeed, or without sample "
+                 "tracking)): resume it with as many",
+                 id="mid-epoch checkpoint of an older dalifeed on other processes: refused"),
+    pytest.param("RUN", {"world_size": 2, "midway_ranks": 2, "midway_state": MIDWAY_STATE}, {}, 1,
+                 {"batch_size": 16, "log": "the rest of the epoch it stopped in is its samples not yet trained"},
+                 id="mid-epoch checkpoint on other processes: its rest shared by them"),
     pytest.param("RUN", {"world_size": 2, "midway_ranks": 2}, {}, 2, {"batch_size": 8},
                  id="mid-epoch checkpoint on as many processes: continued"),
 ]

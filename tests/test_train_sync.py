@@ -41,6 +41,8 @@ def count_syncs(monkeypatch, run) -> list[tuple[int, str, str]]:
     def counting(original, name):
         def wrapper(*args, **kwargs):
             frames = [f for f in traceback.extract_stack()[:-1] if "/dalifeed/" in f.filename]
+            if frames and frames[-1].name == "host_sources":  # a CPU tensor on every device (its docstring)
+                return original(*args, **kwargs)
             where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
             calls.append((run.state.step, name, where))
             return original(*args, **kwargs)

@@ -238,7 +238,8 @@ def multi_hot(labels, num_classes: int):
 def shard_pipeline(paths: list[str], index_paths: list[str], cfg: AugmentConfig, train: bool, device: str,
                    **kwargs):
     """Reader -> train_augment or val_transform. Returns (images, labels): labels int64 (1,) per image, or
-    with `multilabel_classes=K` (COCO shards) a float multi-hot (K,) built from the `.labels.i32` member.
+    with `multilabel_classes=K` (COCO shards) a float multi-hot (K,) built from the `.labels.i32` member; with
+    `sources=True` a third output, where each sample was read (`sample_sources`).
     `kwargs`: `shard_graph`'s and the Pipeline's (batch_size, num_threads, device_id, seed, ...)."""
     return shard_graph(paths, index_paths, cfg, train, device, enable_conditionals=needs_conditionals(cfg, train),
                        **kwargs)
@@ -247,7 +248,7 @@ def shard_pipeline(paths: list[str], index_paths: list[str], cfg: AugmentConfig,
 @pipeline_def(enable_conditionals=False)
 def shard_graph(paths: list[str], index_paths: list[str], cfg: AugmentConfig, train: bool, device: str,
                 shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024, multilabel_classes: int = 0,
-                text_label: dict | None = None):
+                text_label: dict | None = None, sources: bool = False):
     """`shard_pipeline`'s graph (enable_conditionals is decided per call there)."""
     jpegs, labels = read_shards(paths, index_paths, shard_id=shard_id, num_shards=num_shards, shuffle=train,
                                 initial_fill=initial_fill, multilabel=bool(multilabel_classes), text_label=text_label)
@@ -256,4 +257,13 @@ def shard_graph(paths: list[str], index_paths: list[str], cfg: AugmentConfig, tr
     images = train_augment(jpegs, cfg, device) if train else val_transform(jpegs, cfg, device)
     if uses_gpu(device):
         labels = labels.gpu()
+    if sources:  # made last: the operators before it keep the seeds they have without it
+        return images, labels, sample_sources(jpegs)
     return images, labels
+
+
+def sample_sources(jpegs):
+    """Where each sample was read, as the reader says it (`source_info`: `TAR:OFFSET:MEMBER` for the webdataset
+    reader), ASCII in uint8 zero-padded to the batch's longest: a dense CPU tensor the PyTorch iterator hands
+    out beside the images (the loader records with it which samples it has handed out: elastic.py)."""
+    return fn.pad(fn.get_property(jpegs, key="source_info"), axes=0, fill_value=0)

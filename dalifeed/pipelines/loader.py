@@ -21,6 +21,11 @@ Epoch semantics (what a trainer may rely on):
   of the reader and random generators after the last batch handed out; a fresh loader given it by
   `load_state_dict` yields exactly the rest of that epoch, then carries on as usual. The reader
   fast-forwards through the tar index without decoding what was already seen.
+- Elastic resume (another number of ranks, the same global batch): a checkpointing training loader records
+  the samples it hands out (`SAMPLE_SOURCES`), its state holds them, and the state `elastic.merge_rank_states`
+  makes of every rank's, loaded by each new rank, reads the epoch's samples not yet consumed through index
+  files listing only them (elastic.py): every sample of the epoch once, floor(N / global batch) batches in
+  all.
 - One pipeline per epoch: each iteration builds its DALI pipeline and frees it when the epoch ends, so a
   trainer's rank holds one pipeline at a time (training's while it trains, validation's while it
   evaluates) with its thread pool and decoder buffers. Why not one pipeline for all epochs: docs/gpu.md.
@@ -51,9 +56,11 @@ that build loaders from a dataset and options are in factory.py.
 from __future__ import annotations
 
 import random
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -69,9 +76,13 @@ from dalifeed.stack import StackReport, choose_device, stack_report
 from .checks import SampleRef, explain_dali_error, indexed_samples, is_pipeline_failure
 from .cursor import EpochCursor, FollowsCursor
 from .dataset import Dataset, Source
+from .elastic import ElasticError, SampleKeys, SampleSet, batches_left, remaining_index
 from .graphs import DEVICES, AugmentConfig, shard_pipeline, uses_gpu
 
 CLASSIFICATION_OUTPUTS = ("images", "labels")
+# The graph output naming each sample where it was read (`graphs.SOURCE_INFO`), taken off the batch before
+# `to_torch`: a checkpointing training loader records with it which samples it has handed out (elastic.py).
+SAMPLE_SOURCES = "sources"
 
 
 def resolve_device(device: str, report: StackReport | None = None) -> str:
@@ -152,6 +163,18 @@ def epoch_files(manifest: ShardManifest, shards: list[ShardInfo]) -> tuple[list[
 Graph = Callable[..., Any]
 
 
+@dataclass
+class Restore:
+    """Where a loaded state puts the next iteration inside its epoch: DALI's checkpoint of this rank's reader
+    (None: the epoch's remaining samples shared out anew, as on another number of ranks), the samples excluded
+    from the epoch's pipeline (a resume on another number of ranks: those consumed before it; None: none) and
+    those this rank had handed out from that pipeline (`SampleSet.to_state`; with the checkpoint only)."""
+
+    dali: str | None
+    excluded: SampleSet | None = None
+    seen: dict | None = None
+
+
 class DaliLoader(FollowsCursor):
     """An iterable of torch batches of `options.split` of the shard folder `source`: `graph` (see `Graph`), or
     for each epoch `epoch_graph(epoch)`, run by DALI's PyTorch iterator, whose batch (a dict by `outputs`)
@@ -174,7 +197,13 @@ class DaliLoader(FollowsCursor):
         self.total_samples = self.manifest.num_samples(self.split)
         self.cursor = EpochCursor(options.global_batch)
         self._iterator: DALIGenericIterator | None = None  # the current epoch's, from its build to its end
-        self._restore: str | None = None  # a DALI checkpoint the next iteration starts from
+        self._restore: Restore | None = None  # where the next iteration starts inside its epoch
+        # Inside an epoch: the samples a resume on another number of ranks excluded from it (None: none), and
+        # those this rank has handed out since its pipeline started (with `SAMPLE_SOURCES` in `outputs`)
+        self._excluded: SampleSet | None = None
+        self._seen = SampleSet()
+        self._rest: tempfile.TemporaryDirectory | None = None  # index files of a resumed epoch's remaining samples
+        self.last_samples: list[str] = []  # the last batch's samples, `SHARD:POSITION` (when tracking them)
         self._ahead: tuple[int, Future] | None = None  # (epoch, its pipeline being defined in the background)
         self._definer: ThreadPoolExecutor | None = None
         # A folder in a store: this loader's view of the node's shard cache (its pins are this loader's
@@ -185,10 +214,16 @@ class DaliLoader(FollowsCursor):
         self._define_ahead(self.cursor.epoch)  # the first epoch's graph, while the caller gets ready
 
     # -- sizes -------------------------------------------------------------------------------------
-    def _shard_range(self, shard_id: int) -> tuple[int, int]:
-        # DALI's split of N samples into `world_size` contiguous shards
-        n, w = self.total_samples, self.options.world_size
+    def _shard_range(self, shard_id: int, total: int | None = None) -> tuple[int, int]:
+        # DALI's split of N samples (default: the split's) into `world_size` contiguous shards
+        n, w = self.total_samples if total is None else total, self.options.world_size
         return n * shard_id // w, n * (shard_id + 1) // w
+
+    @property
+    def tracks_samples(self) -> bool:
+        """Whether this loader records the samples it hands out: what lets a mid-epoch state be resumed on
+        another number of ranks (`elastic.merge_rank_states`)."""
+        return SAMPLE_SOURCES in self.outputs
 
     @property
     def num_samples(self) -> int:
@@ -207,20 +242,32 @@ class DaliLoader(FollowsCursor):
     # -- epochs ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """Where this loader is: the cursor (epoch, samples consumed by all ranks) and, between two batches of
-        an epoch, DALI's checkpoint of this rank after the last of them (only with `checkpointing=True`)."""
+        an epoch, DALI's checkpoint of this rank after the last of them (only with `checkpointing=True`), the
+        number of ranks, the samples a resume excluded from the epoch and those this rank has handed out
+        since (what `elastic.merge_rank_states` joins when another number of ranks resumes)."""
         if self._iterator is None or self.cursor.samples_done == 0:  # between epochs, or none handed out yet
             return {"epoch": self.cursor.epoch, "samples_done": 0, "dali": None}
         if not self.options.checkpointing:
             raise RuntimeError("a mid-epoch loader state needs make_loader(..., checkpointing=True)")
-        return {**self.cursor.state_dict(), "dali": self._iterator.checkpoints()[0]}
+        return {**self.cursor.state_dict(), "dali": self._iterator.checkpoints()[0],
+                "world_size": self.options.world_size,
+                "excluded": self._excluded.to_state() if self._excluded is not None else None,
+                "seen": self._seen.to_state() if self.tracks_samples else None}
 
     def load_state_dict(self, state: dict) -> None:
-        """The next iteration continues from `state` (from `state_dict()` of a loader with the same
-        arguments, possibly in another process)."""
+        """The next iteration continues from `state`: from `state_dict()` of a loader with the same arguments
+        (possibly in another process), or, on another number of ranks, what `elastic.merge_rank_states` made of
+        every rank's (no DALI checkpoint: the epoch's remaining samples are shared out anew)."""
         if state["dali"] is not None and not self.options.checkpointing:
             raise ValueError("restoring a mid-epoch loader state needs make_loader(..., checkpointing=True)")
+        saved_world = state.get("world_size") or self.options.world_size
+        if state["dali"] is not None and saved_world != self.options.world_size:
+            raise ElasticError(f"a reader state of {saved_world} ranks cannot be restored on "
+                               f"{self.options.world_size}: merge the ranks' states (elastic.merge_rank_states)")
         self.cursor.load_state_dict(state)
-        self._restore = state["dali"]
+        excluded = state.get("excluded")
+        self._restore = None if self.cursor.samples_done == 0 else \
+            Restore(state["dali"], SampleSet.from_state(excluded) if excluded is not None else None, state.get("seen"))
 
     def _epoch_shards(self, epoch: int | None = None) -> list[ShardInfo]:
         if not self.options.train:
@@ -236,25 +283,52 @@ class DaliLoader(FollowsCursor):
         if self.shard_cache is None:
             return self.files(self.manifest, shards)
         epoch = self.cursor.epoch if epoch is None else epoch
-        tars = self.shard_cache.epoch_files(shards, self._shard_range(self.options.rank),
-                                            upcoming=self._epoch_shards(epoch + 1))
+        rank_range = self._shard_range(self.options.rank, sum(s.samples for s in shards))
+        tars = self.shard_cache.epoch_files(shards, rank_range, upcoming=self._epoch_shards(epoch + 1))
         return tars, [str(self.manifest.root / s.index) for s in shards]
 
-    def _pipeline_seed(self, epoch: int) -> int:
-        # distinct per rank (different augmentations) and per epoch; below 2**31 as DALI requires
-        return random.Random(f"{self.options.seed}:{epoch}:{self.options.rank}").randrange(2**31)
+    def _remaining(self, shards: list[ShardInfo], excluded: SampleSet) -> tuple[list[ShardInfo], list[str]]:
+        """The epoch's shards with samples not in `excluded` (each counting only those) and index files listing
+        only them, written to a folder this loader holds until the epoch ends."""
+        if self._rest is None:
+            self._rest = tempfile.TemporaryDirectory(prefix="dalifeed-rest-")
+        kept, indexes = [], []
+        for shard in shards:
+            out = Path(self._rest.name) / f"{len(kept)}-{Path(shard.index).name}"
+            samples = remaining_index(self.manifest.root / shard.index, excluded.of(shard.path), out)
+            if samples:  # a shard read whole is left out: DALI refuses an index of no samples
+                kept.append(replace(shard, samples=samples))
+                indexes.append(str(out))
+        return kept, indexes
+
+    def _pipeline_seed(self, epoch: int, resumed_at: int = 0) -> int:
+        # distinct per rank (different augmentations) and per epoch, and for the rest of an epoch shared out
+        # anew; below 2**31 as DALI requires
+        rest = f":{resumed_at}" if resumed_at else ""
+        return random.Random(f"{self.options.seed}:{epoch}:{self.options.rank}{rest}").randrange(2**31)
 
     def pipeline(self, checkpoint: str | None = None, epoch: int | None = None):
         """The DALI pipeline of epoch `epoch` (default: the current one), defined but not built (building is
         what needs the GPU: tests/test_gpu_graphs.py checks the GPU graphs on a machine without one through
         this)."""
+        return self._define(self.cursor.epoch if epoch is None else epoch, checkpoint)[0]
+
+    def _define(self, epoch: int, checkpoint: str | None = None, excluded: SampleSet | None = None):
+        """(the pipeline of epoch `epoch`, the `SampleKeys` that name its samples); with `excluded`, over the
+        epoch's samples not in it (a resume on another number of ranks: elastic.py)."""
         o = self.options
-        epoch = self.cursor.epoch if epoch is None else epoch
-        tars, indexes = self._epoch_files(self._epoch_shards(epoch), epoch)
-        return self.epoch_graph(epoch)(
-            tars, indexes, train=o.train, device=o.device, shard_id=o.rank, num_shards=o.world_size,
+        shards = self._epoch_shards(epoch)
+        full_index = {s.path: str(self.manifest.root / s.index) for s in shards}
+        remaining = None
+        if excluded is not None:
+            shards, remaining = self._remaining(shards, excluded)
+        tars, indexes = self._epoch_files(shards, epoch)
+        keys = SampleKeys(tars, shards, [full_index[s.path] for s in shards])
+        pipe = self.epoch_graph(epoch)(
+            tars, remaining or indexes, train=o.train, device=o.device, shard_id=o.rank, num_shards=o.world_size,
             initial_fill=o.initial_fill, batch_size=o.batch_size, num_threads=o.num_threads, device_id=o.device_id,
-            seed=self._pipeline_seed(epoch), prefetch_queue_depth=o.prefetch_queue_depth,
+            seed=self._pipeline_seed(epoch, self.cursor.samples_done if excluded is not None else 0),
+            prefetch_queue_depth=o.prefetch_queue_depth,
             enable_checkpointing=o.checkpointing, checkpoint=checkpoint,
             # Said, not assumed: DALI 2.4's iterator hands out its buffers without a copy only under the
             # dynamic executor (plugin/pytorch: `copy = not pipe.exec_dynamic`), and the detection graph reads
@@ -262,6 +336,7 @@ class DaliLoader(FollowsCursor):
             # exec_async and exec_pipelined are on and the prefetch queues are not split (pipeline.py).
             exec_dynamic=True,
         )
+        return pipe, keys
 
     def _define_ahead(self, epoch: int) -> None:
         """Start defining epoch `epoch`'s pipeline on a background thread, so that the epoch does not wait for
@@ -275,7 +350,7 @@ class DaliLoader(FollowsCursor):
             return
         if self._definer is None:
             self._definer = ThreadPoolExecutor(1, thread_name_prefix="dalifeed-define")
-        self._ahead = (epoch, self._definer.submit(self.pipeline, None, epoch))
+        self._ahead = (epoch, self._definer.submit(self._define, epoch))
 
     def __del__(self):
         # a definition still under way would outlive the loader, and a process forked meanwhile (a
@@ -287,38 +362,55 @@ class DaliLoader(FollowsCursor):
             except Exception:  # interpreter shutdown
                 pass
 
-    def _defined(self, checkpoint: str | None):
-        """The current epoch's pipeline: the one defined ahead if it is this epoch's and nothing is restored
-        (a definition that failed raises here, as it would have defined now), else defined now."""
+    def _defined(self, restore: Restore | None):
+        """The current epoch's (pipeline, SampleKeys): the one defined ahead if it is this epoch's and nothing
+        is restored (a definition that failed raises here, as it would have defined now), else defined now."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and checkpoint is None and ahead[0] == self.cursor.epoch:
+        if ahead is not None and restore is None and ahead[0] == self.cursor.epoch:
             return ahead[1].result()
-        return self.pipeline(checkpoint)
+        if restore is None:
+            return self._define(self.cursor.epoch)
+        return self._define(self.cursor.epoch, restore.dali, restore.excluded)
 
-    def _build_iterator(self, checkpoint: str | None) -> DALIGenericIterator:
-        pipe = self._defined(checkpoint)
+    def _build_iterator(self, restore: Restore | None) -> tuple[DALIGenericIterator, SampleKeys]:
+        pipe, keys = self._defined(restore)
         pipe.build()
         policy = LastBatchPolicy.DROP if self.options.train else LastBatchPolicy.PARTIAL
         iterator = DALIGenericIterator([pipe], list(self.outputs), reader_name="Reader", last_batch_policy=policy,
                                        last_batch_padded=False, auto_reset=False)
         self._define_ahead(self.cursor.epoch + 1)  # while this epoch runs
-        return iterator
+        return iterator, keys
+
+    def _batches_left(self) -> int:
+        """Batches this rank still hands out in the epoch: training's full global batches of what the cursor
+        has not consumed (the same count on every rank, and on any number of ranks sharing the global batch:
+        elastic.batches_left), validation's `len`."""
+        if not self.options.train:
+            return len(self)
+        return batches_left(self.total_samples, self.cursor.samples_done, self.cursor.global_batch)
 
     def __iter__(self):
         cursor = self.cursor
         restore, self._restore = self._restore, None
         if restore is None:
             cursor.start(cursor.epoch)
+        seen = self._seen = SampleSet() if restore is None or restore.dali is None else \
+            SampleSet.from_state(restore.seen)
+        self._excluded = restore.excluded if restore is not None else None
         try:
             # A pipeline per epoch: training's order is a function of (seed, epoch) that the reader is given
             # at build time, and between epochs no pipeline is held (see the module docstring).
             self._iterator = None  # free the pipeline of an epoch left unfinished first
-            self._iterator = self._build_iterator(restore)  # runs the first batches already
-            limit = len(self)
+            self._iterator, keys = self._build_iterator(restore)  # runs the first batches already
+            left = self._batches_left()
             for batch in self._iterator:
-                if cursor.batches_done < limit:
+                if left > 0:
+                    left -= 1
+                    outputs = batch[0]
+                    if self.tracks_samples:
+                        self.last_samples = keys.add(seen, host_sources(outputs.pop(SAMPLE_SOURCES)))
                     cursor.advance()
-                    yield self.to_torch(batch[0])
+                    yield self.to_torch(outputs)
         except Exception as e:
             if not is_pipeline_failure(e):
                 raise
@@ -327,7 +419,15 @@ class DaliLoader(FollowsCursor):
         # the epoch is over: free the pipeline (its threads, decoder state and buffers go back to DALI's
         # pools) so that the next loader to run, validation's or the next epoch's, does not sit beside it
         self._iterator = None
+        self._end_rest()
         cursor.finish()
+
+    def _end_rest(self) -> None:
+        """The epoch resumed on other ranks is over: its remaining-sample index files go."""
+        self._excluded = None
+        if self._rest is not None:
+            self._rest.cleanup()
+            self._rest = None
 
     # -- when DALI fails ---------------------------------------------------------------------------
     def _explain(self, error: Exception) -> Exception:
@@ -361,6 +461,13 @@ class DaliLoader(FollowsCursor):
         yield from window[read:]
 
 
+def host_sources(sources: torch.Tensor):
+    """The `SAMPLE_SOURCES` output as a numpy array. It is a CPU tensor whatever the device (a CPU node of the
+    graph: tests/test_gpu_graphs.py checks it; DALI's PyTorch iterator gives each output the device of its
+    node, plugin/pytorch/__init__.py `category_device`), so reading it never waits for the GPU."""
+    return sources.numpy()
+
+
 def images_and_labels(batch: dict, *, channels_last: bool, multilabel: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The classification graph's batch -> `(images, labels)`: labels (B,) int64, or (B, K) multi-hot."""
     images = batch["images"]
@@ -383,7 +490,10 @@ def classification_loader(source: Source, options: LoaderOptions, augment: Augme
     classes = manifest.num_classes if multilabel else 0
     graph = partial(shard_pipeline, multilabel_classes=classes, text_label=manifest.dali_text_label)
     to_torch = partial(images_and_labels, channels_last=augment.channels_last, multilabel=multilabel)
+    outputs = CLASSIFICATION_OUTPUTS
+    if options.train and options.checkpointing:  # a mid-epoch state then says which samples were consumed
+        graph, outputs = partial(graph, sources=True), (*outputs, SAMPLE_SOURCES)
     if image_size is None:
-        return DaliLoader(source, options, graph=partial(graph, cfg=augment), to_torch=to_torch)
-    return DaliLoader(source, options, to_torch=to_torch,
+        return DaliLoader(source, options, graph=partial(graph, cfg=augment), to_torch=to_torch, outputs=outputs)
+    return DaliLoader(source, options, to_torch=to_torch, outputs=outputs,
                       epoch_graph=lambda epoch: partial(graph, cfg=replace(augment, image_size=image_size(epoch))))

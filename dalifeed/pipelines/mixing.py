@@ -33,6 +33,7 @@ import torch
 
 from .cursor import EpochCursor, FollowsCursor
 from .dataset import Dataset, MixError
+from .elastic import batches_left
 
 __all__ = ["ConcatLoader", "MixError", "MixedLoader", "RemappedLoader", "mixed_loader"]
 
@@ -74,6 +75,7 @@ class MixedLoader(FollowsCursor):
         self.reserved = [own_epochs(self.batches, len(loader)) for loader in loaders]
         self.cursor = EpochCursor(batch_size * world_size)
         self._restore: list | None = None  # the dataset loaders' states the next iteration continues from
+        self.last_samples: list[str] = []  # the last batch's samples: `DATASET/SHARD:POSITION`, DATASET its index
 
     def __len__(self) -> int:
         return self.batches
@@ -110,12 +112,15 @@ class MixedLoader(FollowsCursor):
                 loader.set_epoch(cursor.epoch * reserved)
         streams = [self._stream(i) for i in range(len(self.loaders))]
         remaps = None
-        while cursor.batches_done < self.batches:
+        left = batches_left(self.total_samples, cursor.samples_done, cursor.global_batch)
+        for _ in range(left):
             parts = [next(stream) for stream in streams]
             if remaps is None:
                 remaps = [r.to(parts[0][1].device) for r in self.remaps]
             images = torch.cat([p[0] for p in parts])
             labels = torch.cat([remap[p[1]] for remap, p in zip(remaps, parts)])
+            self.last_samples = [f"{i}/{key}" for i, loader in enumerate(self.loaders)
+                                 for key in getattr(loader, "last_samples", ())]
             cursor.advance()
             yield images, labels
         for stream in streams:

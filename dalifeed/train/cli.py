@@ -183,6 +183,10 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
 @click.option("--tensorboard-every", type=int, default=d("tensorboard_every"), show_default=True, metavar="STEPS",
               help="Per-step TensorBoard scalars (step/train_loss, step/lr, step/images_per_s, "
                    "step/data_wait_share) every STEPS optimizer steps, in RUN/tensorboard/steps (0: none).")
+@click.option("--log-samples", is_flag=True,
+              help="Write RUN/samples/rank<R>-of-<W>.jsonl: for every batch this rank trains on, the epoch, the "
+                   "batch's index in it and its samples (SHARD:POSITION in the shard's index). To check what a "
+                   "run trained on, e.g. that a resumed epoch trained each sample once.")
 @click.option("--auto-augment", type=click.Choice(POLICIES), default=d("auto_augment"),
               help="Augmentation policy in the DALI graph, torchvision's: imagenet (AutoAugment), ra (RandAugment), "
                    "ta_wide (TrivialAugmentWide).")

@@ -143,6 +143,8 @@ class SyntheticLoader(FollowsCursor):
     ceiling); a run on the real loader at the same options shows how close the data path comes to it.
     Counts its place as every loader does (`EpochCursor`: epoch, samples consumed by all ranks)."""
 
+    last_samples: list[str] = []  # no data is read: --log-samples logs none
+
     def __init__(self, loader):
         self._loader, self._length = loader, len(loader)
         self._batch = None

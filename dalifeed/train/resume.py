@@ -8,11 +8,13 @@ from pathlib import Path
 
 from . import checkpoint
 from .config import ConfigError, TrainConfig
+from dalifeed.pipelines.elastic import ElasticError, merge_rank_states
+
 from .distributed import log
 
 # Options that may differ from the checkpoint's config when resuming: they do not change the maths.
 RESUMABLE_OVERRIDES = {"epochs", "workers", "profile", "compile", "checkpoint_every", "check_shards", "progress_every",
-                       "tensorboard_every", "cache_dir", "cache_limit"}
+                       "tensorboard_every", "cache_dir", "cache_limit", "log_samples"}
 
 
 def resolve_run(asked: TrainConfig, typed: Collection[str] = (), resume: Path | None = None,
@@ -27,9 +29,10 @@ def resolve_run(asked: TrainConfig, typed: Collection[str] = (), resume: Path | 
       `asked`. With one: that run, if every option but RESUMABLE_OVERRIDES (which replace the saved ones) is
       the same, the batch counted as the global batch (per-process batch x processes); refused otherwise,
       naming each option that differs.
-    - Either way, on another number of processes than the checkpoint's: a mid-epoch checkpoint is refused;
-      an epoch-end one keeps the saved global batch, and so the learning rate and schedule, by changing the
-      per-process batch (refused when the processes cannot share it evenly).
+    - Either way, on another number of processes than the checkpoint's: the saved global batch, and so the
+      learning rate and schedule, is kept by changing the per-process batch (refused when the processes
+      cannot share it evenly); a mid-epoch checkpoint continues its epoch with the samples not yet trained
+      (dalifeed/pipelines/elastic.py), refused only when it does not record them (an older dalifeed's).
     """
     if resume is not None:
         saved = checkpoint.load(resume / checkpoint.LAST)
@@ -86,13 +89,17 @@ def saved_config_if_same_options(saved: dict, asked: TrainConfig, world_size: in
 
 
 def check_world_size(cfg: TrainConfig, saved: dict, world_size: int) -> None:
-    """A checkpoint saved by another number of processes: refused mid-epoch; at an epoch's end, `cfg`'s
-    per-process batch becomes the saved global batch shared by `world_size`, or refused if it cannot be."""
+    """A checkpoint saved by another number of processes: `cfg`'s per-process batch becomes the saved global
+    batch shared by `world_size`, or refused if it cannot be; mid-epoch, refused too when the ranks' loader
+    states cannot be merged (`elastic.merge_rank_states`)."""
+    saved_world = saved.get("world_size", world_size)
     midway = saved.get("midway")
     if midway is not None and len(midway["loaders"]) != world_size:
-        raise ConfigError(f"{cfg.out}: last.pt was saved mid-epoch by {len(midway['loaders'])} processes; "
-                          f"resume it with as many (not {world_size})")
-    saved_world = saved.get("world_size", world_size)
+        try:  # the epoch's consumed samples, shared out anew by Run.start_epoch: refused here if it cannot be
+            merge_rank_states(midway["loaders"])
+        except ElasticError as e:
+            raise ConfigError(f"{cfg.out}: last.pt was saved mid-epoch by {len(midway['loaders'])} processes and "
+                              f"cannot be resumed on {world_size} ({e}): resume it with as many") from None
     if saved_world == world_size:
         return
     global_batch = cfg.batch_size * saved_world
@@ -103,4 +110,6 @@ def check_world_size(cfg: TrainConfig, saved: dict, world_size: int) -> None:
     old, cfg.batch_size = cfg.batch_size, global_batch // world_size
     log(f"resuming on {world_size} processes (trained on {saved_world}): --batch-size {old} -> "
         f"{cfg.batch_size} per process keeps the global batch {global_batch * cfg.accum_steps}, the "
-        f"learning rate and the schedule; the order of samples differs from an uninterrupted run")
+        f"learning rate and the schedule; the order of samples differs from an uninterrupted run"
+        + ("; the rest of the epoch it stopped in is its samples not yet trained, shared by the processes"
+           if midway is not None else ""))

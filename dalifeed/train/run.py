@@ -17,6 +17,8 @@ from dalifeed.runtime import DiskFull, free_bytes, is_disk_full, mib
 
 from . import checkpoint
 from .config import TrainConfig
+from dalifeed.pipelines.elastic import merge_rank_states
+
 from .distributed import Dist, gather_objects, log
 from .stop import StepChecks, Stop
 
@@ -69,6 +71,7 @@ class Run:
     run_log: RunLog | None = None
     profiler: object | None = None
     midway: dict | None = None  # the mid-epoch checkpoint this run resumes inside, until its epoch starts
+    sample_log: SampleLog | None = None  # --log-samples
     stop: Stop = field(default_factory=Stop)
     checks: StepChecks | None = None  # skipped steps tallied on the device, and when the host reads them
 
@@ -92,7 +95,14 @@ class Run:
         if self.midway is None:
             self.train_loader.set_epoch(epoch)
             return None
-        self.train_loader.load_state_dict(self.midway["loaders"][self.dist.rank])
+        states = self.midway["loaders"]
+        if len(states) == self.dist.world_size:  # each rank its own reader state: exactly the rest of the epoch
+            self.train_loader.load_state_dict(states[self.dist.rank])
+        else:  # saved by another number of ranks: the samples none of them consumed, shared by these
+            merged = merge_rank_states(states)
+            self.train_loader.load_state_dict(merged)
+            log(f"the rest of epoch {epoch}: its samples not trained by the {len(states)} processes that saved it "
+                f"({merged['samples_done']} were), shared by {self.dist.world_size}")
         partial, self.midway = EpochStats(**self.midway["stats"]), None
         return partial
 
@@ -150,6 +160,24 @@ def epoch_score(cfg: TrainConfig, record: dict) -> float:
     if cfg.val_split is None:
         return -record["train_loss"]
     return record["map"] if cfg.task == "multilabel" else record["top1"]
+
+
+class SampleLog:
+    """--log-samples: RUN/samples/rank<R>-of-<W>.jsonl, a line per batch this rank trained on: the epoch, the
+    batch's index in the epoch and its samples as the loader names them (`last_samples`: `SHARD:POSITION`,
+    mixed `DATASET/SHARD:POSITION`). Appended, line by line, so that a run stopped by a signal has logged
+    every batch its checkpoint holds; a batch run again after a crash (SIGKILL) is logged again."""
+
+    def __init__(self, out: Path, dist: Dist):
+        folder = out / "samples"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.file = open(folder / f"rank{dist.rank}-of-{dist.world_size}.jsonl", "a", buffering=1)
+
+    def write(self, epoch: int, batch: int, samples: list[str]) -> None:
+        self.file.write(json.dumps({"epoch": epoch, "batch": batch, "samples": samples}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
 
 
 class RunLog:

@@ -43,7 +43,7 @@ from .data import describe_plan, loader_device, loader_options, loader_record, m
 from .evaluate import autocast, validation_record
 from .mixup import BatchMixer, soft_cross_entropy
 from .progress import EpochProgress
-from .run import EpochStats, Run, RunLog, TrainState
+from .run import EpochStats, Run, RunLog, SampleLog, TrainState
 from .stop import TrainingStopped, agree_to_skip
 
 
@@ -110,6 +110,8 @@ def fit(run: Run) -> TrainResult:
             if stop.agreed or stop.requested and not run.dist.enabled:
                 raise TrainingStopped(stop.agreed or stop.requested, run.where(f"the end of epoch {epoch}"))
     run.run_log.close()
+    if run.sample_log is not None:
+        run.sample_log.close()
     return TrainResult(record, run.model)
 
 
@@ -141,6 +143,8 @@ def train_one_epoch(run: Run, stats: EpochStats | None = None) -> EpochStats:
         finite *= torch.isfinite(loss.detach()).float()
         losses += torch.stack([loss.detach().float().nan_to_num(0.0), torch.ones((), device=dist.device)])
         stats.images += labels.shape[0]
+        if run.sample_log is not None:
+            run.sample_log.write(run.state.epoch, i, run.train_loader.last_samples)
         if last_micro:
             skipped = optimizer_step(run, finite)
             run.checks.count(skipped)
@@ -306,6 +310,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
         run.train_model = torch.compile(run.train_model)
     run.run_log = RunLog(Path(cfg.out), dist.is_main, run.state.epoch if resume is not None else None,
                          run.state.step if resume is not None else None)
+    if cfg.log_samples:
+        run.sample_log = SampleLog(Path(cfg.out), dist)
     where = f", batch {resumed_batches(run.midway, train_loader)} of {len(train_loader)}" if run.midway else ""
     log(f"global batch {global_batch} (lr {lr:.4g}), {steps_per_epoch} steps/epoch, amp {dtype or 'off'}, "
         f"starting at epoch {run.state.epoch}{where}" + (", synthetic data (one batch, repeated)" if cfg.synthetic else ""))
