@@ -59,10 +59,6 @@ class SampleSet:
     def of(self, shard: str) -> np.ndarray | None:
         return self.bits.get(shard)
 
-    def keys(self) -> list[str]:
-        """`SHARD:POSITION` of every sample, sorted: what `--log-samples` writes and tests compare."""
-        return [f"{shard}:{i}" for shard in sorted(self.bits) for i in np.flatnonzero(self.bits[shard])]
-
     def to_state(self) -> dict:
         """A compact, picklable form: per shard its size and its marks packed 8 to a byte."""
         return {shard: (len(marks), np.packbits(marks).tobytes()) for shard, marks in self.bits.items()}

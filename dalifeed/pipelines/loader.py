@@ -304,7 +304,8 @@ class DaliLoader(FollowsCursor):
 
     def _pipeline_seed(self, epoch: int, resumed_at: int = 0) -> int:
         # distinct per rank (different augmentations) and per epoch, and for the rest of an epoch shared out
-        # anew; below 2**31 as DALI requires
+        # anew after `resumed_at` samples (the same again when that rest is itself restored); below 2**31 as
+        # DALI requires
         rest = f":{resumed_at}" if resumed_at else ""
         return random.Random(f"{self.options.seed}:{epoch}:{self.options.rank}{rest}").randrange(2**31)
 
@@ -326,9 +327,9 @@ class DaliLoader(FollowsCursor):
         tars, indexes = self._epoch_files(shards, epoch)
         keys = SampleKeys(tars, shards, [full_index[s.path] for s in shards])
         pipe = self.epoch_graph(epoch)(
-            tars, remaining or indexes, train=o.train, device=o.device, shard_id=o.rank, num_shards=o.world_size,
+            tars, indexes if remaining is None else remaining, train=o.train, device=o.device, shard_id=o.rank, num_shards=o.world_size,
             initial_fill=o.initial_fill, batch_size=o.batch_size, num_threads=o.num_threads, device_id=o.device_id,
-            seed=self._pipeline_seed(epoch, self.cursor.samples_done if excluded is not None else 0),
+            seed=self._pipeline_seed(epoch, excluded.count() if excluded is not None else 0),
             prefetch_queue_depth=o.prefetch_queue_depth,
             enable_checkpointing=o.checkpointing, checkpoint=checkpoint,
             # Said, not assumed: DALI 2.4's iterator hands out its buffers without a copy only under the
@@ -415,11 +416,12 @@ class DaliLoader(FollowsCursor):
             # A pipeline per epoch: training's order is a function of (seed, epoch) that the reader is given
             # at build time, and between epochs no pipeline is held (see the module docstring).
             self._release_pipeline()  # the pipeline of an epoch left unfinished
-            self._iterator, keys = self._build_iterator(restore)  # runs the first batches already
             left = self._batches_left()
+            if left:  # (a state restored at an epoch's last batch has none left)
+                self._iterator, keys = self._build_iterator(restore)  # runs the first batches already
             # DALI decodes the rest of the rank's slice too, the batch dropped at the end included (so a sample
             # it cannot decode fails the epoch wherever it lands), but none of it is handed out
-            for batch in self._iterator:
+            for batch in self._iterator if left else ():
                 if left > 0:
                     left -= 1
                     outputs = batch[0]

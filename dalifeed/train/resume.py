@@ -6,10 +6,10 @@ from collections.abc import Collection
 from dataclasses import fields
 from pathlib import Path
 
-from . import checkpoint
-from .config import ConfigError, TrainConfig
 from dalifeed.pipelines.elastic import ElasticError, merge_rank_states
 
+from . import checkpoint
+from .config import ConfigError, TrainConfig
 from .distributed import log
 
 # Options that may differ from the checkpoint's config when resuming: they do not change the maths.
