@@ -166,11 +166,13 @@ def _precomputed_augmentation_cls():
     defined, and with conditionals on (every policy) AutoGraph converts that mapping too: each of the ~600
     little numpy calls of a TrivialAugmentWide suite went through `converted_call` and its source-map
     bookkeeping, 0.5-0.7 s of one core per pipeline definition, against 0.01 s for the graph without a policy.
-    The loader defines a fresh pipeline every epoch, so on 1,920 photos (30 batches an epoch, `make bench`)
-    that was about a sixth of dali-cpu's time, and more on smaller splits (issue 29, docs/benchmarks.md).
+    The loader defines a fresh pipeline every epoch (a thread one epoch ahead, on the same cores): on
+    `make bench`'s 30-batch epochs, ~3.6 s at the policy graph's steady rate, defining it took 0.7 s of CPU,
+    two thirds of that this mapping (issue 29, docs/benchmarks.md "Where a policy's time goes").
     The tables hold no DALI nodes (DALI refuses a `mag_to_param` that returns one), so converting them buys
-    nothing, and the same table gives the same constant: cached by operation and magnitudes."""
-    from nvidia.dali.auto_aug.core._augmentation import Augmentation
+    nothing, and the same table gives the same constant: cached by operation and magnitudes. The two methods
+    are DALI 2.4's (`auto_aug/core/_augmentation.py`); a DALI that renames them only loses the speed-up."""
+    from nvidia.dali.auto_aug.core import _Augmentation as Augmentation  # what `augmentation_cls` extends
     from nvidia.dali.pipeline import do_not_convert
 
     class PrecomputedAugmentation(Augmentation):
