@@ -159,6 +159,51 @@ def _current_ops():
     return equalize, sharpness
 
 
+def _precomputed_augmentation_cls():
+    """DALI's `Augmentation` with its magnitude -> parameter tables computed as plain Python, once per table.
+
+    DALI maps every magnitude bin of every operation (both signs) through `mag_to_param` while the graph is
+    defined, and with conditionals on (every policy) AutoGraph converts that mapping too: each of the ~600
+    little numpy calls of a TrivialAugmentWide suite went through `converted_call` and its source-map
+    bookkeeping, 0.5-0.7 s of one core per pipeline definition, against 0.01 s for the graph without a policy.
+    The loader defines a fresh pipeline every epoch (a thread one epoch ahead, on the same cores): on
+    `make bench`'s 30-batch epochs, ~3.6 s at the policy graph's steady rate, defining it took 0.7 s of CPU,
+    two thirds of that this mapping (issue 29, docs/benchmarks.md "Where a policy's time goes").
+    The tables hold no DALI nodes (DALI refuses a `mag_to_param` that returns one), so converting them buys
+    nothing, and the same table gives the same constant: cached by operation and magnitudes. The two methods
+    are DALI 2.4's (`auto_aug/core/_augmentation.py`); a DALI that renames them only loses the speed-up."""
+    from nvidia.dali.auto_aug.core import _Augmentation as Augmentation  # what `augmentation_cls` extends
+    from nvidia.dali.pipeline import do_not_convert
+
+    class PrecomputedAugmentation(Augmentation):
+        _tables: dict = {}
+
+        @do_not_convert
+        def _map_mag_to_param(self, magnitude):
+            key = (self.name, self.mag_to_param, float(magnitude))
+            if key not in self._tables:
+                self._tables[key] = Augmentation._map_mag_to_param(self, magnitude)
+            return self._tables[key]
+
+        @do_not_convert
+        def _map_mags_to_params(self, magnitudes):
+            key = (self.name, self.mag_to_param, tuple(float(m) for m in magnitudes))
+            if key not in self._tables:
+                self._tables[key] = Augmentation._map_mags_to_params(self, magnitudes)
+            return self._tables[key]
+
+    return PrecomputedAugmentation
+
+
+_PRECOMPUTED = []  # the class, made on first use (imports DALI's auto_aug only when a policy is used)
+
+
+def _augmentation_cls():
+    if not _PRECOMPUTED:
+        _PRECOMPUTED.append(_precomputed_augmentation_cls())
+    return _PRECOMPUTED[0]
+
+
 def dali_op(name: str, magnitudes: np.ndarray | None, signed: bool):
     """DALI's augmentation for torchvision's operation `name` with torchvision's magnitude bins."""
     from nvidia.dali.auto_aug import augmentations as a  # imports numpy-heavy helpers: only when a policy is used
@@ -176,7 +221,8 @@ def dali_op(name: str, magnitudes: np.ndarray | None, signed: bool):
         "Solarize": (a.solarize, _solarize_threshold),
     }[name]
     kwargs = {"mag_to_param": to_param} if to_param is not None else {}
-    return base.augmentation(mag_range=np.asarray(magnitudes), randomly_negate=signed, **kwargs)
+    return base.augmentation(mag_range=np.asarray(magnitudes), randomly_negate=signed,
+                             augmentation_cls=_augmentation_cls(), **kwargs)
 
 
 def dali_suite(policy: str, size: int, bins: int | None = None) -> list:
