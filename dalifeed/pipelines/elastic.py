@@ -23,7 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dalifeed.format import IMAGE_MEMBER, INDEX_VERSION
+from dalifeed.atomic import write_atomic
+from dalifeed.format import IMAGE_MEMBER, index_text
+
+from .checks import indexed_samples
 
 
 class ElasticError(ValueError):
@@ -71,18 +74,6 @@ class SampleSet:
         return out
 
 
-def image_offsets(index_path: str | os.PathLike) -> np.ndarray:
-    """The offset of each sample's image member (`IMAGE_MEMBER`, what the graphs read and `source_info`
-    names) in a DALI index, in index order."""
-    offsets = []
-    with open(index_path) as f:
-        next(f)  # `v1.2 N`
-        for line in f:
-            fields = line.split()
-            offsets.append(next(int(fields[i + 1]) for i in range(0, len(fields), 4) if fields[i] == IMAGE_MEMBER))
-    return np.asarray(offsets, dtype=np.int64)
-
-
 class SampleKeys:
     """Turns the `source_info` DALI gives for a sample of one pipeline into (shard path, position in its
     manifest index). `tars[i]` is where the pipeline reads `shards[i]` from (a path, an s3:// URL or the
@@ -105,8 +96,9 @@ class SampleKeys:
         for tar, offsets in found.items():
             shard, idx = self._where[tar]
             known = self._offsets.get(tar)
-            if known is None:
-                known = self._offsets[tar] = image_offsets(idx)
+            if known is None:  # the offset of each sample's image member (what `source_info` names), in order
+                known = self._offsets[tar] = np.asarray([ref.offset for ref in indexed_samples(tar, idx, IMAGE_MEMBER)],
+                                                        dtype=np.int64)
             positions = np.searchsorted(known, offsets)
             if np.any(positions >= len(known)) or np.any(known[np.minimum(positions, len(known) - 1)] != offsets):
                 raise ElasticError(f"{tar}: DALI read a sample at an offset its index {idx} does not list")
@@ -116,17 +108,17 @@ class SampleKeys:
 
 
 def remaining_index(index_path: str | os.PathLike, consumed: np.ndarray | None, out: Path) -> int:
-    """Write to `out` the DALI index of `index_path` without the samples marked in `consumed` (lines copied
-    as they are: the tar is read at the same offsets); returns how many samples it lists."""
-    with open(index_path) as f:
-        next(f)
-        lines = f.readlines()
+    """Write to `out` the DALI index of `index_path` without the samples marked in `consumed` (their entries
+    as they are: the tar is read at the same offsets), through the one index writer; returns how many samples
+    it lists."""
+    with open(index_path) as lines:
+        next(lines)  # `v1.2 N`
+        samples = [[(x[i], int(x[i + 1]), int(x[i + 2]), x[i + 3]) for i in range(0, len(x) - 3, 4)]
+                   for x in (line.split() for line in lines)]
     if consumed is not None:
-        lines = [line for line, done in zip(lines, consumed) if not done]
-    tmp = out.with_suffix(".part")
-    tmp.write_text(f"{INDEX_VERSION} {len(lines)}\n" + "".join(lines))
-    os.replace(tmp, out)
-    return len(lines)
+        samples = [entries for entries, done in zip(samples, consumed) if not done]
+    write_atomic(out, index_text(samples).encode())
+    return len(samples)
 
 
 NOT_RECORDED = ("the mid-epoch checkpoint does not record which samples were consumed (written by an older dalifeed, "

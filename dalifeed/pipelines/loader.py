@@ -81,7 +81,7 @@ from .elastic import ElasticError, SampleKeys, SampleSet, batches_left, remainin
 from .graphs import DEVICES, AugmentConfig, shard_pipeline, uses_gpu
 
 CLASSIFICATION_OUTPUTS = ("images", "labels")
-# The graph output naming each sample where it was read (`graphs.SOURCE_INFO`), taken off the batch before
+# The graph output naming each sample where it was read (`graphs.sample_sources`), taken off the batch before
 # `to_torch`: a checkpointing training loader records with it which samples it has handed out (elastic.py).
 SAMPLE_SOURCES = "sources"
 

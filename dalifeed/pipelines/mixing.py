@@ -120,7 +120,7 @@ class MixedLoader(FollowsCursor):
             images = torch.cat([p[0] for p in parts])
             labels = torch.cat([remap[p[1]] for remap, p in zip(remaps, parts)])
             self.last_samples = [f"{i}/{key}" for i, loader in enumerate(self.loaders)
-                                 for key in getattr(loader, "last_samples", ())]
+                                 for key in loader.last_samples]
             cursor.advance()
             yield images, labels
         for stream in streams:
