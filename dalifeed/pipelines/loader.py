@@ -31,8 +31,7 @@ Epoch semantics (what a trainer may rely on):
   evaluates) with its thread pool and decoder buffers. Why not one pipeline for all epochs: docs/gpu.md.
   What would make the epoch wait, defining the graph (Python: about a second for a policy's graph), is done
   ahead on a background thread: the next epoch's while this one runs, the first at construction (not
-  with a shard cache, whose tars are pinned when their epoch starts). The finished pipeline is released on
-  that thread, its teardown overlapping the next build rather than delaying it.
+  with a shard cache, whose tars are pinned when their epoch starts).
 - Progressive resizing (`classification_loader(..., image_size=)`): the graph of epoch e is built for the
   image size of epoch e (a function of the epoch alone: resolution.py), so the epoch defined ahead, one set
   by `set_epoch` and one restored mid-epoch all train at the size an uninterrupted run would have.
@@ -206,7 +205,7 @@ class DaliLoader(FollowsCursor):
         self._rest: tempfile.TemporaryDirectory | None = None  # index files of a resumed epoch's remaining samples
         self.last_samples: list[str] = []  # the last batch's samples, `SHARD:POSITION` (when tracking them)
         self._ahead: tuple[int, Future] | None = None  # (epoch, its pipeline being defined in the background)
-        self._background: ThreadPoolExecutor | None = None  # defines pipelines ahead, releases finished ones
+        self._background: ThreadPoolExecutor | None = None  # defines pipelines ahead
         # A folder in a store: this loader's view of the node's shard cache (its pins are this loader's
         # epoch), the first epoch's tars coming while the caller gets ready.
         self.shard_cache = ShardCache(self.manifest, source.cache) if source.cache is not None else None
@@ -353,14 +352,11 @@ class DaliLoader(FollowsCursor):
         self._ahead = (epoch, self._background_thread().submit(self._define, epoch))
 
     def _release_pipeline(self) -> None:
-        """Drop the pipeline of the epoch that ended (or was left) on the background thread: DALI's teardown
-        waits for the batches it was still preparing, 0.2-0.4 s of the pause between epochs on 2 cores, which
-        the next pipeline need not wait for. It overlaps the next build for that long; no longer."""
-        if self._iterator is None:
-            return
-        last = [self._iterator]  # the one reference left: it dies on the background thread
+        """Drop the pipeline of the epoch that ended (or was left), here and now: DALI's teardown waits for the
+        batches it was still preparing (0.2-0.4 s on 2 cores), but released on a background thread it overlapped
+        the next pipeline's build (validation's or the next epoch's), two pipelines' threads at once, which
+        tests/test_budget.py refuses."""
         self._iterator = None
-        self._background_thread().submit(last.clear)
 
     def _background_thread(self) -> ThreadPoolExecutor:
         if self._background is None:
@@ -368,7 +364,7 @@ class DaliLoader(FollowsCursor):
         return self._background
 
     def __del__(self):
-        # a definition or release still under way would outlive the loader, and a process forked meanwhile (a
+        # a definition still under way would outlive the loader, and a process forked meanwhile (a
         # DataLoader's workers) would copy it half done: let it finish first
         background = getattr(self, "_background", None)
         if background is not None:
