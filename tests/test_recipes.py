@@ -140,6 +140,25 @@ def test_single_operation_matches_torchvision(photos, policy, name):
             assert max(np.abs(d.astype(float) - p.astype(float)).mean() for d, p in zip(dali, photos)) > 2 * limit
 
 
+@pytest.mark.parametrize("name", ["Solarize"])
+def test_the_rewritten_operations_are_dalis_bit_for_bit(photos, name):
+    """augment._current_ops writes Solarize again for speed: the same images as DALI's own augmentation at every
+    fifth magnitude bin (and both signs where the operation is signed), a flat image included."""
+    from nvidia.dali.auto_aug import augmentations as a
+
+    mags, signed = augment.torchvision_space("ta_wide", SIZE)[name]
+    to_param = {"Solarize": augment._solarize_threshold}[name]
+    dalis = getattr(a, name.lower()).augmentation(mag_range=np.asarray(mags), randomly_negate=signed,
+                                                   mag_to_param=to_param)
+    images = photos + [np.full((SIZE, SIZE, 3), 77, np.uint8)]
+    signs = [0, 1] if signed else [0]
+    for bin_ in range(0, augment.DEFAULT_BINS, 5):
+        ours_out = dali_op_outputs(augment.dali_op(name, mags, signed), images, bin_, augment.DEFAULT_BINS, signs)
+        dalis_out = dali_op_outputs(dalis, images, bin_, augment.DEFAULT_BINS, signs)
+        for o, d in zip(ours_out, dalis_out):
+            assert all(np.array_equal(x, y) for x, y in zip(o, d)), (name, bin_)
+
+
 # -- random erasing ----------------------------------------------------------------------------------
 
 def erase_boxes(side: int, probability: float, batches: int, batch_size: int = 256) -> np.ndarray:
