@@ -127,6 +127,53 @@ def test_a_mid_epoch_state_needs_checkpointing(unique_shards):
         loader.state_dict()
 
 
+@pytest.mark.parametrize("train, batch, world_size", [(True, 4, 1), (True, 5, 2), (False, 4, 1), (False, 5, 3)])
+def test_an_epoch_runs_its_pipeline_no_further_than_its_last_batch(unique_shards, train, batch, world_size):
+    """epoch_iterator.EpochIterator: when the epoch ends, every run DALI was given has been fetched (DALI's own
+    iterator leaves prefetch_queue_depth runs of the next epoch in flight, which the pipeline's teardown waits
+    for), and training still decodes its dropped partial batch."""
+    loader = make_loader(unique_shards, "train", batch, train=train, rank=world_size - 1, world_size=world_size,
+                         image_size=16, device="cpu", seed=2)
+    for epoch in range(2):
+        pipes = []
+        handed_out = 0
+        for _ in loader:
+            pipes = loader._iterator._pipes  # the epoch's pipeline, kept past its release
+            handed_out += 1
+        assert handed_out == len(loader)
+        pipe = pipes[0]
+        assert pipe._batches_to_consume == 0  # scheduled and never fetched: none
+        rank = world_size - 1
+        slice_size = (rank + 1) * N // world_size - rank * N // world_size  # what the rank's reader reads
+        assert pipe._consumer_iter == -(-slice_size // batch)  # every run that read the slice, partial included
+        del pipes, pipe
+
+
+@pytest.mark.parametrize("wanted", [0, 10**6])
+def test_an_iterator_that_counts_runs_wrongly_still_hands_out_the_whole_epoch(unique_shards, wanted):
+    """If a later DALI counts an epoch's runs differently from EpochIterator: too few scheduled are scheduled when
+    fetched, too many are waited for; the epoch is the same either way."""
+    from nvidia.dali.plugin.pytorch import LastBatchPolicy
+
+    from dalifeed.pipelines.epoch_iterator import EpochIterator
+
+    class Miscounting(EpochIterator):
+        def _runs_to_fetch_after_this_one(self) -> int:
+            return wanted
+
+    def epoch(cls) -> list[list[int]]:
+        loader = make_loader(unique_shards, "train", 4, image_size=16, device="cpu", seed=4)
+        pipe, _ = loader._define(0)
+        pipe.build()
+        iterator = cls([pipe], ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.DROP,
+                       auto_reset=False)
+        return [batch[0]["labels"].flatten().tolist() for batch in iterator]
+
+    expected = epoch(EpochIterator)
+    assert len(expected) == N // 4
+    assert epoch(Miscounting) == expected
+
+
 @pytest.mark.parametrize("split, train, expected", [
     ("train", None, True), ("train2017", None, True), ("training", None, True), ("trainval", None, True),
     ("val", None, False), ("val2017", None, False), ("validation", None, False), ("test", None, False),

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+from nvidia.dali.plugin.pytorch import LastBatchPolicy
 
 from dalifeed import defaults
 from dalifeed.budget import thread_budget
@@ -77,6 +77,7 @@ from .checks import SampleRef, explain_dali_error, indexed_samples, is_pipeline_
 from .cursor import EpochCursor, FollowsCursor
 from .dataset import Dataset, Source
 from .elastic import ElasticError, SampleKeys, SampleSet, batches_left, remaining_index
+from .epoch_iterator import EpochIterator
 from .graphs import DEVICES, AugmentConfig, shard_pipeline, uses_gpu
 
 CLASSIFICATION_OUTPUTS = ("images", "labels")
@@ -196,7 +197,7 @@ class DaliLoader(FollowsCursor):
         self._shards = self.manifest.split_info(self.split).shards
         self.total_samples = self.manifest.num_samples(self.split)
         self.cursor = EpochCursor(options.global_batch)
-        self._iterator: DALIGenericIterator | None = None  # the current epoch's, from its build to its end
+        self._iterator: EpochIterator | None = None  # the current epoch's, from its build to its end
         self._restore: Restore | None = None  # where the next iteration starts inside its epoch
         # Inside an epoch: the samples a resume on another number of ranks excluded from it (None: none), and
         # those this rank has handed out since its pipeline started (with `SAMPLE_SOURCES` in `outputs`)
@@ -352,10 +353,10 @@ class DaliLoader(FollowsCursor):
         self._ahead = (epoch, self._background_thread().submit(self._define, epoch))
 
     def _release_pipeline(self) -> None:
-        """Drop the pipeline of the epoch that ended (or was left), here and now: DALI's teardown waits for the
-        batches it was still preparing (0.2-0.4 s on 2 cores), but released on a background thread it overlapped
-        the next pipeline's build (validation's or the next epoch's), two pipelines' threads at once, which
-        tests/test_budget.py refuses."""
+        """Drop the pipeline of the epoch that ended (or was left), here and now. At an epoch's end it has no
+        run left to wait for (EpochIterator schedules none past the epoch); one left mid-epoch waits for the
+        batches it was preparing. Released on a background thread, it overlapped the next pipeline's build
+        (validation's or the next epoch's), two pipelines' threads at once, which tests/test_budget.py refuses."""
         self._iterator = None
 
     def _background_thread(self) -> ThreadPoolExecutor:
@@ -383,12 +384,12 @@ class DaliLoader(FollowsCursor):
             return self._define(self.cursor.epoch)
         return self._define(self.cursor.epoch, restore.dali, restore.excluded)
 
-    def _build_iterator(self, restore: Restore | None) -> tuple[DALIGenericIterator, SampleKeys]:
+    def _build_iterator(self, restore: Restore | None) -> tuple[EpochIterator, SampleKeys]:
         pipe, keys = self._defined(restore)
         pipe.build()
         policy = LastBatchPolicy.DROP if self.options.train else LastBatchPolicy.PARTIAL
-        iterator = DALIGenericIterator([pipe], list(self.outputs), reader_name="Reader", last_batch_policy=policy,
-                                       last_batch_padded=False, auto_reset=False)
+        iterator = EpochIterator([pipe], list(self.outputs), reader_name="Reader", last_batch_policy=policy,
+                                 last_batch_padded=False, auto_reset=False)
         self._define_ahead(self.cursor.epoch + 1)  # while this epoch runs
         return iterator, keys
 

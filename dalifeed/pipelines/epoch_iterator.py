@@ -1,0 +1,52 @@
+"""DALI's PyTorch iterator over one epoch of a pipeline that is dropped when the epoch ends.
+
+DALI's iterator keeps `prefetch_queue_depth` runs scheduled ahead of the batch it hands out, epoch after epoch:
+at an epoch's end the pipeline is already preparing the next epoch's first batches (the reader wraps around),
+ready for `reset()`. The loader never resets: it builds a pipeline per epoch (each epoch's shard order is given
+to the reader when the pipeline is built) and drops it when the epoch ends. Those runs were thrown away, and
+dropping the pipeline waited for them: 2 runs on the CPU (0.2-0.45 s with a policy on 2 cores, most of the
+pause before the next epoch's first batch), 5 with GPU decoding. `EpochIterator` schedules no run past the
+epoch's last: the runs that read the epoch, the partial batch dropped at its end included, are all scheduled as
+before, and the pipeline is idle when the last one is handed out.
+
+It reads three of DALI 2.4's iterator and pipeline fields (`_size`, `_counter`, `_batches_to_consume`): how many
+samples the iterator hands out in the epoch, how many it has, and how many runs are scheduled and not yet
+fetched. If a later DALI counts differently, a run it wants and that was not scheduled is scheduled when it is
+fetched (one batch time late, never a shortened epoch), and one scheduled that it does not want is waited for
+as before.
+"""
+
+from __future__ import annotations
+
+import math
+
+from nvidia.dali import types
+from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+
+class EpochIterator(DALIGenericIterator):
+    """DALIGenericIterator that does not run its pipeline past the end of the epoch (see the module docstring)."""
+
+    def _runs_to_fetch_after_this_one(self) -> int:
+        # called between fetching a batch and counting it: `_counter` does not include it yet
+        return max(0, math.ceil((self._size - self._counter) / self.batch_size) - 1)
+
+    def _schedule_runs(self, release_outputs: bool = True) -> None:
+        if not self._ever_scheduled or self._size <= 0:
+            super()._schedule_runs(release_outputs)  # the first runs (prefetch), or an epoch of unknown length
+            return
+        wanted = self._runs_to_fetch_after_this_one()
+        for p in self._pipes:
+            with p._check_api_type_scope(types.PipelineAPIType.ITERATOR):
+                if release_outputs:
+                    p.release_outputs()
+                if p._batches_to_consume < wanted:
+                    p.schedule_run()
+
+    def _get_outputs(self):
+        if self._ever_scheduled and not (self._size > 0 and self._counter >= self._size):
+            for p in self._pipes:  # a run wanted that was not scheduled (see the module docstring)
+                if p._batches_to_consume == 0:
+                    with p._check_api_type_scope(types.PipelineAPIType.ITERATOR):
+                        p.schedule_run()
+        return super()._get_outputs()
