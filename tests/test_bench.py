@@ -36,6 +36,30 @@ def bench_data(make_shards) -> tuple[Path, Path]:
     return make_shards({"a": 21, "b": 19, "c": 17}, size=(40, 52), samples_per_shard=8)
 
 
+class PausingLoader:
+    """Four batches an epoch; the first of each comes after a pause of `pause` s, the others after 0.01 s."""
+
+    def __init__(self, pause: float):
+        self.pause = pause
+
+    def __iter__(self):
+        for i in range(4):
+            time.sleep(self.pause if i == 0 else 0.01)
+            yield torch.zeros(2, 3, 4, 4), torch.zeros(2, dtype=torch.long)
+
+
+def test_the_pause_before_an_epochs_first_batch_is_measured_in_batch_times():
+    from dalifeed.bench.measure import time_loader
+
+    timing = time_loader(PausingLoader(0.2), torch.device("cpu"), warmup_batches=1, seconds=None, batches=8,
+                         repeats=2, cores=1)
+    assert timing.epoch_starts_timed == 4  # 16 batches timed, every fourth the first of an epoch
+    assert timing.epoch_start_batch_times > 5  # 0.2 s against 0.01 s: about 20, however slow the machine
+    steady = time_loader(PausingLoader(0.01), torch.device("cpu"), warmup_batches=1, seconds=None, batches=8,
+                         repeats=2, cores=1)
+    assert steady.epoch_start_batch_times < timing.epoch_start_batch_times
+
+
 @pytest.mark.parametrize("fp16", [False, True])
 @pytest.mark.parametrize("name", ["baseline", "webdataset", "dali-cpu"])
 def test_every_loader_yields_the_same_kind_of_batch(bench_data, name, fp16):
@@ -69,6 +93,8 @@ def test_dali_bench_cli_writes_table_json_and_plot(bench_data, tmp_path):
         assert r["output"] == "(8, 3, 32, 32) float32 cpu"
         # CPU clocks tick every 10 ms per process, so a window this short can read a little over 100%
         assert 0 < r["cpu_percent"] < 150 and r["peak_rss_mb"] > 50
+        # each window is one epoch's batches, so each holds one epoch's first batch
+        assert r["epoch_starts_timed"] == 2 and r["epoch_start_batch_times"] > 0
         # the model's rate fed by this loader, against the one on synthetic data recorded beside it
         assert r["train_vs_synthetic"] == r["train_steps_per_s"] / report["synthetic"]["steps_per_s"]
         assert 0 <= r["data_wait_share"] < 1
@@ -78,6 +104,7 @@ def test_dali_bench_cli_writes_table_json_and_plot(bench_data, tmp_path):
     assert report["environment"]["cores"] == usable_cores() and report["synthetic"]["model"] == "resnet18"
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "config.json").read_text())["batch_size"] == 8
+    assert "| epoch start |" in result.output and "first batch of an epoch:" in result.output
     assert "| baseline |" in result.output and "| dali-cpu |" in result.output
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -18,16 +18,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def forever(loader: Iterable) -> Iterator:
-    """Batches across epoch boundaries, as a trainer sees them. An epoch without a batch is an error, not an
-    endless loop."""
+def with_epoch_starts(loader: Iterable) -> Iterator[tuple[Any, bool]]:
+    """(batch, whether it is the first of an epoch) across epoch boundaries, as a trainer sees them. An epoch
+    without a batch is an error, not an endless loop."""
     while True:
         count = 0
         for batch in loader:
+            yield batch, count == 0
             count += 1
-            yield batch
         if count == 0:
             raise RuntimeError("the loader yielded no batch in a whole epoch (fewer images than one batch?)")
+
+
+def forever(loader: Iterable) -> Iterator:
+    """Batches across epoch boundaries, as a trainer sees them."""
+    return (batch for batch, _ in with_epoch_starts(loader))
 
 
 @dataclass
@@ -36,6 +41,10 @@ class Timing:
     cpu_percent: float  # of all cores, over the timed runs
     peak_rss_mb: float
     output: str  # shape, dtype and device of a batch: the loaders must agree
+    # the wait for an epoch's first batch over the median wait for a batch (median over the epochs that began
+    # in the timed windows; None when none did): the pause between epochs, in batch times
+    epoch_start_batch_times: float | None = None
+    epoch_starts_timed: int = 0
 
     @property
     def median(self) -> float:
@@ -47,29 +56,33 @@ def time_loader(loader: Iterable, device: torch.device, *, warmup_batches: int, 
     """`repeats` timed windows of `seconds` (or of `batches` batches) after `warmup_batches` untimed ones and
     `ahead` more: the batches the loader can hold ready (`loaders.batches_ahead`), drained so that no window
     counts batches made before it began. Only the end of each window synchronises: a sync per batch would
-    serialise the pipeline."""
-    stream = forever(loader)
+    serialise the pipeline. Each batch's wait is timed too, for the pause before an epoch's first batch."""
+    stream = with_epoch_starts(loader)
     for _ in range(warmup_batches + ahead):
-        images, labels = next(stream)
+        (images, labels), _ = next(stream)
     synchronize(device)
-    rates = []
+    rates, starts, others = [], [], []
     with ResourceSampler() as sampler:
         for _ in range(repeats):
             count, n_batches = 0, 0
-            start = time.perf_counter()
+            start = last = time.perf_counter()
             while True:
-                images, labels = next(stream)
+                (images, labels), first = next(stream)
+                now = time.perf_counter()
+                (starts if first else others).append(now - last)  # as the training loop waits for it
+                last = now
                 count += len(labels)  # a tensor of labels, or a list of detection targets
                 n_batches += 1
                 if batches is not None and n_batches >= batches:
                     break
-                if seconds is not None and time.perf_counter() - start >= seconds:
+                if seconds is not None and now - start >= seconds:
                     break
             synchronize(device)
             rates.append(count / (time.perf_counter() - start))
     output = describe_batch(images)
     cpu_percent = 100 * sampler.cpu_seconds / (sampler.wall_seconds * cores)
-    return Timing(rates, cpu_percent, sampler.peak("rss_bytes") / 2**20, output)
+    epoch_start = statistics.median(starts) / statistics.median(others) if starts and others else None
+    return Timing(rates, cpu_percent, sampler.peak("rss_bytes") / 2**20, output, epoch_start, len(starts))
 
 
 def describe_batch(images) -> str:

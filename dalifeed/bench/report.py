@@ -15,7 +15,7 @@ def markdown_table(head: list[str], rows: list[list[str]]) -> list[str]:
 
 def render_table(report: dict) -> str:
     has_model = any("train_steps_per_s" in r for r in report["results"])
-    head = ["loader", "images/s (median)", "runs min-max", "x baseline", "CPU %", "peak RSS MB"]
+    head = ["loader", "images/s (median)", "runs min-max", "x baseline", "CPU %", "peak RSS MB", "epoch start"]
     if has_model:
         head += ["train steps/s", "vs synthetic", "data wait"]
     rows = []
@@ -23,7 +23,7 @@ def render_table(report: dict) -> str:
         runs = r["images_per_s_runs"]
         row = [r["loader"], f"{r['images_per_s']:.0f}", f"{min(runs):.0f}-{max(runs):.0f}",
                f"{r['speedup_vs_baseline']:.2f}" if r["speedup_vs_baseline"] else "-",
-               f"{r['cpu_percent']:.0f}", f"{r['peak_rss_mb']:.0f}"]
+               f"{r['cpu_percent']:.0f}", f"{r['peak_rss_mb']:.0f}", epoch_start_cell(r)]
         if has_model:
             row += [f"{r['train_steps_per_s']:.2f}", f"{r['train_vs_synthetic']:.0%}", f"{r['data_wait_share']:.0%}"]
         rows.append(row)
@@ -33,6 +33,12 @@ def render_table(report: dict) -> str:
         lines.append(f"\nSynthetic on-device data: {s['model']} at {s['steps_per_s']:.2f} steps/s "
                      f"({s['images_per_s']:.0f} images/s).")
     return "\n".join(lines)
+
+
+def epoch_start_cell(record: dict) -> str:
+    """The pause before an epoch's first batch, in batch times ("-": no epoch began in the timed windows)."""
+    value = record.get("epoch_start_batch_times")  # absent from reports written before it was measured
+    return "-" if value is None else f"{value:.1f}"
 
 
 def write_report(report: dict, out: Path) -> None:

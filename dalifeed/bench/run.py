@@ -61,8 +61,11 @@ def run_bench(cfg: BenchConfig, dataset: Dataset, log=print) -> dict:
                              seconds=None if batches else cfg.seconds, batches=batches, repeats=cfg.repeats,
                              cores=usable_cores(), ahead=batches_ahead(loader))
         record = {"loader": name, "images_per_s": timing.median, "images_per_s_runs": timing.images_per_s,
-                  "cpu_percent": timing.cpu_percent, "peak_rss_mb": timing.peak_rss_mb, "output": timing.output}
-        log(f"{name}: {timing.median:.0f} images/s (runs: {', '.join(f'{r:.0f}' for r in timing.images_per_s)})")
+                  "cpu_percent": timing.cpu_percent, "peak_rss_mb": timing.peak_rss_mb, "output": timing.output,
+                  "epoch_start_batch_times": timing.epoch_start_batch_times,
+                  "epoch_starts_timed": timing.epoch_starts_timed}
+        log(f"{name}: {timing.median:.0f} images/s (runs: {', '.join(f'{r:.0f}' for r in timing.images_per_s)})"
+            + epoch_start_note(timing))
         if cfg.model:
             record.update(measure_model(cfg, loader, device, model_records, log, name))
         records.append(record)
@@ -72,6 +75,13 @@ def run_bench(cfg: BenchConfig, dataset: Dataset, log=print) -> dict:
         r["speedup_vs_baseline"] = r["images_per_s"] / base if base else None
     return {"config": cfg.to_json(), "environment": environment(), "dataset": dataset_of(cfg, dataset),
             "results": records, "synthetic": model_records.get("synthetic")}
+
+
+def epoch_start_note(timing) -> str:
+    if timing.epoch_start_batch_times is None:
+        return "; no epoch began in the timed windows"
+    return (f"; first batch of an epoch: {timing.epoch_start_batch_times:.1f} batch times "
+            f"(median of {timing.epoch_starts_timed} epochs)")
 
 
 def bench_loader(cfg: BenchConfig, dataset: Dataset, name: str, device: torch.device):
