@@ -9,11 +9,12 @@ pause before the next epoch's first batch), 5 with GPU decoding. `EpochIterator`
 epoch's last: the runs that read the epoch, the partial batch dropped at its end included, are all scheduled as
 before, and the pipeline is idle when the last one is handed out.
 
-It reads three of DALI 2.4's iterator and pipeline fields (`_size`, `_counter`, `_batches_to_consume`): how many
-samples the iterator hands out in the epoch, how many it has, and how many runs are scheduled and not yet
-fetched. If a later DALI counts differently, a run it wants and that was not scheduled is scheduled when it is
-fetched (one batch time late, never a shortened epoch), and one scheduled that it does not want is waited for
-as before.
+It overrides two of DALI 2.4's iterator methods (`_schedule_runs`, `_get_outputs`) and reads four of its
+fields: `_size` and `_counter` (the samples the iterator hands out in the epoch, and those it has),
+`_ever_scheduled`, and the pipeline's `_batches_to_consume` (runs scheduled and not yet fetched). A DALI without
+those fields gets DALI's own scheduling (only the speed-up is lost). If a later DALI counts differently, a run it
+wants and that was not scheduled is scheduled when it is fetched (one batch time late, never a shortened
+epoch), and one scheduled that it does not want is waited for as before (tests/test_loader.py runs both).
 """
 
 from __future__ import annotations
@@ -31,9 +32,14 @@ class EpochIterator(DALIGenericIterator):
         # called between fetching a batch and counting it: `_counter` does not include it yet
         return max(0, math.ceil((self._size - self._counter) / self.batch_size) - 1)
 
+    def _bounded(self) -> bool:
+        """DALI's fields are there and the epoch's length is known."""
+        return getattr(self, "_size", -1) > 0 and hasattr(self, "_counter") and hasattr(self, "_ever_scheduled") \
+            and all(hasattr(p, "_batches_to_consume") for p in self._pipes)
+
     def _schedule_runs(self, release_outputs: bool = True) -> None:
-        if not self._ever_scheduled or self._size <= 0:
-            super()._schedule_runs(release_outputs)  # the first runs (prefetch), or an epoch of unknown length
+        if not self._bounded() or not self._ever_scheduled:
+            super()._schedule_runs(release_outputs)  # the first runs (prefetch), or DALI's own scheduling
             return
         wanted = self._runs_to_fetch_after_this_one()
         for p in self._pipes:
@@ -44,7 +50,7 @@ class EpochIterator(DALIGenericIterator):
                     p.schedule_run()
 
     def _get_outputs(self):
-        if self._ever_scheduled and not (self._size > 0 and self._counter >= self._size):
+        if self._bounded() and self._ever_scheduled and self._counter < self._size:
             for p in self._pipes:  # a run wanted that was not scheduled (see the module docstring)
                 if p._batches_to_consume == 0:
                     with p._check_api_type_scope(types.PipelineAPIType.ITERATOR):
