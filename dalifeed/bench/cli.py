@@ -131,7 +131,7 @@ def main(debug: bool, **options):
     batch, that at least one loader can run here and that --model takes --image-size (built on the meta
     device, as dali-train builds it); any failing is one line and exit 2, as is a node whose NVIDIA GPUs the
     installed torch or DALI cannot use (`dalifeed doctor`). Reports images/s (median of --repeats), speed-up over baseline measured in the same run, CPU
-    use and peak memory, and with --model the training steps/s each loader sustains against synthetic
+    use, peak memory and the epoch start (the wait for an epoch's first batch, in batch times), and with --model the training steps/s each loader sustains against synthetic
     data (with a time estimate after the first step); writes OUT/bench.json, OUT/bench.png and
     OUT/config.json.
     """
