@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Iterator
 
 from .atomic import write_json_atomic
 
@@ -328,6 +329,16 @@ def index_text(samples: list[list[IndexEntry]]) -> str:
     lines = "".join(" ".join(f"{ext} {offset} {size} {name}" for ext, offset, size, name in entries) + "\n"
                     for entries in samples)
     return f"{INDEX_VERSION} {len(samples)}\n" + lines
+
+
+def index_samples(idx_path: str | os.PathLike) -> Iterator[list[IndexEntry]]:
+    """Each sample's members from a DALI index, in order: what `index_text` writes, read back."""
+    with open(idx_path) as lines:
+        next(lines)  # `v1.2 N`
+        for line in lines:
+            fields = line.split()
+            yield [(fields[i], int(fields[i + 1]), int(fields[i + 2]), fields[i + 3])
+                   for i in range(0, len(fields) - 3, 4)]
 
 
 def index_sample_count(idx_path: Path) -> int:

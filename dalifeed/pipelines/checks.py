@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from dalifeed.decode import DaliDecoder, summarize_dali_error
-from dalifeed.format import split_member_name
+from dalifeed.format import index_samples, split_member_name
 from dalifeed.s3 import StorageError
 
 VERIFY_HINT = "check the shards with: shard-convert verify --decode {root}"
@@ -54,14 +54,10 @@ class SampleRef:
 
 def indexed_samples(tar: str, idx: str, image_ext: str = "jpg") -> Iterator[SampleRef]:
     """The image member of every sample of `tar`, in order, from its DALI index (no tar scan)."""
-    with open(idx) as f:
-        next(f)  # "v1.2 N"
-        for line in f:
-            fields = line.split()
-            for i in range(0, len(fields) - 3, 4):
-                ext, offset, size, name = fields[i:i + 4]
-                if ext == image_ext:
-                    yield SampleRef(tar, member_key(name), ext, int(offset), int(size))
+    for entries in index_samples(idx):
+        for ext, offset, size, name in entries:
+            if ext == image_ext:
+                yield SampleRef(tar, member_key(name), ext, offset, size)
 
 
 def member_key(name: str) -> str:

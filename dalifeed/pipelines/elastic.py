@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from dalifeed.atomic import write_atomic
-from dalifeed.format import IMAGE_MEMBER, index_text
+from dalifeed.format import IMAGE_MEMBER, index_samples, index_text
 
 from .checks import indexed_samples
 
@@ -109,12 +109,9 @@ class SampleKeys:
 
 def remaining_index(index_path: str | os.PathLike, consumed: np.ndarray | None, out: Path) -> int:
     """Write to `out` the DALI index of `index_path` without the samples marked in `consumed` (their entries
-    as they are: the tar is read at the same offsets), through the one index writer; returns how many samples
-    it lists."""
-    with open(index_path) as lines:
-        next(lines)  # `v1.2 N`
-        samples = [[(x[i], int(x[i + 1]), int(x[i + 2]), x[i + 3]) for i in range(0, len(x) - 3, 4)]
-                   for x in (line.split() for line in lines)]
+    as they are: the tar is read at the same offsets), through the one index reader and writer; returns how
+    many samples it lists."""
+    samples = list(index_samples(index_path))
     if consumed is not None:
         samples = [entries for entries, done in zip(samples, consumed) if not done]
     write_atomic(out, index_text(samples).encode())
