@@ -159,6 +159,28 @@ def test_the_rewritten_operations_are_dalis_bit_for_bit(photos, name):
             assert all(np.array_equal(x, y) for x, y in zip(o, d)), (name, bin_)
 
 
+def policy_outputs(policy: str, photos, runs: int = 3) -> list[np.ndarray]:
+    @pipeline_def(batch_size=4 * len(photos), num_threads=1, device_id=None, seed=5, enable_conditionals=True)
+    def pipe():
+        data = fn.external_source(source=lambda: photos * 4, batch=True, layout="HWC")
+        return augment.apply_policy(data, AugmentConfig(image_size=SIZE, auto_augment=policy))
+
+    p = pipe()
+    p.build()
+    return [np.stack([np.asarray(t) for t in p.run()[0]]) for _ in range(runs)]
+
+
+@pytest.mark.parametrize("policy", augment.POLICIES)
+def test_parameters_looked_up_give_the_images_dalis_constant_tables_give(photos, policy, monkeypatch):
+    """augment._lookup_param reads an operation's parameter with one LookupTable where DALI indexes a constant
+    table: every policy gives the same images bit for bit over three batches (same seed, same draws)."""
+    ours = policy_outputs(policy, photos)
+    monkeypatch.setattr(augment, "_lookup_param", lambda table, index: None)  # DALI's own _get_param
+    dalis = policy_outputs(policy, photos)
+    assert all(np.array_equal(o, d) for o, d in zip(ours, dalis)), policy
+    assert any(not np.array_equal(o, np.stack(photos * 4)) for o in ours)  # the policy did something
+
+
 # -- random erasing ----------------------------------------------------------------------------------
 
 def erase_boxes(side: int, probability: float, batches: int, batch_size: int = 256) -> np.ndarray:

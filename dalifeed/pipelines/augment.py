@@ -178,10 +178,15 @@ def _precomputed_augmentation_cls():
     `make bench`'s 30-batch epochs, ~3.6 s at the policy graph's steady rate, defining it took 0.7 s of CPU,
     two thirds of that this mapping (issue 29, docs/benchmarks.md "Where a policy's time goes").
     The tables hold no DALI nodes (DALI refuses a `mag_to_param` that returns one), so converting them buys
-    nothing, and the same table gives the same constant: cached by operation and magnitudes. The two methods
-    are DALI 2.4's (`auto_aug/core/_augmentation.py`); a DALI that renames them only loses the speed-up."""
+    nothing, and the same table gives the same constant: cached by operation and magnitudes. `_get_param` reads
+    the parameter with a lookup instead of a constant table (`_lookup_param`). The methods overridden and the
+    names read are DALI 2.4's (`auto_aug/core/_augmentation.py`); a DALI that renames them only loses the
+    speed-up."""
     from nvidia.dali.auto_aug.core import _Augmentation as Augmentation  # what `augmentation_cls` extends
+    from nvidia.dali.auto_aug.core import _augmentation
     from nvidia.dali.pipeline import do_not_convert
+
+    SignedMagnitudeBin = getattr(_augmentation, "_SignedMagnitudeBin", None)
 
     class PrecomputedAugmentation(Augmentation):
         _tables: dict = {}
@@ -200,7 +205,54 @@ def _precomputed_augmentation_cls():
                 self._tables[key] = Augmentation._map_mags_to_params(self, magnitudes)
             return self._tables[key]
 
+        @do_not_convert
+        def _get_param(self, magnitude_bin, num_magnitude_bins, param_device):
+            table, index = (None, None) if SignedMagnitudeBin is None else \
+                self._table_and_index(magnitude_bin, num_magnitude_bins)
+            param = _lookup_param(table, index) if table is not None and self.param_device == "cpu" else None
+            if param is None:
+                return Augmentation._get_param(self, magnitude_bin, num_magnitude_bins, param_device)
+            return param
+
+        def _table_and_index(self, magnitude_bin, num_magnitude_bins):
+            """(the parameter of every signed bin, the per-sample index into it) where DALI's `_get_param`
+            would index a constant table with a batch; (None, None) where it does something else."""
+            magnitudes = self._get_magnitudes(num_magnitude_bins)
+            signed = isinstance(magnitude_bin, SignedMagnitudeBin)
+            if magnitudes is None or magnitude_bin is None:
+                return None, None
+            if self.randomly_negate:
+                if not signed:  # DALI draws the sign itself (and warns)
+                    return None, None
+                if isinstance(magnitude_bin.bin, int):
+                    magnitudes, index = [magnitudes[magnitude_bin.bin]], magnitude_bin.random_sign
+                else:
+                    index = magnitude_bin.signed_magnitude_idx
+                return self._map_mags_to_params(SignedMagnitudeBin._remap_to_signed_magnitudes(magnitudes)), index
+            index = magnitude_bin.bin if signed else magnitude_bin
+            return (None, None) if isinstance(index, int) else (self._map_mags_to_params(magnitudes), index)
+
     return PrecomputedAugmentation
+
+
+def _lookup_param(table: np.ndarray, index):
+    """`table[index]` per sample as one LookupTable on `index`, for float tables of scalars or pairs (None for
+    other tables: the operation keeps DALI's way).
+
+    DALI's `_get_param` makes it `types.Constant(table)[index]`. Under a policy's `if`s that is more operators
+    than it looks: a node without inputs is made at the top of the graph for the whole batch, so every `if` on
+    the way down to the operation's branch splits it again (4 splits in TrivialAugmentWide's tree of 14), and
+    DALI's CPU executor spends time on every operator whatever it computes (a chain of 200 scalar additions:
+    20 CPU ms per batch of 64). `index` is already in the branch, so a lookup on it is one operator (a pair:
+    two more, stacking index and index + len(table)). The policies' graphs lose 17-19% of their operators
+    (TrivialAugmentWide 180 -> 149); on 16 px images, where only that bookkeeping costs, the policies took
+    20-25% less CPU (docs/benchmarks.md). Same values: the table in float32, as the constant held it."""
+    if table.dtype.kind != "f" or table.ndim not in (1, 2) or (table.ndim == 2 and table.shape[1] != 2):
+        return None
+    values = table.astype(np.float32).T.ravel().tolist()  # column by column: key k + c * len(table)
+    if table.ndim == 2:
+        index = fn.stack(index, index + len(table))
+    return fn.lookup_table(index, keys=list(range(len(values))), values=values, dtype=types.FLOAT)
 
 
 _PRECOMPUTED = []  # the class, made on first use (imports DALI's auto_aug only when a policy is used)
