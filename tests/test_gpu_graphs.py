@@ -509,6 +509,7 @@ WITNESSES = {
     "Flip": (rb"7kernels7FlipGPUI" + T, 1),
     "Pad": (rb"3PadINS_10GPUBackendEE8FillArgsINS_7kernels9SliceArgsI" + T, 1),
     "Brightness": (rb"14MultiplyAddGpuI" + T + T, 2),  # brightness_contrast's GPU kernel <Out, In, ndim>
+    "BrightnessContrast": (rb"14MultiplyAddGpuI" + T + T, 2),
     "Saturation": (rb"23LinearTransformationGpuI" + T + T, 2),  # color_twist's <Out, In, 3, 3, 2>
     "WarpAffine": (rb"7WarpGPUINS\d*_13AffineMappingILi2EEELi2E" + T + T, 2),  # <Mapping, 2, Out, In, Border>
     "Rotate": (rb"7WarpGPUINS\d*_13AffineMappingILi2EEELi2E" + T + T, 2),  # the same Warp kernels
@@ -538,7 +539,8 @@ def test_the_kernel_table_is_what_the_installed_dali_instantiates():
         assert instantiated(library, pattern, group) == GPU_KERNELS[schema].types, schema
     assert "FLOAT16" in instantiated(library, rb"12EraseImplCpuI" + T, 1)
     assert set(GPU_KERNELS) - set(WITNESSES) == {"decoders__Image", "decoders__ImageRandomCrop", "decoders__ImageSlice",
-                                                 "Equalize", "_TensorSubscript", "_conditional__Split",
+                                                 "Equalize", "ColorSpaceConversion", "_TensorSubscript",
+                                                 "_conditional__Split",
                                                  "_conditional__Merge", "Constant"}
 
 

@@ -71,10 +71,11 @@ def test_the_dali_suite_carries_the_table(policy):
 # Mean absolute difference (grey levels, 0-255) allowed per operation, the largest over 4 photos and both signs
 # at the strongest bin. What it is on these photos: translations, posterize, solarize, invert, the shears and
 # rotations of RandAugment 0.0, TrivialAugment's rotations by 135 degrees 0.3 (a pixel-centre difference in
-# nearest-neighbour sampling); brightness, colour, contrast, sharpness and autocontrast 0.1-1.2 (float vs
-# integer arithmetic, saturation computed in another colour space); equalize 10.4: DALI equalises as OpenCV
-# does, PIL/torchvision round their lookup tables differently (the one operation that is not the same).
-MAE_LIMIT = {"Equalize": 12.0, "Brightness": 1.5, "Color": 1.5, "Contrast": 1.5, "Sharpness": 1.5,
+# nearest-neighbour sampling); brightness, sharpness and autocontrast 0.1-1.2 (float vs integer arithmetic);
+# colour and contrast 0.3-0.5 (augment._blend_uint8 rounds where torchvision floors, and corrects for it);
+# equalize 10.4: DALI equalises as OpenCV does, PIL/torchvision round their lookup tables differently (the
+# one operation that is not the same).
+MAE_LIMIT = {"Equalize": 12.0, "Brightness": 1.5, "Color": 0.75, "Contrast": 0.75, "Sharpness": 1.5,
              "AutoContrast": 1.0}
 EXACT_LIMIT = 0.4
 

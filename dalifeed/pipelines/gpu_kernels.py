@@ -51,6 +51,10 @@ SPLIT_MERGE = _kernel(None, "dali/pipeline/operator/builtin/conditional/split_me
 CAST = _kernel(("BOOL", *UNSIGNED, *SIGNED, "FLOAT16", "FLOAT", "FLOAT64"),
                "dali/operators/generic/cast.h: CAST_ALLOWED_TYPES (bool, uint8_t .. int64_t, float16, float, double)")
 
+BRIGHTNESS_CONTRAST = _kernel(("UINT8", "INT16", "INT32", "FLOAT"),
+                              "dali/operators/image/color/brightness_contrast.cu: TYPE_SWITCH over the input type "
+                              "(uint8_t, int16_t, int32_t, float), and over the output type the same list")
+
 GPU_KERNELS: dict[str, GpuKernel] = {
     "decoders__Image": DECODER,
     "decoders__ImageRandomCrop": DECODER,
@@ -77,9 +81,12 @@ GPU_KERNELS: dict[str, GpuKernel] = {
     # nvidia.dali.auto_aug's operations (augment.py's policies run them on the uint8 images)
     "WarpAffine": WARP,
     "Rotate": WARP,
-    "Brightness": _kernel(("UINT8", "INT16", "INT32", "FLOAT"),
-                          "dali/operators/image/color/brightness_contrast.cu: TYPE_SWITCH "
-                          "BRIGHTNESS_CONTRAST_SUPPORTED_TYPES (uint8_t, int16_t, int32_t, float)"),
+    "Brightness": BRIGHTNESS_CONTRAST,
+    "BrightnessContrast": BRIGHTNESS_CONTRAST,  # augment._blend_uint8 (Color, Contrast): uint8 in, int16 out
+    "ColorSpaceConversion": _kernel(
+        ("UINT8",), "dali/operators/image/color/color_space_conversion.cu: RunImpl views input and output as "
+                    "uint8_t; RGB -> GRAY is in dali/kernels/imgproc/color_manipulation/"
+                    "color_space_conversion_kernel.cuh's RunColorSpaceConversionKernel (kRGB_TO_GRAY)"),
     "Saturation": _kernel(("UINT8", "INT16", "INT32", "FLOAT", "FLOAT16"),
                           "dali/operators/image/color/color_twist.h: COLOR_TWIST_SUPPORTED_TYPES (uint8_t, int16_t, "
                           "int32_t, float, float16)"),
