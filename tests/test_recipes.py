@@ -182,6 +182,17 @@ def test_parameters_looked_up_give_the_images_dalis_constant_tables_give(photos,
     assert any(not np.array_equal(o, np.stack(photos * 4)) for o in ours)  # the policy did something
 
 
+def test_an_operation_outside_a_policy_works_after_a_policy_graph(photos, monkeypatch):
+    """The first policy graph makes augment's Augmentation class under AutoGraph; made converted, its
+    `_get_param` read DataNodes through the conditionals' hooks and every later graph without conditionals
+    (one operation on its own) failed, in whichever test ran after a policy (found by the full suite)."""
+    monkeypatch.setattr(augment, "_PRECOMPUTED", [])  # made afresh, by the policy graph below
+    policy_outputs("ta_wide", photos, runs=1)
+    mags, signed = augment.torchvision_space("ta_wide", SIZE)["Color"]
+    outputs = dali_op_outputs(augment.dali_op("Color", mags, signed), photos, 20, augment.DEFAULT_BINS, [0, 1])
+    assert len(outputs) == 2 and all(len(o) == len(photos) for o in outputs)
+
+
 # -- random erasing ----------------------------------------------------------------------------------
 
 def erase_boxes(side: int, probability: float, batches: int, batch_size: int = 256) -> np.ndarray:

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
+from nvidia.dali.pipeline import do_not_convert
 
 # `cfg` is a graphs.AugmentConfig, named in annotations only: graphs imports this module.
 
@@ -222,7 +223,6 @@ def _precomputed_augmentation_cls():
     speed-up."""
     from nvidia.dali.auto_aug.core import _Augmentation as Augmentation  # what `augmentation_cls` extends
     from nvidia.dali.auto_aug.core import _augmentation
-    from nvidia.dali.pipeline import do_not_convert
 
     SignedMagnitudeBin = getattr(_augmentation, "_SignedMagnitudeBin", None)
 
@@ -296,7 +296,12 @@ def _lookup_param(table: np.ndarray, index):
 _PRECOMPUTED = []  # the class, made on first use (imports DALI's auto_aug only when a policy is used)
 
 
+@do_not_convert
 def _augmentation_cls():
+    # not converted: the first policy graph calls this under AutoGraph, which would otherwise convert the class
+    # body with it (methods marked do_not_convert included) and leave converted methods in the cached class;
+    # `_get_param` converted reads DataNodes through the conditionals' hooks, and a graph without conditionals
+    # (a single operation) then fails
     if not _PRECOMPUTED:
         _PRECOMPUTED.append(_precomputed_augmentation_cls())
     return _PRECOMPUTED[0]
