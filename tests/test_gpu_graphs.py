@@ -510,7 +510,6 @@ WITNESSES = {
     "Pad": (rb"3PadINS_10GPUBackendEE8FillArgsINS_7kernels9SliceArgsI" + T, 1),
     "Brightness": (rb"14MultiplyAddGpuI" + T + T, 2),  # brightness_contrast's GPU kernel <Out, In, ndim>
     "BrightnessContrast": (rb"14MultiplyAddGpuI" + T + T, 2),
-    "Saturation": (rb"23LinearTransformationGpuI" + T + T, 2),  # color_twist's <Out, In, 3, 3, 2>
     "WarpAffine": (rb"7WarpGPUINS\d*_13AffineMappingILi2EEELi2E" + T + T, 2),  # <Mapping, 2, Out, In, Border>
     "Rotate": (rb"7WarpGPUINS\d*_13AffineMappingILi2EEELi2E" + T + T, 2),  # the same Warp kernels
     "Filter": (rb"9FilterGpuI" + T + T, 2),  # <Out, In, W, ...>

@@ -87,9 +87,6 @@ GPU_KERNELS: dict[str, GpuKernel] = {
         ("UINT8",), "dali/operators/image/color/color_space_conversion.cu: RunImpl views input and output as "
                     "uint8_t; RGB -> GRAY is in dali/kernels/imgproc/color_manipulation/"
                     "color_space_conversion_kernel.cuh's RunColorSpaceConversionKernel (kRGB_TO_GRAY)"),
-    "Saturation": _kernel(("UINT8", "INT16", "INT32", "FLOAT", "FLOAT16"),
-                          "dali/operators/image/color/color_twist.h: COLOR_TWIST_SUPPORTED_TYPES (uint8_t, int16_t, "
-                          "int32_t, float, float16)"),
     "Equalize": _kernel(("UINT8",),
                         "dali/operators/image/color/equalize.cu: TYPE_SWITCH EQUALIZE_SUPPORTED_TYPES (uint8_t), "
                         "channels last", layouts=("HWC",)),
