@@ -127,25 +127,28 @@ def test_a_mid_epoch_state_needs_checkpointing(unique_shards):
         loader.state_dict()
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("train, batch, world_size", [(True, 4, 1), (True, 5, 2), (False, 4, 1), (False, 5, 3)])
-def test_an_epoch_runs_its_pipeline_no_further_than_its_last_batch(unique_shards, train, batch, world_size):
+def test_an_epoch_runs_its_pipeline_no_further_than_its_last_batch(unique_shards, train, batch, world_size, lanes):
     """epoch_iterator.EpochIterator: when the epoch ends, every run DALI was given has been fetched (DALI's own
     iterator leaves prefetch_queue_depth runs of the next epoch in flight, which the pipeline's teardown waits
     for), and training still decodes its dropped partial batch."""
     loader = make_loader(unique_shards, "train", batch, train=train, rank=world_size - 1, world_size=world_size,
-                         image_size=16, device="cpu", seed=2)
+                         image_size=16, device="cpu", seed=2, num_threads=2, lanes=lanes)
     for epoch in range(2):
         pipes = []
         handed_out = 0
         for _ in loader:
-            pipes = loader._iterator._pipes  # the epoch's pipeline, kept past its release
+            pipes = loader._iterator.pipes  # the epoch's pipeline, kept past its release
             handed_out += 1
         assert handed_out == len(loader)
-        pipe = pipes[0]
-        assert pipe._batches_to_consume == 0  # scheduled and never fetched: none
         rank = world_size - 1
-        slice_size = (rank + 1) * N // world_size - rank * N // world_size  # what the rank's reader reads
-        assert pipe._consumer_iter == -(-slice_size // batch)  # every run that read the slice, partial included
+        assert len(pipes) == lanes
+        for lane, pipe in enumerate(pipes):
+            assert pipe._batches_to_consume == 0  # scheduled and never fetched: none
+            shard, shards = rank * lanes + lane, world_size * lanes
+            slice_size = (shard + 1) * N // shards - shard * N // shards  # what the lane's reader reads
+            assert pipe._consumer_iter == -(-slice_size // batch)  # every run that read it, partial included
         del pipes, pipe
 
 
@@ -166,8 +169,8 @@ def test_an_iterator_that_counts_runs_wrongly_still_hands_out_the_whole_epoch(un
             return wanted is not None and super()._bounded()
 
     def epoch(cls) -> list[list[int]]:
-        loader = make_loader(unique_shards, "train", 4, image_size=16, device="cpu", seed=4)
-        pipe, _ = loader._define(0)
+        loader = make_loader(unique_shards, "train", 4, image_size=16, device="cpu", seed=4, lanes=1)
+        (pipe,), _, _ = loader._define(0)
         pipe.build()
         iterator = cls([pipe], ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.DROP,
                        auto_reset=False)
@@ -235,3 +238,31 @@ def test_an_epoch_reads_the_files_its_files_function_names(unique_shards, tmp_pa
         tar.rename(moved / tar.name)
     assert sorted(label for batch in labels_of(loader) for label in batch) == list(range(N))
     assert asked and sorted(asked[0]) == sorted(s.path for s in loader.manifest.split_info("train").shards)
+
+
+def test_a_fork_waits_for_a_pipeline_being_defined_ahead():
+    """A child forked while a loader's background thread defines a graph would inherit the locks that thread
+    holds (an import lock: the child hung at its first import); `loader.DEFINITIONS_AHEAD` makes the fork wait."""
+    import os
+    import threading
+    import time
+
+    from dalifeed.pipelines.loader import DEFINITIONS_AHEAD
+
+    started, finished = threading.Event(), []
+
+    def slow_definition():
+        started.set()
+        time.sleep(0.5)
+        finished.append(time.monotonic())
+
+    thread = threading.Thread(target=DEFINITIONS_AHEAD.run, args=(slow_definition,))
+    thread.start()
+    started.wait()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    forked = time.monotonic()
+    os.waitpid(pid, 0)
+    thread.join()
+    assert finished and forked >= finished[0]

@@ -202,6 +202,8 @@ def make_detection_loader(shards_dir: str | os.PathLike | Dataset, split: str, b
     options = ready(dataset, LoaderOptions(split, batch_size, train, rank=rank, world_size=world_size, seed=seed,
                                            device=device, device_id=device_id, num_threads=num_threads,
                                            prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
-                                           checkpointing=checkpointing))
+                                           # one lane: joining lanes' last batches would pad the labels with 0,
+                                           # where this graph pads them with -1
+                                           checkpointing=checkpointing, lanes=1))
     return DaliLoader(dataset.sources[0], options, graph=partial(detection_pipeline, cfg=detection),
                       outputs=DETECTION_OUTPUTS, to_torch=targets_from_batch)

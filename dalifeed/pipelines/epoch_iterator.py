@@ -37,6 +37,12 @@ class EpochIterator(DALIGenericIterator):
         return getattr(self, "_size", -1) > 0 and hasattr(self, "_counter") and hasattr(self, "_ever_scheduled") \
             and all(hasattr(p, "_batches_to_consume") for p in self._pipes)
 
+    def start(self) -> None:
+        """Schedule the pipeline's first runs now (made with `prepare_first_batch=False`, DALI's iterator waits
+        for the first `next`)."""
+        if not self._ever_scheduled:
+            self._schedule_runs(False)
+
     def _schedule_runs(self, release_outputs: bool = True) -> None:
         if not self._bounded() or not self._ever_scheduled:
             super()._schedule_runs(release_outputs)  # the first runs (prefetch), or DALI's own scheduling

@@ -51,7 +51,7 @@ def make_loader(shards_dir: str | os.PathLike | list | Dataset, split: str, batc
                 checkpointing: bool = False, check: str = "size", multilabel: bool = False,
                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, weights: list[float] | None = None,
                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
-                augment: AugmentConfig | None = None) -> DaliLoader | MixedLoader | ConcatLoader:
+                augment: AugmentConfig | None = None, lanes: int | None = None) -> DaliLoader | MixedLoader | ConcatLoader:
     """`build_loader` in keywords: batches of split `split` of the shard folder `shards_dir` (a path, or
     s3://bucket/prefix: the tars are then fetched whole into the node's shard cache and DALI reads them there,
     docs/storage.md), of a list of them (mixed), or of a `Dataset` already opened, for this rank; see
@@ -65,7 +65,10 @@ def make_loader(shards_dir: str | os.PathLike | list | Dataset, split: str, batc
     NHWC. `num_threads`: DALI threads of the pipeline; default: this rank's share of the CPUs the process
     may use, capped (`dalifeed.budget`: 6 with GPU decoding, 16 with CPU decoding).
     `prefetch_queue_depth`: batches DALI prepares ahead; default 5 with GPU decoding, 2 otherwise
-    (`dalifeed.defaults`: NVIDIA's published configurations).
+    (`dalifeed.defaults`: NVIDIA's published configurations). `lanes`: pipelines sharing the rank's epoch and
+    its `num_threads`, each handing out whole batches in turn (dalifeed/pipelines/lanes.py); default
+    (`loader.default_lanes`) 2 for CPU training with 2 threads or more and a rank's epoch of 256 batches or
+    more (two keep the cores busy where one pipeline leaves them idle), else 1.
     `checkpointing` enables DALI's checkpointing so that `state_dict()` can be taken mid-epoch (see
     loader.py's docstring). `multilabel` (COCO shards): labels are float multi-hot (B, num_classes) vectors
     of the categories each image holds, built in the DALI graph. `augment`: the whole AugmentConfig
@@ -98,7 +101,7 @@ def make_loader(shards_dir: str | os.PathLike | list | Dataset, split: str, batc
                                cache_limit=cache_limit)
     options = LoaderOptions(split, batch_size, train, rank=rank, world_size=world_size, seed=seed, device=device,
                             device_id=device_id, num_threads=num_threads, prefetch_queue_depth=prefetch_queue_depth,
-                            initial_fill=initial_fill, checkpointing=checkpointing)
+                            initial_fill=initial_fill, checkpointing=checkpointing, lanes=lanes)
     augment = replace(
         augment or AugmentConfig(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,
                                  hw_decoder_load=hw_decoder_load),

@@ -30,8 +30,12 @@ Epoch semantics (what a trainer may rely on):
   trainer's rank holds one pipeline at a time (training's while it trains, validation's while it
   evaluates) with its thread pool and decoder buffers. Why not one pipeline for all epochs: docs/gpu.md.
   What would make the epoch wait, defining the graph (Python: about a second for a policy's graph), is done
-  ahead on a background thread: the next epoch's while this one runs, the first at construction (not
-  with a shard cache, whose tars are pinned when their epoch starts).
+  ahead on a background thread: the next epoch's while this one runs (from its first batch on), the first
+  at construction (not with a shard cache, whose tars are pinned when their epoch starts). A process forked
+  meanwhile waits for the definition to end (`DefinitionsAhead`).
+- Lanes (`LoaderOptions.lanes`, lanes.py): CPU training on long epochs reads the rank's shard in two
+  pipelines of half the threads, whole batches from each in turn; the contract above holds the same (a
+  mid-epoch state holds each lane's checkpoint and is restored with as many lanes).
 - Progressive resizing (`classification_loader(..., image_size=)`): the graph of epoch e is built for the
   image size of epoch e (a function of the epoch alone: resolution.py), so the epoch defined ahead, one set
   by `set_epoch` and one restored mid-epoch all train at the size an uninterrupted run would have.
@@ -55,8 +59,10 @@ that build loaders from a dataset and options are in factory.py.
 
 from __future__ import annotations
 
+import os
 import random
 import tempfile
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
@@ -79,6 +85,7 @@ from .dataset import Dataset, Source
 from .elastic import ElasticError, SampleKeys, SampleSet, batches_left, remaining_index
 from .epoch_iterator import EpochIterator
 from .graphs import DEVICES, AugmentConfig, shard_pipeline, uses_gpu
+from .lanes import LaneBatches, lane_sizes
 
 CLASSIFICATION_OUTPUTS = ("images", "labels")
 # The graph output naming each sample where it was read (`graphs.sample_sources`), taken off the batch before
@@ -105,7 +112,8 @@ class LoaderOptions:
     device on a GPU, `num_threads` this rank's share of the CPUs (`budget.thread_budget`),
     `prefetch_queue_depth` the device's default (defaults.py: NVIDIA's published 5 with `mixed` decoding,
     DALI's 2 otherwise); `device` 'auto' is decided by `resolve_device`. `resolved()` fills them in, which is
-    what a `DaliLoader` runs with."""
+    what a `DaliLoader` runs with. `lanes`, the pipelines that share this rank's epoch and its threads
+    (lanes.py), the loader decides from the epoch's length when None (`default_lanes`)."""
 
     split: str
     batch_size: int
@@ -119,8 +127,11 @@ class LoaderOptions:
     prefetch_queue_depth: int | None = None
     initial_fill: int = 1024
     checkpointing: bool = False
+    lanes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.lanes is not None and self.lanes < 1:
+            raise ValueError(f"lanes must be >= 1, got {self.lanes}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={self.rank}, world_size={self.world_size}")
         if self.batch_size < 1:
@@ -140,6 +151,22 @@ class LoaderOptions:
                        device_id=device_id if uses_gpu(device) else None,
                        num_threads=self.num_threads or thread_budget(device).threads,
                        prefetch_queue_depth=self.prefetch_queue_depth or defaults.prefetch_queue_depth(device))
+
+
+# The epochs long enough for two lanes to pay (default_lanes): a rank's epoch of this many batches or more
+LANES_MIN_BATCHES = 256
+
+
+def default_lanes(options: LoaderOptions, batches: int) -> int:
+    """Pipelines per rank (lanes.py) for epochs of `batches` batches: two for CPU training with two threads or
+    more and epochs of LANES_MIN_BATCHES or more, else one. Two keep 2 cores busy where one pipeline leaves
+    them 10-15% idle (15-34% more images/s with a policy and erasing), but each epoch then defines two
+    pipelines (a policy's: 0.3-0.5 CPU s each) and waits for a batch of one lane's threads before its first
+    (2-3.7 batch times instead of 1.5): on make bench's 30-batch epochs that took back most of the gain
+    (docs/benchmarks.md, "Lanes"). One on the GPU (one decoder's memory and CUDA streams per rank), for
+    validation (read once an epoch, plain) and with one thread."""
+    two = options.device == "cpu" and options.train and options.num_threads >= 2 and batches >= LANES_MIN_BATCHES
+    return 2 if two else 1
 
 
 def ready(dataset: Dataset, options: LoaderOptions) -> LoaderOptions:
@@ -164,6 +191,40 @@ def epoch_files(manifest: ShardManifest, shards: list[ShardInfo]) -> tuple[list[
 Graph = Callable[..., Any]
 
 
+class DefinitionsAhead:
+    """The pipelines loaders are defining on their background threads, which a fork waits for.
+
+    A process forked while another thread defines a graph (a DataLoader's workers, shard-convert's process
+    pool) copies the locks that thread holds, a module's import lock among them, held forever in the child:
+    the child hung at its first import of that module (found with two lanes, whose definitions take twice as
+    long, in tests that fork right after a loader's epoch). `os.register_at_fork` runs `wait` in the forking
+    thread first; a definition takes seconds at most, and after `WAIT_S` the fork goes ahead as it did."""
+
+    WAIT_S = 60.0
+
+    def __init__(self):
+        self._running = 0
+        self._idle = threading.Condition()
+
+    def run(self, define: Callable[..., Any], *args) -> Any:
+        with self._idle:
+            self._running += 1
+        try:
+            return define(*args)
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
+
+    def wait(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._running == 0, timeout=self.WAIT_S)
+
+
+DEFINITIONS_AHEAD = DefinitionsAhead()
+os.register_at_fork(before=DEFINITIONS_AHEAD.wait)
+
+
 @dataclass
 class Restore:
     """Where a loaded state puts the next iteration inside its epoch: DALI's checkpoint of this rank's reader
@@ -171,9 +232,14 @@ class Restore:
     from the epoch's pipeline (a resume on another number of ranks: those consumed before it; None: none) and
     those this rank had handed out from that pipeline (`SampleSet.to_state`; with the checkpoint only)."""
 
-    dali: str | None
+    dali: bytes | list[bytes] | None
     excluded: SampleSet | None = None
     seen: dict | None = None
+    handed: list[int] | None = None  # whole batches each lane had handed out (several lanes: lanes.py)
+
+    def lane_checkpoints(self) -> list[bytes] | None:
+        """Each lane's DALI checkpoint (a state of one lane holds it alone, as before lanes)."""
+        return None if self.dali is None else list(self.dali) if isinstance(self.dali, list) else [self.dali]
 
 
 class DaliLoader(FollowsCursor):
@@ -189,15 +255,17 @@ class DaliLoader(FollowsCursor):
                  epoch_graph: Callable[[int], Graph] | None = None):
         if (graph is None) == (epoch_graph is None):
             raise ValueError("DaliLoader takes one of graph= (every epoch's) and epoch_graph= (epoch -> its graph)")
-        self.manifest, self.split, self.options = source.manifest, options.split, options
+        self.manifest, self.split = source.manifest, options.split
         # graph: the same every epoch; epoch_graph: one per epoch (progressive resizing binds each epoch's
         # image size), asked for the epoch being defined, also when it is defined ahead or restored
         self.epoch_graph = epoch_graph or (lambda epoch: graph)
         self.to_torch, self.outputs, self.files = to_torch, outputs, files
         self._shards = self.manifest.split_info(self.split).shards
         self.total_samples = self.manifest.num_samples(self.split)
+        batches = self.total_samples // options.world_size // options.batch_size
+        self.options = options if options.lanes else replace(options, lanes=default_lanes(options, batches))
         self.cursor = EpochCursor(options.global_batch)
-        self._iterator: EpochIterator | None = None  # the current epoch's, from its build to its end
+        self._iterator: LaneBatches | None = None  # the current epoch's, from its build to its end
         self._restore: Restore | None = None  # where the next iteration starts inside its epoch
         # Inside an epoch: the samples a resume on another number of ranks excluded from it (None: none), and
         # those this rank has handed out since its pipeline started (with `SAMPLE_SOURCES` in `outputs`)
@@ -250,8 +318,10 @@ class DaliLoader(FollowsCursor):
             return {"epoch": self.cursor.epoch, "samples_done": 0, "dali": None}
         if not self.options.checkpointing:
             raise RuntimeError("a mid-epoch loader state needs make_loader(..., checkpointing=True)")
-        return {**self.cursor.state_dict(), "dali": self._iterator.checkpoints()[0],
-                "world_size": self.options.world_size,
+        checkpoints = self._iterator.checkpoints()
+        lanes = {} if len(checkpoints) == 1 else {"lanes": len(checkpoints), "handed": list(self._iterator.handed)}
+        return {**self.cursor.state_dict(), "dali": checkpoints[0] if len(checkpoints) == 1 else checkpoints,
+                **lanes, "world_size": self.options.world_size,
                 "excluded": self._excluded.to_state() if self._excluded is not None else None,
                 "seen": self._seen.to_state() if self.tracks_samples else None}
 
@@ -268,7 +338,19 @@ class DaliLoader(FollowsCursor):
         self.cursor.load_state_dict(state)
         excluded = state.get("excluded")
         self._restore = None if self.cursor.samples_done == 0 else \
-            Restore(state["dali"], SampleSet.from_state(excluded) if excluded is not None else None, state.get("seen"))
+            Restore(state["dali"], SampleSet.from_state(excluded) if excluded is not None else None, state.get("seen"),
+                    state.get("handed"))
+        if self._restore is not None and state["dali"] is not None:
+            self._refuse_other_lanes(len(self._restore.lane_checkpoints()), excluded)
+
+    def _refuse_other_lanes(self, saved: int, excluded: dict | None) -> None:
+        """A reader state holds one DALI checkpoint per lane of the epoch it was taken in: restored, the epoch
+        must run with as many."""
+        total = self.total_samples if excluded is None else self.total_samples - SampleSet.from_state(excluded).count()
+        lanes = self._epoch_lanes(total)
+        if saved != lanes:
+            raise ValueError(f"a reader state of {saved} lane(s) cannot be restored with {lanes}: make the loader "
+                             f"with lanes={saved} (LoaderOptions.lanes), as the run that saved it")
 
     def _epoch_shards(self, epoch: int | None = None) -> list[ShardInfo]:
         if not self.options.train:
@@ -302,22 +384,30 @@ class DaliLoader(FollowsCursor):
                 indexes.append(str(out))
         return kept, indexes
 
-    def _pipeline_seed(self, epoch: int, resumed_at: int = 0) -> int:
-        # distinct per rank (different augmentations) and per epoch, and for the rest of an epoch shared out
-        # anew after `resumed_at` samples (the same again when that rest is itself restored); below 2**31 as
+    def _pipeline_seed(self, epoch: int, resumed_at: int = 0, lane: int = 0) -> int:
+        # distinct per rank and lane (different augmentations) and per epoch, and for the rest of an epoch shared
+        # out anew after `resumed_at` samples (the same again when that rest is itself restored); below 2**31 as
         # DALI requires
         rest = f":{resumed_at}" if resumed_at else ""
-        return random.Random(f"{self.options.seed}:{epoch}:{self.options.rank}{rest}").randrange(2**31)
+        lane_of = f"/{lane}" if lane else ""
+        return random.Random(f"{self.options.seed}:{epoch}:{self.options.rank}{lane_of}{rest}").randrange(2**31)
 
-    def pipeline(self, checkpoint: str | None = None, epoch: int | None = None):
+    def _epoch_lanes(self, total: int) -> int:
+        """Lanes of an epoch whose pipelines read `total` samples: `options.lanes`, unless a lane would hold
+        less than a batch (then one: a small split, or little of an epoch left)."""
+        o = self.options
+        return o.lanes if min(lane_sizes(total, o.rank, o.world_size, o.lanes)) >= o.batch_size else 1
+
+    def pipeline(self, checkpoint: bytes | None = None, epoch: int | None = None):
         """The DALI pipeline of epoch `epoch` (default: the current one), defined but not built (building is
         what needs the GPU: tests/test_gpu_graphs.py checks the GPU graphs on a machine without one through
         this)."""
-        return self._define(self.cursor.epoch if epoch is None else epoch, checkpoint)[0]
+        return self._define(self.cursor.epoch if epoch is None else epoch, checkpoint)[0][0]
 
-    def _define(self, epoch: int, checkpoint: str | None = None, excluded: SampleSet | None = None):
-        """(the pipeline of epoch `epoch`, the `SampleKeys` that name its samples); with `excluded`, over the
-        epoch's samples not in it (a resume on another number of ranks: elastic.py)."""
+    def _define(self, epoch: int, checkpoint: bytes | list[bytes] | None = None, excluded: SampleSet | None = None):
+        """(the pipelines of epoch `epoch`, one per lane, the `SampleKeys` that name their samples, the samples
+        each lane reads); with `excluded`, over the epoch's samples not in it (a resume on another number of
+        ranks: elastic.py); `checkpoint`, each lane's DALI checkpoint (a list; one lane's may be given alone)."""
         o = self.options
         shards = self._epoch_shards(epoch)
         full_index = {s.path: str(self.manifest.root / s.index) for s in shards}
@@ -326,19 +416,24 @@ class DaliLoader(FollowsCursor):
             shards, remaining = self._remaining(shards, excluded)
         tars, indexes = self._epoch_files(shards, epoch)
         keys = SampleKeys(tars, shards, [full_index[s.path] for s in shards])
-        pipe = self.epoch_graph(epoch)(
-            tars, indexes if remaining is None else remaining, train=o.train, device=o.device, shard_id=o.rank, num_shards=o.world_size,
-            initial_fill=o.initial_fill, batch_size=o.batch_size, num_threads=o.num_threads, device_id=o.device_id,
-            seed=self._pipeline_seed(epoch, excluded.count() if excluded is not None else 0),
-            prefetch_queue_depth=o.prefetch_queue_depth,
-            enable_checkpointing=o.checkpointing, checkpoint=checkpoint,
+        total = sum(s.samples for s in shards)
+        lanes = self._epoch_lanes(total)
+        checkpoints = checkpoint if isinstance(checkpoint, list) else [checkpoint] * lanes if checkpoint is None \
+            else [checkpoint]
+        resumed_at = excluded.count() if excluded is not None else 0
+        pipes = [self.epoch_graph(epoch)(
+            tars, indexes if remaining is None else remaining, train=o.train, device=o.device,
+            shard_id=o.rank * lanes + lane, num_shards=o.world_size * lanes, initial_fill=o.initial_fill,
+            batch_size=o.batch_size, num_threads=max(1, o.num_threads // lanes), device_id=o.device_id,
+            seed=self._pipeline_seed(epoch, resumed_at, lane), prefetch_queue_depth=o.prefetch_queue_depth,
+            enable_checkpointing=o.checkpointing, checkpoint=checkpoints[lane],
             # Said, not assumed: DALI 2.4's iterator hands out its buffers without a copy only under the
             # dynamic executor (plugin/pytorch: `copy = not pipe.exec_dynamic`), and the detection graph reads
             # `.shape()` of GPU nodes on the CPU, which only it allows. It is DALI's default only while
             # exec_async and exec_pipelined are on and the prefetch queues are not split (pipeline.py).
             exec_dynamic=True,
-        )
-        return pipe, keys
+        ) for lane in range(lanes)]
+        return pipes, keys, lane_sizes(total, o.rank, o.world_size, lanes)
 
     def _define_ahead(self, epoch: int) -> None:
         """Start defining epoch `epoch`'s pipeline on a background thread, so that the epoch does not wait for
@@ -350,7 +445,7 @@ class DaliLoader(FollowsCursor):
         epoch's start."""
         if self.shard_cache is not None:
             return
-        self._ahead = (epoch, self._background_thread().submit(self._define, epoch))
+        self._ahead = (epoch, self._background_thread().submit(DEFINITIONS_AHEAD.run, self._define, epoch))
 
     def _release_pipeline(self) -> None:
         """Drop the pipeline of the epoch that ended (or was left), here and now. At an epoch's end it has no
@@ -382,16 +477,23 @@ class DaliLoader(FollowsCursor):
             return ahead[1].result()
         if restore is None:
             return self._define(self.cursor.epoch)
-        return self._define(self.cursor.epoch, restore.dali, restore.excluded)
+        return self._define(self.cursor.epoch, restore.lane_checkpoints(), restore.excluded)
 
-    def _build_iterator(self, restore: Restore | None) -> tuple[EpochIterator, SampleKeys]:
-        pipe, keys = self._defined(restore)
-        pipe.build()
-        policy = LastBatchPolicy.DROP if self.options.train else LastBatchPolicy.PARTIAL
-        iterator = EpochIterator([pipe], list(self.outputs), reader_name="Reader", last_batch_policy=policy,
-                                 last_batch_padded=False, auto_reset=False)
-        self._define_ahead(self.cursor.epoch + 1)  # while this epoch runs
-        return iterator, keys
+    def _build_iterator(self, restore: Restore | None) -> tuple[LaneBatches, SampleKeys]:
+        pipes, keys, sizes = self._defined(restore)
+        for pipe in pipes:
+            pipe.build()
+        # One lane drops its partial last batch in training; several hand theirs to LaneBatches to join
+        policy = LastBatchPolicy.DROP if self.options.train and len(pipes) == 1 else LastBatchPolicy.PARTIAL
+        # The lanes start together (DALI's iterator would run its pipeline's first batch when made: one lane
+        # after the other)
+        iterators = [EpochIterator([pipe], list(self.outputs), reader_name="Reader", last_batch_policy=policy,
+                                   last_batch_padded=False, auto_reset=False, prepare_first_batch=False)
+                     for pipe in pipes]
+        for iterator in iterators:
+            iterator.start()
+        handed = restore.handed if restore is not None and restore.dali is not None else None
+        return LaneBatches(iterators, sizes, self.options.batch_size, handed), keys
 
     def _batches_left(self) -> int:
         """Batches this rank still hands out in the epoch: training's full global batches of what the cursor
@@ -415,13 +517,17 @@ class DaliLoader(FollowsCursor):
             self._release_pipeline()  # the pipeline of an epoch left unfinished
             left = self._batches_left()
             if left:  # (a state restored at an epoch's last batch has none left)
-                self._iterator, keys = self._build_iterator(restore)  # runs the first batches already
+                self._iterator, keys = self._build_iterator(restore)  # running the first batches already
             # DALI decodes the rest of the rank's slice too, the batch dropped at the end included (so a sample
             # it cannot decode fails the epoch wherever it lands), but none of it is handed out
-            for batch in self._iterator if left else ():
+            next_defined = False
+            for outputs in self._iterator if left else ():
+                if not next_defined:  # the next epoch's, while this one runs; after its first batch, which
+                    # would otherwise share the cores and the GIL with a definition (+250 ms with two lanes)
+                    self._define_ahead(cursor.epoch + 1)
+                    next_defined = True
                 if left > 0:
                     left -= 1
-                    outputs = batch[0]
                     if self.tracks_samples:
                         self.last_samples = keys.add(seen, host_sources(outputs.pop(SAMPLE_SOURCES)))
                     cursor.advance()
