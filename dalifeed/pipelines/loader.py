@@ -160,11 +160,11 @@ LANES_MIN_BATCHES = 256
 def default_lanes(options: LoaderOptions, batches: int) -> int:
     """Pipelines per rank (lanes.py) for epochs of `batches` batches: two for CPU training with two threads or
     more and epochs of LANES_MIN_BATCHES or more, else one. Two keep 2 cores busy where one pipeline leaves
-    them 10-15% idle (15-34% more images/s with a policy and erasing), but each epoch then defines two
-    pipelines (a policy's: 0.3-0.5 CPU s each) and waits for a batch of one lane's threads before its first
-    (2-3.7 batch times instead of 1.5): on make bench's 30-batch epochs that took back most of the gain
-    (docs/benchmarks.md, "Lanes"). One on the GPU (one decoder's memory and CUDA streams per rank), for
-    validation (read once an epoch, plain) and with one thread."""
+    them 10-15% idle (on 270-batch epochs with ta_wide and erasing: 638 -> 867 and 793 -> 918 images/s), but
+    each epoch then defines two pipelines (a policy's: 0.3-0.5 CPU s each) and waits for a batch of one lane's
+    thread before its first (4 batch times instead of 1.5-2): on make bench's 30-batch epochs that took back
+    most of the gain (docs/benchmarks.md, "Lanes"). One on the GPU (one decoder's memory and CUDA streams per
+    rank), for validation (read once an epoch, plain) and with one thread."""
     two = options.device == "cpu" and options.train and options.num_threads >= 2 and batches >= LANES_MIN_BATCHES
     return 2 if two else 1
 
