@@ -29,10 +29,12 @@ Epoch semantics (what a trainer may rely on):
 - One pipeline per epoch: each iteration builds its DALI pipeline and frees it when the epoch ends, so a
   trainer's rank holds one pipeline at a time (training's while it trains, validation's while it
   evaluates) with its thread pool and decoder buffers. Why not one pipeline for all epochs: docs/gpu.md.
-  What would make the epoch wait, defining the graph (Python: about a second for a policy's graph), is done
-  ahead on a background thread: the next epoch's while this one runs (from its first batch on), the first
-  at construction (not with a shard cache, whose tars are pinned when their epoch starts). A process forked
-  meanwhile waits for the definition to end (`DefinitionsAhead`).
+  What would make the epoch wait, defining the graph (Python: 0.15-0.5 CPU s for a policy's graph), is done
+  once: the first epoch's pipeline is serialized before it is built, and every later epoch's is that
+  definition with its own reader arguments, deserialized in C++ (serialized.py; 20-30 ms). The first is
+  defined on a background thread at construction, and each next epoch's pipeline object is made on it while
+  the epoch before runs (from its first batch on; not with a shard cache, whose tars are pinned when their
+  epoch starts). A process forked meanwhile waits for a definition to end (`DefinitionsAhead`).
 - Lanes (`LoaderOptions.lanes`, lanes.py): CPU training on long epochs reads the rank's shard in two
   pipelines of half the threads, whole batches from each in turn; the contract above holds the same (a
   mid-epoch state holds each lane's checkpoint and is restored with as many lanes).
@@ -86,6 +88,7 @@ from .elastic import ElasticError, SampleKeys, SampleSet, batches_left, remainin
 from .epoch_iterator import EpochIterator
 from .graphs import DEVICES, AugmentConfig, shard_pipeline, uses_gpu
 from .lanes import LaneBatches, lane_sizes
+from .serialized import NotEditable, SerializedPipeline, with_reader_arguments, without_origins
 
 CLASSIFICATION_OUTPUTS = ("images", "labels")
 # The graph output naming each sample where it was read (`graphs.sample_sources`), taken off the batch before
@@ -191,6 +194,25 @@ def epoch_files(manifest: ShardManifest, shards: list[ShardInfo]) -> tuple[list[
 Graph = Callable[..., Any]
 
 
+def graph_key(graph: Graph) -> tuple | None:
+    """What makes two epochs' graphs the same graph: the function and the arguments bound to it (progressive
+    resizing binds each epoch's image size anew: one key per size), or None where those cannot be compared."""
+    key = (graph.func, graph.args, _frozen(graph.keywords)) if isinstance(graph, partial) else (graph,)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
 class DefinitionsAhead:
     """The pipelines loaders are defining on their background threads, which a fork waits for.
 
@@ -275,6 +297,8 @@ class DaliLoader(FollowsCursor):
         self.last_samples: list[str] = []  # the last batch's samples, `SHARD:POSITION` (when tracking them)
         self._ahead: tuple[int, Future] | None = None  # (epoch, its pipeline being defined in the background)
         self._background: ThreadPoolExecutor | None = None  # defines pipelines ahead
+        # graph_key -> the first pipeline of that graph, serialized (None: one that cannot be reused)
+        self._serialized: dict[tuple, bytes | None] = {}
         # A folder in a store: this loader's view of the node's shard cache (its pins are this loader's
         # epoch), the first epoch's tars coming while the caller gets ready.
         self.shard_cache = ShardCache(self.manifest, source.cache) if source.cache is not None else None
@@ -402,13 +426,15 @@ class DaliLoader(FollowsCursor):
         """The DALI pipeline of epoch `epoch` (default: the current one), defined but not built (building is
         what needs the GPU: tests/test_gpu_graphs.py checks the GPU graphs on a machine without one through
         this)."""
-        return self._define(self.cursor.epoch if epoch is None else epoch, checkpoint)[0][0]
+        return self._define(self.cursor.epoch if epoch is None else epoch, checkpoint, reuse=False)[0][0]
 
-    def _define(self, epoch: int, checkpoint: bytes | list[bytes] | None = None, excluded: SampleSet | None = None):
+    def _define(self, epoch: int, checkpoint: bytes | list[bytes] | None = None, excluded: SampleSet | None = None,
+                reuse: bool = True):
         """(the pipelines of epoch `epoch`, one per lane, the `SampleKeys` that name their samples, the samples
         each lane reads); with `excluded`, over the epoch's samples not in it (a resume on another number of
-        ranks: elastic.py); `checkpoint`, each lane's DALI checkpoint (a list; one lane's may be given alone)."""
-        o = self.options
+        ranks: elastic.py); `checkpoint`, each lane's DALI checkpoint (a list; one lane's may be given alone).
+        With `reuse`, made from the first pipeline of the same graph, serialized, where there is one
+        (serialized.py), instead of defining the graph again."""
         shards = self._epoch_shards(epoch)
         full_index = {s.path: str(self.manifest.root / s.index) for s in shards}
         remaining = None
@@ -421,24 +447,52 @@ class DaliLoader(FollowsCursor):
         checkpoints = checkpoint if isinstance(checkpoint, list) else [checkpoint] * lanes if checkpoint is None \
             else [checkpoint]
         resumed_at = excluded.count() if excluded is not None else 0
-        pipes = [self.epoch_graph(epoch)(
-            tars, indexes if remaining is None else remaining, train=o.train, device=o.device,
-            shard_id=o.rank * lanes + lane, num_shards=o.world_size * lanes, initial_fill=o.initial_fill,
-            batch_size=o.batch_size, num_threads=max(1, o.num_threads // lanes), device_id=o.device_id,
-            seed=self._pipeline_seed(epoch, resumed_at, lane), prefetch_queue_depth=o.prefetch_queue_depth,
-            enable_checkpointing=o.checkpointing, checkpoint=checkpoints[lane],
+        graph = self.epoch_graph(epoch)
+        serialized = self._serialized.get(graph_key(graph)) if reuse else None
+        pipes = [self._lane_pipeline(graph, serialized, tars, indexes if remaining is None else remaining,
+                                     lane=lane, lanes=lanes, seed=self._pipeline_seed(epoch, resumed_at, lane),
+                                     checkpoint=checkpoints[lane])
+                 for lane in range(lanes)]
+        return pipes, keys, lane_sizes(total, self.options.rank, self.options.world_size, lanes)
+
+    def _lane_pipeline(self, graph: Graph, serialized: bytes | None, tars: list[str], indexes: list[str], *,
+                       lane: int, lanes: int, seed: int, checkpoint: bytes | None):
+        """Lane `lane`'s pipeline (of `lanes`) over `tars`: `graph` defined, or `serialized` (the same graph's,
+        serialized) with this reader's arguments."""
+        o = self.options
+        reader = dict(shard_id=o.rank * lanes + lane, num_shards=o.world_size * lanes)
+        params = dict(
+            batch_size=o.batch_size, num_threads=max(1, o.num_threads // lanes), device_id=o.device_id, seed=seed,
+            prefetch_queue_depth=o.prefetch_queue_depth, enable_checkpointing=o.checkpointing, checkpoint=checkpoint,
             # Said, not assumed: DALI 2.4's iterator hands out its buffers without a copy only under the
             # dynamic executor (plugin/pytorch: `copy = not pipe.exec_dynamic`), and the detection graph reads
             # `.shape()` of GPU nodes on the CPU, which only it allows. It is DALI's default only while
             # exec_async and exec_pipelined are on and the prefetch queues are not split (pipeline.py).
-            exec_dynamic=True,
-        ) for lane in range(lanes)]
-        return pipes, keys, lane_sizes(total, o.rank, o.world_size, lanes)
+            exec_dynamic=True)
+        if serialized is not None:
+            return SerializedPipeline(with_reader_arguments(serialized, paths=tars, index_paths=indexes, **reader),
+                                      **params)
+        return graph(tars, indexes, train=o.train, device=o.device, initial_fill=o.initial_fill, **reader, **params)
+
+    def _remember_graph(self, pipe) -> None:
+        """Serialize the first pipeline of the current epoch's graph, which later epochs are made from
+        (`_define`), before it is built. Here, not where it is defined: serializing creates DALI's backend
+        pipeline, which for a GPU graph needs CUDA (a defined graph does not: tests/test_gpu_graphs.py)."""
+        key = graph_key(self.epoch_graph(self.cursor.epoch))
+        if key is None or key in self._serialized or isinstance(pipe, SerializedPipeline):
+            return
+        try:
+            self._serialized[key] = without_origins(pipe.serialize())
+            # one webdataset reader, with every argument `_lane_pipeline` replaces
+            with_reader_arguments(self._serialized[key], paths=[], index_paths=[], shard_id=0, num_shards=1)
+        except NotEditable:
+            self._serialized[key] = None  # defined again every epoch, as before
 
     def _define_ahead(self, epoch: int) -> None:
         """Start defining epoch `epoch`'s pipeline on a background thread, so that the epoch does not wait for
         it: defining a graph is Python (a policy's 14 branches take about a second on this machine: docs/gpu.md,
-        "One pipeline per epoch"), building and running it are not, and DALI keeps the definition state per thread
+        "One pipeline per epoch"; once the first epoch's is serialized, only its reader arguments are replaced,
+        a few ms), building and running it are not, and DALI keeps the definition state per thread
         (`pipeline_tls`, autograph's `ag_ctx.stacks`). Only the definition: building is what allocates the
         pipeline's threads and (mixed decoding) device memory, and one built pipeline at a time is held.
         Not with a shard cache: its `epoch_files` fetches and pins the epoch's tars, which waits for the
@@ -481,6 +535,7 @@ class DaliLoader(FollowsCursor):
 
     def _build_iterator(self, restore: Restore | None) -> tuple[LaneBatches, SampleKeys]:
         pipes, keys, sizes = self._defined(restore)
+        self._remember_graph(pipes[0])
         for pipe in pipes:
             pipe.build()
         # One lane drops its partial last batch in training; several hand theirs to LaneBatches to join
