@@ -36,6 +36,7 @@ from nvidia.dali import backend, fn, ops, pipeline_def, types
 from dalifeed.decode import DaliDecoder, dali_sees_gpu, decoder_memory
 from dalifeed.pipelines.gpu_kernels import GPU_KERNELS, input_problem
 from dalifeed.pipelines.graphs import AugmentConfig
+from dalifeed.pipelines.serialized import wire_fields, with_reader_arguments, without_origins
 
 # Arguments only the mixed decoders get, each a no-op on the CPU backend (its schema doc says it applies only
 # to `mixed`, or makes `mixed` do what `cpu` already does). docs/gpu.md gives the evidence for each.
@@ -56,34 +57,11 @@ ROI_DECODERS = {"decoders__ImageRandomCrop", "decoders__ImageSlice", "decoders__
 # DALI's wheel does not ship the Python bindings of its protobuf (dali/pipeline/proto/dali.proto, unchanged
 # since 2022), so the few messages read here are decoded from the wire format directly.
 
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buf[i]
-        value |= (byte & 0x7F) << shift
-        i, shift = i + 1, shift + 7
-        if byte < 0x80:
-            return value, i
-
-
 def _fields(buf: bytes) -> dict[int, list]:
-    """Protobuf wire format -> {field number: [values]}: varints as int, fixed32 and length-delimited as bytes."""
+    """Protobuf wire format -> {field number: [values]}: varints as int, the others as bytes (the loader's own
+    reader of the format, serialized.wire_fields)."""
     fields: dict[int, list] = {}
-    i = 0
-    while i < len(buf):
-        key, i = _varint(buf, i)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = _varint(buf, i)
-        elif wire == 2:
-            size, i = _varint(buf, i)
-            value, i = buf[i:i + size], i + size
-        elif wire == 5:
-            value, i = buf[i:i + 4], i + 4
-        elif wire == 1:
-            value, i = buf[i:i + 8], i + 8
-        else:
-            raise ValueError(f"protobuf wire type {wire} (field {number}) not expected in a DALI pipeline")
+    for number, _, value, _ in wire_fields(buf):
         fields.setdefault(number, []).append(value)
     return fields
 
@@ -677,6 +655,37 @@ def test_dali_serializes_but_does_not_build_a_gpu_graph_without_cuda():
     with pytest.raises(RuntimeError, match="requires a CUDA-capable GPU"):
         pipe.build()
 
+
+
+READER_ARGS = {"paths", "index_paths", "shard_id", "num_shards"}
+
+
+@pytest.mark.parametrize("name", ["train-ta_wide-random_erase-fp16", "multilabel-train", "detection-train-size",
+                                  "gpu-check-checkpoint-loader"])
+def test_a_later_epochs_gpu_pipeline_is_the_first_one_with_only_its_reader_re_aimed(graph, name, shards,
+                                                                                     mini_coco_shards):
+    """On a GPU, the loader makes every epoch after the first from the first pipeline serialized, with the
+    reader's arguments replaced and the origin traces left out (serialized.py; tests/test_serialized.py runs
+    it on the CPU). Here, without a GPU: the GPU graph so made has every operator, edge, device and argument
+    of the defined one but those."""
+    defined = GRAPHS[name][0](shards, mini_coco_shards)("gpu").serialize()
+    tars = [f"/data/epoch-order-{i}.tar" for i in range(3)]
+    made = with_reader_arguments(without_origins(defined), paths=tars, index_paths=[t + ".idx" for t in tars],
+                                 shard_id=3, num_shards=8)
+    (before, outputs_before), (after, outputs_after) = parse_graph(defined), parse_graph(made)
+    assert outputs_after == outputs_before
+    assert [(op.schema, op.name, op.device, op.inputs, op.outputs) for op in after] == \
+        [(op.schema, op.name, op.device, op.inputs, op.outputs) for op in before]
+    assert any(op.device != "cpu" for op in after)
+    for old, new in zip(before, after):
+        kept = {k: v for k, v in old.args.items() if not k.startswith("_origin_stack_")}
+        if old.schema == "readers__Webdataset":
+            assert {k: new.args[k] for k in READER_ARGS} == {
+                "paths": tuple(tars), "index_paths": tuple(t + ".idx" for t in tars), "shard_id": 3, "num_shards": 8}
+            kept = {k: v for k, v in kept.items() if k not in READER_ARGS}
+            assert {k: v for k, v in new.args.items() if k not in READER_ARGS} == kept
+        else:
+            assert new.args == kept
 
 def _broken_graphs():
     @pipeline_def(batch_size=2, num_threads=1, device_id=None)

@@ -51,7 +51,7 @@ def test_joined_rows_pad_what_differs_after_the_first_dimension():
 def test_two_lanes_only_where_they_pay():
     options = LoaderOptions("train", 64, device="cpu", num_threads=2).resolved()
     assert default_lanes(options, LANES_MIN_BATCHES) == 2
-    assert default_lanes(options, LANES_MIN_BATCHES - 1) == 1  # make bench's 30-batch epochs: measured no gain
+    assert default_lanes(options, LANES_MIN_BATCHES - 1) == 1  # the demo's 22-batch training epochs
     assert default_lanes(LoaderOptions("val", 64, device="cpu", num_threads=2).resolved(), 10**4) == 1
     assert default_lanes(LoaderOptions("train", 64, device="cpu", num_threads=1).resolved(), 10**4) == 1
 
@@ -145,3 +145,52 @@ def test_a_lane_of_whole_batches_beside_a_longer_one_ends_cleanly(tmp_path):
     assert [len(y) for _, y in train] == [4] * 4
     val = make_loader(data, "train", 4, train=False, **OPTIONS)
     assert sorted(labels_of(list(val))) == list(range(17))
+
+
+def batches_of(loader) -> list:
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b))
+
+
+def test_the_next_epochs_lanes_start_before_this_epoch_ends_and_are_that_epoch(shards):
+    """A lane's first batch is a whole batch of its one thread: in lanes, a training loader starts the next
+    epoch's once this epoch's have no run left to schedule, and the next iteration reads them: the batches
+    of an epoch started ahead are those of the epoch started when asked."""
+    loader = make_loader(shards, "train", 4, **OPTIONS)
+    it = iter(loader)
+    batches = [next(it) for _ in range(len(loader))]
+    assert loader._next is not None and loader._next[0] == 1  # started while epoch 0 still had batches
+    assert len(batches) == len(loader) and next(it, None) is None
+    started_ahead = batches_of(loader)
+    alone = make_loader(shards, "train", 4, **OPTIONS)
+    alone.set_epoch(1)
+    assert same(started_ahead, batches_of(alone))
+
+
+def test_lanes_started_for_an_epoch_that_is_not_read_next_are_dropped(shards):
+    options = {**OPTIONS, "checkpointing": True}
+    loader = make_loader(shards, "train", 4, **options)
+    list(loader)  # epoch 0, and epoch 1's lanes started
+    loader.set_epoch(3)
+    alone = make_loader(shards, "train", 4, **options)
+    alone.set_epoch(3)
+    assert same(batches_of(loader), batches_of(alone))  # epoch 3 (and epoch 4's lanes started)
+
+    other = make_loader(shards, "train", 4, **options)
+    it = iter(other)
+    next(it), next(it)
+    state = other.state_dict()  # inside epoch 0
+    loader.load_state_dict(state)
+    resumed = make_loader(shards, "train", 4, **options)
+    resumed.load_state_dict(state)
+    assert same(batches_of(loader), batches_of(resumed))
+
+
+def test_validation_starts_no_epoch_ahead(shards):
+    """Validation runs once between training epochs: its next epoch started would be held through training."""
+    val = make_loader(shards, "train", 4, train=False, **OPTIONS)
+    list(val)
+    assert val._next is None

@@ -28,16 +28,20 @@ Epoch semantics (what a trainer may rely on):
   all.
 - One pipeline per epoch: each iteration builds its DALI pipeline and frees it when the epoch ends, so a
   trainer's rank holds one pipeline at a time (training's while it trains, validation's while it
-  evaluates) with its thread pool and decoder buffers. Why not one pipeline for all epochs: docs/gpu.md.
+  evaluates) with its thread pool and decoder buffers (but for lanes, below). Why not one pipeline for all
+  epochs: docs/gpu.md.
   What would make the epoch wait, defining the graph (Python: 0.15-0.5 CPU s for a policy's graph), is done
   once: the first epoch's pipeline is serialized before it is built, and every later epoch's is that
   definition with its own reader arguments, deserialized in C++ (serialized.py; 20-30 ms). The first is
   defined on a background thread at construction, and each next epoch's pipeline object is made on it while
   the epoch before runs (from its first batch on; not with a shard cache, whose tars are pinned when their
   epoch starts). A process forked meanwhile waits for a definition to end (`DefinitionsAhead`).
-- Lanes (`LoaderOptions.lanes`, lanes.py): CPU training on long epochs reads the rank's shard in two
-  pipelines of half the threads, whole batches from each in turn; the contract above holds the same (a
-  mid-epoch state holds each lane's checkpoint and is restored with as many lanes).
+- Lanes (`LoaderOptions.lanes`, lanes.py): CPU training reads the rank's shard in two pipelines of half the
+  threads, whole batches from each in turn; the contract above holds the same (a mid-epoch state holds each
+  lane's checkpoint and is restored with as many lanes). A lane's first batch is a whole batch of its one
+  thread, so a training loader in lanes starts the next epoch's lanes near the end of each epoch, once this
+  epoch's have no run left to schedule, and the next iteration reads them if it is that epoch from its
+  start (else they are dropped): the one place a rank holds two epochs' pipelines.
 - Progressive resizing (`classification_loader(..., image_size=)`): the graph of epoch e is built for the
   image size of epoch e (a function of the epoch alone: resolution.py), so the epoch defined ahead, one set
   by `set_epoch` and one restored mid-epoch all train at the size an uninterrupted run would have.
@@ -156,18 +160,20 @@ class LoaderOptions:
                        prefetch_queue_depth=self.prefetch_queue_depth or defaults.prefetch_queue_depth(device))
 
 
-# The epochs long enough for two lanes to pay (default_lanes): a rank's epoch of this many batches or more
-LANES_MIN_BATCHES = 256
+# The epochs long enough for two lanes to pay (default_lanes): make bench's 30-batch epochs gain 14-33%; the
+# demo's training epochs (22 batches) keep one lane
+LANES_MIN_BATCHES = 24
 
 
 def default_lanes(options: LoaderOptions, batches: int) -> int:
     """Pipelines per rank (lanes.py) for epochs of `batches` batches: two for CPU training with two threads or
     more and epochs of LANES_MIN_BATCHES or more, else one. Two keep 2 cores busy where one pipeline leaves
-    them 10-15% idle (on 270-batch epochs with ta_wide and erasing: 638 -> 867 and 793 -> 918 images/s), but
-    each epoch then defines two pipelines (a policy's: 0.3-0.5 CPU s each) and waits for a batch of one lane's
-    thread before its first (4 batch times instead of 1.5-2): on make bench's 30-batch epochs that took back
-    most of the gain (docs/benchmarks.md, "Lanes"). One on the GPU (one decoder's memory and CUDA streams per
-    rank), for validation (read once an epoch, plain) and with one thread."""
+    them 10-15% idle: on make bench's 30-batch epochs with erasing, ta_wide 651 -> 813 images/s, ra 540 ->
+    722, imagenet 743 -> 850 (docs/benchmarks.md, "One definition per loader"). That needed each epoch's
+    pipelines made from the first, serialized, not defined again (0.3-0.5 CPU s each, two per epoch), and
+    the next epoch's lanes started before this one ends (a lane's first batch is a whole batch of one thread).
+    One on the GPU (one decoder's memory and CUDA streams per rank), for validation (read once an epoch,
+    plain) and with one thread."""
     two = options.device == "cpu" and options.train and options.num_threads >= 2 and batches >= LANES_MIN_BATCHES
     return 2 if two else 1
 
@@ -296,6 +302,7 @@ class DaliLoader(FollowsCursor):
         self._rest: tempfile.TemporaryDirectory | None = None  # index files of a resumed epoch's remaining samples
         self.last_samples: list[str] = []  # the last batch's samples, `SHARD:POSITION` (when tracking them)
         self._ahead: tuple[int, Future] | None = None  # (epoch, its pipeline being defined in the background)
+        self._next: tuple[int, LaneBatches, SampleKeys] | None = None  # the next epoch's lanes, started
         self._background: ThreadPoolExecutor | None = None  # defines pipelines ahead
         # graph_key -> the first pipeline of that graph, serialized (None: one that cannot be reused)
         self._serialized: dict[tuple, bytes | None] = {}
@@ -535,6 +542,11 @@ class DaliLoader(FollowsCursor):
 
     def _build_iterator(self, restore: Restore | None) -> tuple[LaneBatches, SampleKeys]:
         pipes, keys, sizes = self._defined(restore)
+        handed = restore.handed if restore is not None and restore.dali is not None else None
+        return self._started(pipes, sizes, handed), keys
+
+    def _started(self, pipes: list, sizes: list[int], handed: list[int] | None) -> LaneBatches:
+        """`pipes` built, their first runs scheduled, behind one `LaneBatches`."""
         self._remember_graph(pipes[0])
         for pipe in pipes:
             pipe.build()
@@ -547,8 +559,33 @@ class DaliLoader(FollowsCursor):
                      for pipe in pipes]
         for iterator in iterators:
             iterator.start()
-        handed = restore.handed if restore is not None and restore.dali is not None else None
-        return LaneBatches(iterators, sizes, self.options.batch_size, handed), keys
+        return LaneBatches(iterators, sizes, self.options.batch_size, handed)
+
+    def _start_next_epoch(self) -> None:
+        """Build the next epoch's lanes and start their first runs now, near the end of this epoch, where this
+        epoch's lanes have no run left to schedule and their threads fall idle one after the other: a lane's
+        first batch is a whole batch of its one thread, which the epoch would otherwise wait for (3.4 batch
+        times with two lanes against 1.6 with one: docs/benchmarks.md, "One definition per loader"). Only
+        training loaders in lanes (CPU): a rank then briefly holds two epochs' pipelines, and holds the next
+        one's, idle once its first batches are made, through validation. A next epoch that fails to start
+        is started again, and fails with its own message, when it begins."""
+        epoch = self.cursor.epoch + 1
+        ahead, self._ahead = self._ahead, None
+        try:
+            pipes, keys, sizes = ahead[1].result() if ahead is not None and ahead[0] == epoch else \
+                self._define(epoch)
+            self._next = (epoch, self._started(pipes, sizes, None), keys)
+        except Exception as e:
+            if not is_pipeline_failure(e):
+                raise
+            self._next = None
+
+    def _next_started(self, restore: Restore | None) -> tuple[LaneBatches, SampleKeys] | None:
+        """The lanes `_start_next_epoch` started, if they are this iteration's (dropped if not)."""
+        started, self._next = self._next, None
+        if started is not None and restore is None and started[0] == self.cursor.epoch:
+            return started[1], started[2]
+        return None
 
     def _batches_left(self) -> int:
         """Batches this rank still hands out in the epoch: training's full global batches of what the cursor
@@ -570,9 +607,15 @@ class DaliLoader(FollowsCursor):
             # A pipeline per epoch: training's order is a function of (seed, epoch) that the reader is given
             # at build time, and between epochs no pipeline is held (see the module docstring).
             self._release_pipeline()  # the pipeline of an epoch left unfinished
+            started = self._next_started(restore)
             left = self._batches_left()
             if left:  # (a state restored at an epoch's last batch has none left)
-                self._iterator, keys = self._build_iterator(restore)  # running the first batches already
+                # running the first batches already (started near the end of the epoch before, in lanes)
+                self._iterator, keys = started or self._build_iterator(restore)
+            del started
+            # In lanes, the next epoch starts when this one's lanes have no run left to schedule
+            start_next_at = len(self._iterator.pipes) * self.options.prefetch_queue_depth \
+                if left and self.options.train and len(self._iterator.pipes) > 1 and self.shard_cache is None else None
             # DALI decodes the rest of the rank's slice too, the batch dropped at the end included (so a sample
             # it cannot decode fails the epoch wherever it lands), but none of it is handed out
             next_defined = False
@@ -586,6 +629,9 @@ class DaliLoader(FollowsCursor):
                     if self.tracks_samples:
                         self.last_samples = keys.add(seen, host_sources(outputs.pop(SAMPLE_SOURCES)))
                     cursor.advance()
+                    if start_next_at is not None and left <= start_next_at:
+                        self._start_next_epoch()
+                        start_next_at = None
                     yield self.to_torch(outputs)
         except Exception as e:
             if not is_pipeline_failure(e):

@@ -61,7 +61,7 @@ def _encode_varint(value: int) -> bytes:
             return bytes(out)
 
 
-def _fields(message: bytes) -> Iterator[tuple[int, int, int | bytes, bytes]]:
+def wire_fields(message: bytes) -> Iterator[tuple[int, int, int | bytes, bytes]]:
     """(field number, wire type, value, the field's bytes as written) of a protobuf message, in order."""
     at = 0
     while at < len(message):
@@ -102,12 +102,12 @@ def _argument(name: str, value: int | list[str]) -> bytes:
 
 
 def _argument_name(argument: bytes) -> str:
-    return next(value for number, _, value, _ in _fields(argument) if number == ARG_NAME).decode()
+    return next(value for number, _, value, _ in wire_fields(argument) if number == ARG_NAME).decode()
 
 
 def _reader_replaced(op: bytes, values: dict[str, int | list[str]]) -> bytes:
     out, replaced = [], set()
-    for number, _, value, raw in _fields(op):
+    for number, _, value, raw in wire_fields(op):
         if number == OP_ARG and (name := _argument_name(value)) in values:
             out.append(_field(OP_ARG, _argument(name, values[name])))
             replaced.add(name)
@@ -122,7 +122,7 @@ def with_reader_arguments(serialized: bytes, **values: int | list[str]) -> bytes
     """`serialized` (Pipeline.serialize()) with the webdataset reader's arguments `values` replaced (each
     must be there already: an int64 or a list of strings)."""
     out, readers = [], 0
-    for number, _, value, raw in _fields(serialized):
+    for number, _, value, raw in wire_fields(serialized):
         if number == PIPELINE_OP and _op_name(value) == READER_OPERATOR:
             out.append(_field(PIPELINE_OP, _reader_replaced(value, values)))
             readers += 1
@@ -138,9 +138,9 @@ def without_origins(serialized: bytes) -> bytes:
     four fifths of a policy graph's 750 kB): it only adds that place to DALI's own error messages, and reading
     it took 25 of the 40 ms that making a policy's pipeline takes (parsed 7 ms, built 14 ms without it)."""
     out = []
-    for number, _, value, raw in _fields(serialized):
+    for number, _, value, raw in wire_fields(serialized):
         if number == PIPELINE_OP:
-            kept = (op_raw for field, _, op_value, op_raw in _fields(value)
+            kept = (op_raw for field, _, op_value, op_raw in wire_fields(value)
                     if not (field == OP_ARG and _argument_name(op_value).startswith("_origin_stack_")))
             out.append(_field(PIPELINE_OP, b"".join(kept)))
         else:
@@ -149,7 +149,7 @@ def without_origins(serialized: bytes) -> bytes:
 
 
 def _op_name(op: bytes) -> bytes:
-    return next(value for number, _, value, _ in _fields(op) if number == OP_NAME)
+    return next(value for number, _, value, _ in wire_fields(op) if number == OP_NAME)
 
 
 class SerializedPipeline(Pipeline):
