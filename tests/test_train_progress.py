@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -175,6 +176,9 @@ def test_a_resumed_run_replaces_the_per_step_points_it_replays(tmp_path):
     for step in range(1, 11):
         log.write_step(step, {"step/train_loss": 1.0})
     log.close()
+    # TensorBoard reads a folder's event files in name order: the creation second, then a counter of the files
+    # this process has made, which sorts 10 before 9; a resumed run starts in a later second
+    time.sleep(1.01 - time.time() % 1)
     log = RunLog(tmp_path, enabled=True, resume_epoch=1, resume_step=6)
     for step in range(7, 13):
         log.write_step(step, {"step/train_loss": 2.0})

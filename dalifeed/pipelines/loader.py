@@ -169,7 +169,8 @@ def default_lanes(options: LoaderOptions, batches: int) -> int:
     """Pipelines per rank (lanes.py) for epochs of `batches` batches: two for CPU training with two threads or
     more and epochs of LANES_MIN_BATCHES or more, else one. Two keep 2 cores busy where one pipeline leaves
     them 10-15% idle: on make bench's 30-batch epochs with erasing, ta_wide 651 -> 813 images/s, ra 540 ->
-    722, imagenet 743 -> 850 (docs/benchmarks.md, "One definition per loader"). That needed each epoch's
+    722, imagenet 743 -> 850, and 920, 791, 864 with the next epoch's lanes started ahead
+    (docs/benchmarks.md, "One definition per loader"). That needed each epoch's
     pipelines made from the first, serialized, not defined again (0.3-0.5 CPU s each, two per epoch), and
     the next epoch's lanes started before this one ends (a lane's first batch is a whole batch of one thread).
     One on the GPU (one decoder's memory and CUDA streams per rank), for validation (read once an epoch,
@@ -481,11 +482,11 @@ class DaliLoader(FollowsCursor):
                                       **params)
         return graph(tars, indexes, train=o.train, device=o.device, initial_fill=o.initial_fill, **reader, **params)
 
-    def _remember_graph(self, pipe) -> None:
-        """Serialize the first pipeline of the current epoch's graph, which later epochs are made from
+    def _remember_graph(self, pipe, epoch: int) -> None:
+        """Serialize the first pipeline of epoch `epoch`'s graph, which later epochs are made from
         (`_define`), before it is built. Here, not where it is defined: serializing creates DALI's backend
         pipeline, which for a GPU graph needs CUDA (a defined graph does not: tests/test_gpu_graphs.py)."""
-        key = graph_key(self.epoch_graph(self.cursor.epoch))
+        key = graph_key(self.epoch_graph(epoch))
         if key is None or key in self._serialized or isinstance(pipe, SerializedPipeline):
             return
         try:
@@ -543,11 +544,11 @@ class DaliLoader(FollowsCursor):
     def _build_iterator(self, restore: Restore | None) -> tuple[LaneBatches, SampleKeys]:
         pipes, keys, sizes = self._defined(restore)
         handed = restore.handed if restore is not None and restore.dali is not None else None
-        return self._started(pipes, sizes, handed), keys
+        return self._started(pipes, sizes, handed, self.cursor.epoch), keys
 
-    def _started(self, pipes: list, sizes: list[int], handed: list[int] | None) -> LaneBatches:
-        """`pipes` built, their first runs scheduled, behind one `LaneBatches`."""
-        self._remember_graph(pipes[0])
+    def _started(self, pipes: list, sizes: list[int], handed: list[int] | None, epoch: int) -> LaneBatches:
+        """`pipes` (epoch `epoch`'s) built, their first runs scheduled, behind one `LaneBatches`."""
+        self._remember_graph(pipes[0], epoch)
         for pipe in pipes:
             pipe.build()
         # One lane drops its partial last batch in training; several hand theirs to LaneBatches to join
@@ -574,7 +575,7 @@ class DaliLoader(FollowsCursor):
         try:
             pipes, keys, sizes = ahead[1].result() if ahead is not None and ahead[0] == epoch else \
                 self._define(epoch)
-            self._next = (epoch, self._started(pipes, sizes, None), keys)
+            self._next = (epoch, self._started(pipes, sizes, None, epoch), keys)
         except Exception as e:
             if not is_pipeline_failure(e):
                 raise
@@ -605,7 +606,8 @@ class DaliLoader(FollowsCursor):
         self._excluded = restore.excluded if restore is not None else None
         try:
             # A pipeline per epoch: training's order is a function of (seed, epoch) that the reader is given
-            # at build time, and between epochs no pipeline is held (see the module docstring).
+            # at build time, and between epochs no pipeline is held but the next epoch's lanes
+            # (`_start_next_epoch`; see the module docstring).
             self._release_pipeline()  # the pipeline of an epoch left unfinished
             started = self._next_started(restore)
             left = self._batches_left()

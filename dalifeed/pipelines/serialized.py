@@ -1,12 +1,12 @@
 """An epoch's pipeline made from the loader's first, serialized, with the epoch's reader arguments.
 
 Every epoch needs its own pipeline: its shard order is a list the reader is given when the pipeline is built
-(loader.py). Defining the graph again is Python, 0.15-0.5 CPU s for a policy's graph on this machine, half of it
-DALI recording where each operator was defined (docs/benchmarks.md, "What an epoch costs"): on the bench's
-30-batch epochs a tenth of the CPU, twice that with two lanes. DALI's own serialization avoids it: the first
-pipeline is serialized (DALI's protobuf `PipelineDef`, dali/pipeline/proto/dali.proto) and every later one is
-that definition with the reader's `paths`, `index_paths`, `shard_id` and `num_shards` replaced, built by
-`Pipeline.deserialize_and_build` in C++ (0.03-0.05 s).
+(loader.py). Defining the graph again is Python, 0.26-0.54 CPU s for a policy's graph on this machine, half of
+it DALI recording where each operator was defined: on the bench's 30-batch epochs a tenth of the CPU, twice
+that with two lanes (docs/benchmarks.md, "One definition per loader"). DALI's own serialization avoids it: the
+first pipeline is serialized (DALI's protobuf `PipelineDef`, dali/pipeline/proto/dali.proto) and every later
+one is that definition with the reader's `paths`, `index_paths`, `shard_id` and `num_shards` replaced (1-2 CPU
+ms), built by `Pipeline.deserialize_and_build` in C++ (11-33 CPU ms, as a defined pipeline's build).
 
 What makes the two the same pipeline: the serialized graph holds every argument given at definition time and no
 operator seed (DALI's executor draws those from the pipeline's seed when it builds, in operator order, and a
