@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -194,3 +195,18 @@ def test_validation_starts_no_epoch_ahead(shards):
     val = make_loader(shards, "train", 4, train=False, **OPTIONS)
     list(val)
     assert val._next is None
+
+
+def test_the_pipeline_of_lane_0_restores_from_its_checkpoint(shards):
+    """`loader.pipeline(checkpoint=)` (lane 0's pipeline, defined: what the GPU graph checks use) takes lane 0's
+    checkpoint alone: it continues with lane 0's next batch."""
+    options = {**OPTIONS, "checkpointing": True}
+    whole = list(make_loader(shards, "train", 4, **options))
+    loader = make_loader(shards, "train", 4, **options)
+    it = iter(loader)
+    next(it), next(it)  # a batch of each lane
+    state = loader.state_dict()
+    pipe = make_loader(shards, "train", 4, **options).pipeline(checkpoint=state["dali"][0])
+    pipe.build()
+    labels = [int(x) for x in np.asarray(pipe.run()[1].as_tensor()).reshape(-1)]
+    assert labels == whole[2][1].tolist()  # lane 0's second batch, the epoch's third

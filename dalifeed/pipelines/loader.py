@@ -440,7 +440,7 @@ class DaliLoader(FollowsCursor):
                 reuse: bool = True):
         """(the pipelines of epoch `epoch`, one per lane, the `SampleKeys` that name their samples, the samples
         each lane reads); with `excluded`, over the epoch's samples not in it (a resume on another number of
-        ranks: elastic.py); `checkpoint`, each lane's DALI checkpoint (a list; one lane's may be given alone).
+        ranks: elastic.py); `checkpoint`, each lane's DALI checkpoint (a list), or lane 0's alone.
         With `reuse`, made from the first pipeline of the same graph, serialized, where there is one
         (serialized.py), instead of defining the graph again."""
         shards = self._epoch_shards(epoch)
@@ -452,8 +452,7 @@ class DaliLoader(FollowsCursor):
         keys = SampleKeys(tars, shards, [full_index[s.path] for s in shards])
         total = sum(s.samples for s in shards)
         lanes = self._epoch_lanes(total)
-        checkpoints = checkpoint if isinstance(checkpoint, list) else [checkpoint] * lanes if checkpoint is None \
-            else [checkpoint]
+        checkpoints = checkpoint if isinstance(checkpoint, list) else [checkpoint] + [None] * (lanes - 1)
         resumed_at = excluded.count() if excluded is not None else 0
         graph = self.epoch_graph(epoch)
         serialized = self._serialized.get(graph_key(graph)) if reuse else None
