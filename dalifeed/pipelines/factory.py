@@ -67,7 +67,7 @@ def make_loader(shards_dir: str | os.PathLike | list | Dataset, split: str, batc
     `prefetch_queue_depth`: batches DALI prepares ahead; default 5 with GPU decoding, 2 otherwise
     (`dalifeed.defaults`: NVIDIA's published configurations). `lanes`: pipelines sharing the rank's epoch and
     its `num_threads`, each handing out whole batches in turn (dalifeed/pipelines/lanes.py); default
-    (`loader.default_lanes`) 2 for CPU training with 2 threads or more and a rank's epoch of 256 batches or
+    (`loader.default_lanes`) 2 for CPU training with 2 threads or more and a rank's epoch of 24 batches or
     more (two keep the cores busy where one pipeline leaves them idle), else 1.
     `checkpointing` enables DALI's checkpointing so that `state_dict()` can be taken mid-epoch (see
     loader.py's docstring). `multilabel` (COCO shards): labels are float multi-hot (B, num_classes) vectors

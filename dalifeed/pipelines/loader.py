@@ -530,15 +530,17 @@ class DaliLoader(FollowsCursor):
             except Exception:  # interpreter shutdown
                 pass
 
-    def _defined(self, restore: Restore | None):
-        """The current epoch's (pipeline, SampleKeys): the one defined ahead if it is this epoch's and nothing
-        is restored (a definition that failed raises here, as it would have defined now), else defined now."""
+    def _defined(self, restore: Restore | None, epoch: int | None = None):
+        """Epoch `epoch`'s (default: the current one) `_define`: the one defined ahead if it is this epoch's and
+        nothing is restored (a definition that failed raises here, as it would have defined now), else defined
+        now."""
+        epoch = self.cursor.epoch if epoch is None else epoch
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and restore is None and ahead[0] == self.cursor.epoch:
+        if ahead is not None and restore is None and ahead[0] == epoch:
             return ahead[1].result()
         if restore is None:
-            return self._define(self.cursor.epoch)
-        return self._define(self.cursor.epoch, restore.lane_checkpoints(), restore.excluded)
+            return self._define(epoch)
+        return self._define(epoch, restore.lane_checkpoints(), restore.excluded)
 
     def _build_iterator(self, restore: Restore | None) -> tuple[LaneBatches, SampleKeys]:
         pipes, keys, sizes = self._defined(restore)
@@ -570,10 +572,8 @@ class DaliLoader(FollowsCursor):
         one's, idle once its first batches are made, through validation. A next epoch that fails to start
         is started again, and fails with its own message, when it begins."""
         epoch = self.cursor.epoch + 1
-        ahead, self._ahead = self._ahead, None
         try:
-            pipes, keys, sizes = ahead[1].result() if ahead is not None and ahead[0] == epoch else \
-                self._define(epoch)
+            pipes, keys, sizes = self._defined(None, epoch)
             self._next = (epoch, self._started(pipes, sizes, None, epoch), keys)
         except Exception as e:
             if not is_pipeline_failure(e):
