@@ -54,6 +54,32 @@ def test_autoaugment_imagenet_subpolicies_are_torchvisions():
     assert augment.TORCHVISION_IMAGENET_POLICY == list(v2.AutoAugment()._policies)
 
 
+def test_dalis_imagenet_policy_is_torchvisions_without_what_never_runs_and_defines_without_warnings():
+    """The DALI Policy leaves out the operations torchvision runs with probability 0 (DALI warns about them),
+    and defining a policy graph warns about nothing: apply_policy no longer swaps the process's warning
+    filters to hide that warning (not thread-safe, and the loader defines graphs on a background thread)."""
+    policy = augment.dali_imagenet_policy(224)
+    ours = [[(aug.name, p, mag) for aug, p, mag in sub] for sub in policy.sub_policies]
+    names = {"Equalize": "equalize", "Solarize": "solarize", "Posterize": "posterize", "Rotate": "rotate",
+             "AutoContrast": "auto_contrast", "Color": "color", "Contrast": "contrast", "Sharpness": "sharpness",
+             "Invert": "invert", "ShearX": "shear_x"}
+    theirs = [[(names[n], p, mag) for n, p, mag in sub if p > 0] for sub in augment.TORCHVISION_IMAGENET_POLICY]
+    assert ours == theirs
+    assert sum(len(sub) for sub in ours) == 2 * len(augment.TORCHVISION_IMAGENET_POLICY) - 1  # one p = 0
+
+    @pipeline_def(batch_size=2, num_threads=1, device_id=None, enable_conditionals=True)
+    def pipe(name):
+        data = fn.external_source(name="images", layout="HWC")
+        return augment.apply_policy(data, AugmentConfig(image_size=SIZE, auto_augment=name))
+
+    import warnings
+
+    for name in augment.POLICIES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            pipe(name)
+
+
 @pytest.mark.parametrize("policy", augment.POLICIES)
 def test_the_dali_suite_carries_the_table(policy):
     space = augment.torchvision_space(policy, 224)

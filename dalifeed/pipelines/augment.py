@@ -24,7 +24,6 @@ DALI's policies choose an operation per sample with `if` in the graph: the pipel
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import torch
@@ -333,12 +332,18 @@ def dali_suite(policy: str, size: int, bins: int | None = None) -> list:
 
 
 def dali_imagenet_policy(size: int):
-    """torchvision's AutoAugment ImageNet policy as a DALI `Policy`."""
+    """torchvision's AutoAugment ImageNet policy as a DALI `Policy`.
+
+    An operation torchvision runs with probability 0 (("Equalize", 0.0, None), on purpose) is left out of its
+    sub-policy: torchvision never applies it, DALI pads a shorter sub-policy with an identity it never runs,
+    so the images' distribution is the same, and DALI's `Policy` warns about every probability 0. Leaving
+    it out beats silencing that warning with `warnings.catch_warnings`, which swaps the process's filters
+    and is not thread-safe (the loader defines graphs on a background thread)."""
     from nvidia.dali.auto_aug.core import Policy
 
     space = torchvision_space("imagenet", size)
     ops = {name: dali_op(name, mags, signed) for name, (mags, signed) in space.items()}
-    sub_policies = [[(ops[name], p, mag) for name, p, mag in sub] for sub in TORCHVISION_IMAGENET_POLICY]
+    sub_policies = [[(ops[name], p, mag) for name, p, mag in sub if p > 0] for sub in TORCHVISION_IMAGENET_POLICY]
     return Policy(name="TorchvisionImageNetPolicy", num_magnitude_bins=AUTO_AUGMENT_BINS, sub_policies=sub_policies)
 
 
@@ -349,14 +354,6 @@ POLICY_WARP_ARGS = {"fill_value": 0, "interp_type": types.INTERP_NN}
 
 def apply_policy(images, cfg: "AugmentConfig"):
     """`cfg.auto_augment` on uint8 HWC images of cfg.image_size squared (needs enable_conditionals)."""
-    with warnings.catch_warnings():
-        # torchvision's policy has ("Equalize", 0.0, None) on purpose, which DALI's Policy warns about (DALI
-        # 2.4's own augmentations also warn that fn.experimental.equalize / filter are deprecated aliases)
-        warnings.filterwarnings("ignore", message=".*is used with probability 0.*")
-        return _apply_policy(images, cfg)
-
-
-def _apply_policy(images, cfg: "AugmentConfig"):
     from nvidia.dali.auto_aug.auto_augment import apply_auto_augment
     from nvidia.dali.auto_aug.rand_augment import apply_rand_augment
     from nvidia.dali.auto_aug.trivial_augment import apply_trivial_augment
