@@ -14,6 +14,7 @@ import torch
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.elastic import merge_rank_states
 from dalifeed.pipelines.lanes import join_rows, lane_sizes, next_lane
+from dalifeed.pipelines import loader as loader_module
 from dalifeed.pipelines.loader import LANES_MIN_BATCHES, LoaderOptions, default_lanes
 from helpers import one_image_classes
 
@@ -118,8 +119,34 @@ def test_a_lanes_state_refuses_a_loader_of_one_lane_and_names_the_option(shards)
     next(it)
     state = loader.state_dict()
     other = make_loader(shards, "train", 4, **{**OPTIONS, "checkpointing": True, "lanes": 1})
-    with pytest.raises(ValueError, match="2 lane.*lanes=2"):
+    with pytest.raises(ValueError, match="2 lane.*lanes=2.*--lanes"):
         other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("saved_lanes", [2, 1])
+def test_a_state_resumes_in_a_loader_whose_lanes_are_defaulted_with_the_states_lanes(shards, saved_lanes,
+                                                                                      monkeypatch):
+    """dali-train leaves lanes to the default, which follows the threads and the epoch's length, and a resume
+    may change --dali-threads: a loader whose lanes are defaulted restores a state of another number of
+    lanes, runs the rest of that epoch in the state's lanes (the same batches as the run that saved it)
+    and the next epoch in its own default."""
+    options = {**OPTIONS, "checkpointing": True, "lanes": saved_lanes}
+    whole = batches_of(make_loader(shards, "train", 4, **options))
+    saver = make_loader(shards, "train", 4, **options)
+    it = iter(saver)
+    for _ in range(3):
+        next(it)
+    state = saver.state_dict()
+    # the default here: one lane on one thread; two on two threads once these 9-batch epochs count as long
+    defaulted = {**OPTIONS, "checkpointing": True, "lanes": None, "num_threads": 2 if saved_lanes == 1 else 1}
+    monkeypatch.setattr(loader_module, "LANES_MIN_BATCHES", 1)
+    resumed = make_loader(shards, "train", 4, **defaulted)
+    assert resumed.options.lanes == 3 - saved_lanes
+    resumed.load_state_dict(state)
+    assert same(batches_of(resumed), whole[3:])
+    alone = make_loader(shards, "train", 4, **defaulted)
+    alone.set_epoch(1)
+    assert same(batches_of(resumed), batches_of(alone))
 
 
 def test_lanes_stopped_on_two_ranks_resume_on_three_reading_the_rest_once(shards):

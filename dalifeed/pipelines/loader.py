@@ -292,6 +292,8 @@ class DaliLoader(FollowsCursor):
         self._shards = self.manifest.split_info(self.split).shards
         self.total_samples = self.manifest.num_samples(self.split)
         batches = self.total_samples // options.world_size // options.batch_size
+        # lanes given (LoaderOptions.lanes) are kept; defaulted ones give way to a restored state's (load_state_dict)
+        self._lanes_given = options.lanes is not None
         self.options = options if options.lanes else replace(options, lanes=default_lanes(options, batches))
         self.cursor = EpochCursor(options.global_batch)
         self._iterator: LaneBatches | None = None  # the current epoch's, from its build to its end
@@ -377,12 +379,16 @@ class DaliLoader(FollowsCursor):
 
     def _refuse_other_lanes(self, saved: int, excluded: dict | None) -> None:
         """A reader state holds one DALI checkpoint per lane of the epoch it was taken in: restored, the epoch
-        must run with as many."""
+        runs with as many (`_define` takes them from the checkpoints). Lanes the loader was given explicitly
+        and that differ are refused; defaulted ones give way for that epoch (a resume with other
+        `--dali-threads`, or on a machine of other cores, would otherwise default to another number), and
+        the epochs after it take the default again."""
         total = self.total_samples if excluded is None else self.total_samples - SampleSet.from_state(excluded).count()
         lanes = self._epoch_lanes(total)
-        if saved != lanes:
+        if saved != lanes and self._lanes_given:
             raise ValueError(f"a reader state of {saved} lane(s) cannot be restored with {lanes}: make the loader "
-                             f"with lanes={saved} (LoaderOptions.lanes), as the run that saved it")
+                             f"with lanes={saved} (LoaderOptions.lanes, dali-train --lanes), as the run that saved "
+                             f"it, or leave lanes to the default")
 
     def _epoch_shards(self, epoch: int | None = None) -> list[ShardInfo]:
         if not self.options.train:
@@ -451,7 +457,8 @@ class DaliLoader(FollowsCursor):
         tars, indexes = self._epoch_files(shards, epoch)
         keys = SampleKeys(tars, shards, [full_index[s.path] for s in shards])
         total = sum(s.samples for s in shards)
-        lanes = self._epoch_lanes(total)
+        # a restored state's checkpoints, one per lane of the epoch it was taken in, say how many lanes it has
+        lanes = len(checkpoint) if isinstance(checkpoint, list) else self._epoch_lanes(total)
         checkpoints = checkpoint if isinstance(checkpoint, list) else [checkpoint] + [None] * (lanes - 1)
         resumed_at = excluded.count() if excluded is not None else 0
         graph = self.epoch_graph(epoch)
