@@ -470,6 +470,7 @@ def test_numpy_rng_state_round_trips_through_a_checkpoint():
     (["--accum-steps", "0"], "--accum-steps must be >= 1"),
     (["--epochs", "0"], "--epochs must be >= 1"),
     (["--hw-decoder-load", "1.5"], "--hw-decoder-load must be in [0, 1]"),
+    (["--lanes", "0"], "--lanes must be >= 1"),
 ])
 def test_bad_flags_are_one_line_usage_errors(shards, tmp_path, extra, message):
     result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(tmp_path / "bad"), *extra])
@@ -546,3 +547,16 @@ def test_the_score_best_pt_keeps_is_top1_map_or_minus_the_train_loss(task, val_s
     if task == "multilabel" and val_split:
         del record["top1"]
     assert epoch_score(TrainConfig(data=".", out=".", task=task, val_split=val_split), record) == score
+
+
+def test_lanes_are_an_option_the_run_records_and_says(shards, tmp_path):
+    """--lanes 2: the training loader reads in two pipelines of half --dali-threads each; config.json records
+    it, the first lines say it. The default (these epochs are short: one lane) says nothing."""
+    run = tmp_path / "lanes"
+    result = CliRunner().invoke(train_cli, [*fast_cli_args(shards, 1, lanes=2), "--out", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "training loader: 2 lanes of 1 DALI thread(s) each" in result.output
+    recorded = json.loads((run / "config.json").read_text())
+    assert recorded["lanes"] == 2 and recorded["loaders"]["train"]["lanes"] == 2
+    default = CliRunner().invoke(train_cli, [*fast_cli_args(shards, 1), "--out", str(tmp_path / "default")])
+    assert default.exit_code == 0 and "lanes of" not in default.output, default.output

@@ -150,9 +150,15 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
 @click.option("--max-bad-steps", type=int, default=d("max_bad_steps"), show_default=True,
               help="Abort after this many non-finite losses or gradients in a row (each is skipped and logged).")
 @click.option("--dali-threads", "--workers", "workers", type=int, default=d("workers"), metavar="N",
-              help="DALI threads per pipeline (each rank runs one pipeline at a time). Default: the CPUs this "
-                   "process may use divided by the ranks on this node (LOCAL_WORLD_SIZE), at most 4 with GPU "
+              help="DALI threads of each rank's loader (shared by its lanes, see --lanes). Default: the CPUs this "
+                   "process may use divided by the ranks on this node (LOCAL_WORLD_SIZE), at most 6 with GPU "
                    "decoding and 16 with CPU decoding; printed at start. --workers is its old name.")
+@click.option("--lanes", type=int, default=d("lanes"), metavar="N",
+              help="Pipelines of the training loader per rank, each with its share of --dali-threads, reading its "
+                   "part of the rank's shard and handing out whole batches in turn (docs/pipelines.md). Default: 2 "
+                   "for CPU training with 2 threads or more and epochs of 24 batches or more (they keep the cores "
+                   "busy that one pipeline leaves idle, for 0.4-0.6 GB more memory per rank), else 1; printed at "
+                   "start. GPU training is best with 1.")
 @click.option("--profile", type=int, default=d("profile"), show_default=True,
               help="Write RUN/profile_trace.json, a torch profiler trace of this many steps.")
 @click.option("--checkpoint-every", type=int, default=d("checkpoint_every"), show_default=True, metavar="STEPS",

@@ -97,7 +97,8 @@ class TrainConfig:
     pretrained: str | None = None
     seed: int = 0
     max_bad_steps: int = 5  # abort after this many non-finite losses or gradients in a row
-    workers: int | None = None  # --dali-threads: DALI threads per pipeline; None: dalifeed.budget decides
+    workers: int | None = None  # --dali-threads: DALI threads per rank's loader; None: dalifeed.budget decides
+    lanes: int | None = None  # --lanes: the training loader's pipelines per rank; None: loader.default_lanes
     profile: int = 0  # write a torch profiler trace of this many steps (0: off)
     checkpoint_every: int = 0  # also save last.pt every this many optimizer steps inside an epoch (0: off)
     device: str = "auto"  # auto | cpu | gpu | hybrid (train on the GPU, decode JPEGs on the CPU)
@@ -175,6 +176,7 @@ class TrainConfig:
             (self.profile >= 0, f"--profile must be >= 0, got {self.profile}"),
             (self.workers is None or self.workers >= 1,
              f"--dali-threads / --workers must be >= 1 (DALI threads), got {self.workers}"),
+            (self.lanes is None or self.lanes >= 1, f"--lanes must be >= 1, got {self.lanes}"),
             (self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}"),
             (self.check_shards in ("size", "sha256"), f"--check-shards must be size or sha256, got {self.check_shards!r}"),
             (self.progress_every >= 0, f"--progress-every must be >= 0 seconds, got {self.progress_every}"),

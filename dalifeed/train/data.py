@@ -61,7 +61,7 @@ def loader_options(cfg: TrainConfig, dist: Dist, threads: int) -> tuple[LoaderOp
     common = dict(batch_size=cfg.batch_size, rank=dist.rank, world_size=dist.world_size, seed=cfg.seed,
                   device=loader_device(cfg, dist), device_id=dist.device.index if dist.device.type == "cuda" else None,
                   num_threads=threads)
-    train = LoaderOptions(cfg.train_split, train=True, checkpointing=True, **common)
+    train = LoaderOptions(cfg.train_split, train=True, checkpointing=True, lanes=cfg.lanes, **common)
     val = LoaderOptions(cfg.val_split, train=False, **common) if cfg.val_split is not None else None
     return train, val
 
@@ -77,6 +77,18 @@ def make_loaders(cfg: TrainConfig, dataset: Dataset, options: tuple[LoaderOption
                          image_size=schedule.size if schedule is not None else None)
     val = build_loader(dataset, val_options, cfg.val_augment()) if val_options is not None else None
     return (SyntheticLoader(train) if cfg.synthetic else train), val
+
+
+def describe_lanes(loader) -> str | None:
+    """The line that says in how many lanes (pipelines per rank: dalifeed/pipelines/lanes.py) the training
+    loader reads, and with how many DALI threads each; None for a loader without lanes (several datasets
+    mixed) or with one."""
+    options = getattr(loader, "options", None)
+    lanes = getattr(options, "lanes", None)
+    if not lanes or lanes == 1:
+        return None
+    return (f"training loader: {lanes} lanes of {max(1, options.num_threads // lanes)} DALI thread(s) each "
+            f"(--lanes; each reads its part of this rank's shard)")
 
 
 def loader_record(options: tuple[LoaderOptions, LoaderOptions | None]) -> dict:

@@ -39,7 +39,7 @@ from dalifeed.s3 import is_s3_url
 from . import checkpoint, models
 from .config import ConfigError, TrainConfig
 from .distributed import Dist, log, setup, teardown
-from .data import describe_plan, loader_device, loader_options, loader_record, make_loaders, mix_plan, open_data
+from .data import describe_lanes, describe_plan, loader_device, loader_options, loader_record, make_loaders, mix_plan, open_data
 from .evaluate import autocast, validation_record
 from .mixup import BatchMixer, soft_cross_entropy
 from .progress import EpochProgress
@@ -290,6 +290,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
 
     model, ema = make_model(cfg, dist, data.num_classes)
     train_loader, val_loader = make_loaders(cfg, data, options)
+    if (lanes := describe_lanes(train_loader)) is not None:
+        log(lanes)
     steps_per_epoch = len(train_loader) // cfg.accum_steps
     if steps_per_epoch == 0:
         raise ConfigError(f"{len(train_loader)} batches per epoch is fewer than --accum-steps {cfg.accum_steps}")
