@@ -157,8 +157,9 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
               help="Pipelines of the training loader per rank, each with its share of --dali-threads, reading its "
                    "part of the rank's shard and handing out whole batches in turn (docs/pipelines.md). Default: 2 "
                    "for CPU training with 2 threads or more and epochs of 24 batches or more (they keep the cores "
-                   "busy that one pipeline leaves idle, for 0.4-0.6 GB more memory per rank), else 1; printed at "
-                   "start. GPU training is best with 1.")
+                   "busy that one pipeline leaves idle, for 0.4-0.6 GB more memory per rank), else 1; the run's first "
+                   "lines say when there are more than 1. GPU training defaults to 1: each lane holds its own decoder "
+                   "memory on the GPU (docs/gpu.md).")
 @click.option("--profile", type=int, default=d("profile"), show_default=True,
               help="Write RUN/profile_trace.json, a torch profiler trace of this many steps.")
 @click.option("--checkpoint-every", type=int, default=d("checkpoint_every"), show_default=True, metavar="STEPS",
