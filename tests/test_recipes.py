@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -71,8 +72,6 @@ def test_dalis_imagenet_policy_is_torchvisions_without_what_never_runs_and_defin
     def pipe(name):
         data = fn.external_source(name="images", layout="HWC")
         return augment.apply_policy(data, AugmentConfig(image_size=SIZE, auto_augment=name))
-
-    import warnings
 
     for name in augment.POLICIES:
         with warnings.catch_warnings():
