@@ -375,17 +375,18 @@ class DaliLoader(FollowsCursor):
             Restore(state["dali"], SampleSet.from_state(excluded) if excluded is not None else None, state.get("seen"),
                     state.get("handed"))
         if self._restore is not None and state["dali"] is not None:
-            self._refuse_other_lanes(len(self._restore.lane_checkpoints()), excluded)
+            self._refuse_other_lanes(len(self._restore.lane_checkpoints()), self._restore.excluded)
 
-    def _refuse_other_lanes(self, saved: int, excluded: dict | None) -> None:
+    def _refuse_other_lanes(self, saved: int, excluded: SampleSet | None) -> None:
         """A reader state holds one DALI checkpoint per lane of the epoch it was taken in: restored, the epoch
         runs with as many (`_define` takes them from the checkpoints). Lanes the loader was given explicitly
         and that differ are refused; defaulted ones give way for that epoch (a resume with other
         `--dali-threads`, or on a machine of other cores, would otherwise default to another number), and
         the epochs after it take the default again."""
-        total = self.total_samples if excluded is None else self.total_samples - SampleSet.from_state(excluded).count()
-        lanes = self._epoch_lanes(total)
-        if saved != lanes and self._lanes_given:
+        if not self._lanes_given:
+            return
+        lanes = self._epoch_lanes(self.total_samples - (excluded.count() if excluded is not None else 0))
+        if saved != lanes:
             raise ValueError(f"a reader state of {saved} lane(s) cannot be restored with {lanes}: make the loader "
                              f"with lanes={saved} (LoaderOptions.lanes, dali-train --lanes), as the run that saved "
                              f"it, or leave lanes to the default")
