@@ -656,7 +656,6 @@ def test_dali_serializes_but_does_not_build_a_gpu_graph_without_cuda():
         pipe.build()
 
 
-
 READER_ARGS = {"paths", "index_paths", "shard_id", "num_shards"}
 
 
@@ -686,6 +685,7 @@ def test_a_later_epochs_gpu_pipeline_is_the_first_one_with_only_its_reader_re_ai
             assert {k: v for k, v in new.args.items() if k not in READER_ARGS} == kept
         else:
             assert new.args == kept
+
 
 def _broken_graphs():
     @pipeline_def(batch_size=2, num_threads=1, device_id=None)
