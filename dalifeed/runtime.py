@@ -9,7 +9,8 @@ stop work cleanly, child processes that die with their parent, and disk-full err
   stopped and exits 130 or 143.
 - `die_with_parent()`: called in a worker process, it makes the kernel SIGKILL the worker when its parent
   dies (Linux's PR_SET_PDEATHSIG; a watchdog thread elsewhere), so a SIGKILLed or OOM-killed main process
-  does not leave workers blocked forever on a pipe nobody reads.
+  does not leave workers blocked forever on a pipe nobody reads. A fork server's worker is the server's
+  child: the server exits when the process that started it does, and the kernel kills the worker then.
 - `usable_cores()`: the CPUs this process may use (affinity, cgroup CPU quota, Slurm's CPUs per task): what
   every worker and thread count starts from, so that a container or a Slurm allocation is respected.
 """
@@ -101,13 +102,14 @@ def stop_on_signals() -> Iterator[None]:
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """In a child process: be killed when `parent_pid` exits. Call first thing in a worker."""
+    """In a child process: be killed when `parent_pid`, the process that started the pool, exits. Call first
+    thing in a worker. The worker's own parent is `parent_pid` (fork) or a fork server, which exits with it."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             PR_SET_PDEATHSIG = 1
             if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-                if os.getppid() != parent_pid:  # the parent died before prctl took effect
+                if not _alive(parent_pid):  # it died before prctl took effect
                     os._exit(1)
                 return
         except (OSError, AttributeError):
@@ -116,9 +118,19 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
+    while _alive(parent_pid):
         time.sleep(0.5)
     os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        pass
+    return True
 
 
 def is_disk_full(error: BaseException) -> bool:

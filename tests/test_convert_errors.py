@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -230,8 +232,13 @@ def start_conversion(src: Path, out: Path, **popen) -> subprocess.Popen:
 
 
 def workers_of(proc: subprocess.Popen) -> list[psutil.Process]:
-    wait_for(lambda: len(psutil.Process(proc.pid).children()) >= 2, what="conversion workers")
-    return psutil.Process(proc.pid).children()
+    """Every process the conversion started, once its two workers run: the workers (the fork server's
+    children), the fork server and multiprocessing's resource tracker."""
+    def started() -> list[psutil.Process]:
+        return psutil.Process(proc.pid).children(recursive=True)
+
+    wait_for(lambda: sum(p.ppid() != proc.pid for p in started()) >= 2, what="conversion workers")
+    return started()
 
 
 def gone(processes: list[psutil.Process]) -> bool:
@@ -316,6 +323,91 @@ def test_a_crashing_worker_surfaces_instead_of_hanging(small_imagefolder, tmp_pa
 
 def _divide_by_zero(x):
     return x / 0
+
+
+HELD = threading.Lock()
+
+
+def _under_the_held_lock(x):
+    with HELD:
+        return x
+
+
+@contextmanager
+def alarm(seconds: int):
+    """TimeoutError in the main thread after `seconds`: a hang becomes a failure."""
+    def ring(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_lock_held_in_this_process_does_not_reach_the_workers():
+    """A child forked from this process copies every lock another thread holds there, held forever in the child
+    (seen: a module's import lock, held by a loader's thread defining its next epoch, and a conversion worker
+    that never returned). Workers come from a fork server, a process of their own, and take their own locks."""
+    from dalifeed.convert.shards import ordered_map
+
+    with HELD, alarm(60):  # a forked worker would wait here until the alarm
+        assert list(ordered_map(_under_the_held_lock, range(20), workers=2, chunk=1)) == list(range(20))
+
+
+def _environment_variable(name):
+    return os.environ.get(name)
+
+
+def test_workers_see_the_environment_of_now_not_the_fork_servers(monkeypatch):
+    """The fork server keeps the environment it started with; credentials or an S3 endpoint set since (a
+    notebook, a test's fixture) reach the workers all the same, as they did when workers were forks."""
+    from dalifeed.convert.shards import ordered_map
+
+    assert list(ordered_map(_environment_variable, ["DALIFEED_TEST_NOW"] * 4, workers=2)) == [None] * 4
+    monkeypatch.setenv("DALIFEED_TEST_NOW", "set after the server started")
+    assert set(ordered_map(_environment_variable, ["DALIFEED_TEST_NOW"] * 4, workers=2)) == {
+        "set after the server started"}
+
+
+UNGUARDED = """from dalifeed.convert import ConvertConfig, convert_imagefolder
+convert_imagefolder(ConvertConfig(src={src!r}, out={out!r}, workers=2, progress=False))
+"""
+
+
+def test_a_script_that_converts_at_its_top_level_is_told_to_guard_it(tmp_path):
+    """Fork-server workers run the main script again as they start; unguarded, its conversion starts another
+    pool there and the workers die. The error says so, not "re-run the same command"."""
+    src = write_imagefolder(tmp_path / "src", {"a": 3, "b": 3})
+    script = tmp_path / "convert_it.py"
+    script.write_text(UNGUARDED.format(src=str(src), out=str(tmp_path / "out")))
+    ran = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 1
+    last = ran.stderr.strip().splitlines()[-1]
+    assert f"each one runs {script} again first" in last and 'under `if __name__ == "__main__":`' in last, last
+
+
+def _sleep(seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_leaving_the_map_early_kills_a_busy_worker_instead_of_waiting_for_it():
+    """What an error in the consumer (`--on-error fail`), Ctrl-C or a test's time-out does: the generator is
+    closed with a worker in the middle of an item, and returns now (it waited for the item, forever for a
+    stuck one) with no worker left."""
+    from dalifeed.convert.shards import ordered_map
+
+    results = ordered_map(_sleep, [0, 600, 600, 600], workers=2, chunk=1)
+    with alarm(60):
+        worker = psutil.Process(next(results))
+        started = time.monotonic()
+        results.close()
+    assert time.monotonic() - started < 30
+    wait_for(lambda: gone([worker]), timeout=10, what="the busy workers to die")
 
 
 @pytest.fixture

@@ -61,9 +61,23 @@ def finish(agent: subprocess.Popen, timeout: float) -> int:
     try:
         return agent.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait()
+        kill_run(agent)
         raise AssertionError(f"torchrun did not finish within {timeout} s") from None
+
+
+def kill_run(agent: subprocess.Popen) -> None:
+    """SIGKILL to the agent and its workers, which torchrun starts in sessions of their own (killing the agent's
+    process group leaves them training on, and the tests after this one would share the cores with them)."""
+    try:
+        run = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        run = []
+    for process in run:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    agent.wait()
 
 
 def mid_epoch_checkpoint(run: Path) -> dict | None:
@@ -81,7 +95,7 @@ def wait_for_mid_epoch_checkpoint(run: Path, agent: subprocess.Popen, timeout: f
         if saved is not None:
             return saved
         time.sleep(0.02)
-    os.killpg(agent.pid, signal.SIGKILL)
+    kill_run(agent)
     raise AssertionError(f"no mid-epoch checkpoint in {run} (torchrun exit code {agent.poll()})")
 
 

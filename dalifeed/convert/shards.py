@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tarfile
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
@@ -256,34 +257,86 @@ class ShardFile:
 def ordered_map(fn: Callable, items: Sequence, workers: int, chunk: int = 64) -> Iterator:
     """`map(fn, items)` over `workers` processes, results in input order, at most a few chunks in flight
     (so memory stays flat on a million files). A worker's exception is re-raised here; a worker that dies
-    raises `WorkerCrashed` instead of hanging."""
+    raises `WorkerCrashed` instead of hanging. Left early (an error, Ctrl-C, the consumer stopping), the
+    workers are killed, not waited for: one stuck on a file would hold the exit forever."""
     if workers <= 1:
         yield from map(fn, items)
         return
     chunks = (items[i : i + chunk] for i in range(0, len(items), chunk))  # 64: measured best of 4..64
-    with ProcessPoolExecutor(max_workers=workers, mp_context=_worker_context(), initializer=die_with_parent,
-                             initargs=(os.getpid(),)) as pool:
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=_worker_context(), initializer=_start_worker,
+                               initargs=(os.getpid(), dict(os.environ)))
+    finished = returned = False
+    try:
         pending: deque = deque()
-        try:
-            for part in chunks:
-                pending.append(pool.submit(_map_chunk, fn, part))
-                if len(pending) >= 4 * workers:
-                    yield from pending.popleft().result()
-            while pending:
+        for part in chunks:
+            pending.append(pool.submit(_map_chunk, fn, part))
+            if len(pending) >= 4 * workers:
                 yield from pending.popleft().result()
-        except BrokenProcessPool as e:
-            raise WorkerCrashed(f"a conversion worker process died ({e}); re-run the same command to resume") from None
-        finally:
-            for future in pending:
-                future.cancel()
+                returned = True
+        while pending:
+            yield from pending.popleft().result()
+            returned = True
+        finished = True
+    except BrokenProcessPool as e:
+        script = None if returned else _unguarded_main_script()
+        if script:
+            raise WorkerCrashed(f"the conversion workers died as they started: each one runs {script} again first "
+                                f"(Python's forkserver and spawn do), so its conversion must be under "
+                                f"`if __name__ == \"__main__\":`") from None
+        raise WorkerCrashed(f"a conversion worker process died ({e}); re-run the same command to resume") from None
+    finally:
+        if not finished:
+            _kill_workers(pool)
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    # ProcessPoolExecutor has no public way to stop a running task before Python 3.14's kill_workers();
+    # `_processes` (pid -> Process) is there from 3.8 to 3.14
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.kill()
+
+
+# What a worker runs, imported once by the fork server rather than by every worker it starts
+WORKER_MODULES = ["dalifeed.convert.shards", "dalifeed.convert.images", "dalifeed.convert.index", "PIL.Image"]
 
 
 def _worker_context():
-    """fork where the OS has it: workers start in milliseconds and scripts need no `__main__` guard. The
-    workers only run PIL on bytes, never threads or CUDA state inherited from the parent."""
+    """A fork server where the OS has one, spawn elsewhere. Not a plain fork of this process: it may have
+    threads (a loader defining its next epoch's graph, DALI's, boto3's), and a child forked while one of them
+    holds a lock (a module's import lock, the allocator's) waits for it forever. The server is a new process
+    that has imported the workers' modules (`WORKER_MODULES`), so a worker forked from it starts in
+    milliseconds; this is Python 3.14's default on Linux for the same reason. Like spawn, it runs a script's
+    top level again in each worker: a script that converts must do so under `if __name__ == "__main__":`."""
     import multiprocessing
 
-    return get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return get_context("spawn")
+    context = get_context("forkserver")
+    context.set_forkserver_preload(WORKER_MODULES)
+    return context
+
+
+def _start_worker(parent_pid: int, environ: dict[str, str]) -> None:
+    """A worker dies with the process that started it, and sees its environment as it is now: a fork server
+    forks workers with its own, the one of the moment it started (S3 credentials or an endpoint set since
+    then would be missing)."""
+    die_with_parent(parent_pid)
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+def _unguarded_main_script() -> str | None:
+    """The script this process runs, if it has no `if __name__ == "__main__":` (None: run with -m, from a
+    notebook, or a guarded script such as a console entry point)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None:
+        return None
+    try:
+        return None if "__main__" in Path(path).read_text(errors="replace") else path
+    except OSError:
+        return None
 
 
 def _map_chunk(fn: Callable, part: Sequence) -> list:
