@@ -349,9 +349,9 @@ def alarm(seconds: int):
 
 
 def test_a_lock_held_in_this_process_does_not_reach_the_workers():
-    """A child forked from this process copies every lock another thread holds there, held forever in the child
-    (seen: a module's import lock, held by a loader's thread defining its next epoch, and a conversion worker
-    that never returned). Workers come from a fork server, a process of their own, and take their own locks."""
+    """A child forked from this process copies every lock held there, held forever in the child (a module's
+    import lock, held by a loader's thread defining its next epoch, hung such a child at its first import).
+    Workers come from a fork server, a process of their own, and take their own locks."""
     from dalifeed.convert.shards import ordered_map
 
     with HELD, alarm(60):  # a forked worker would wait here until the alarm

@@ -224,9 +224,9 @@ class DefinitionsAhead:
     """The pipelines loaders are defining on their background threads, which a fork waits for.
 
     A process forked while another thread defines a graph (a DataLoader's workers; shard-convert's come from a
-    fork server instead) copies the locks that thread holds, a module's import lock among them, held forever in the child:
-    the child hung at its first import of that module (found with two lanes, whose definitions take twice as
-    long, in tests that fork right after a loader's epoch). `os.register_at_fork` runs `wait` in the forking
+    fork server instead) copies the locks that thread holds, a module's import lock among them, held forever in
+    the child: the child hung at its first import of that module (found with two lanes, whose definitions take
+    twice as long, in tests that fork right after a loader's epoch). `os.register_at_fork` runs `wait` in the forking
     thread first; a definition takes seconds at most, and after `WAIT_S` the fork goes ahead as it did."""
 
     WAIT_S = 60.0
