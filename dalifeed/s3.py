@@ -96,8 +96,8 @@ def client():
     return _clients[key]
 
 
-# A forked worker (`shard-convert index --workers`, the converters') makes its own client: the parent's holds
-# pooled connections that two processes must not read from at once.
+# A forked process (a DataLoader's worker; the converters' workers come from a fork server, with no client)
+# makes its own client: the parent's holds pooled connections that two processes must not read from at once.
 os.register_at_fork(after_in_child=_clients.clear)
 
 

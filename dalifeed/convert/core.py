@@ -276,7 +276,7 @@ def write_all(plan: Plan, opts: ShardOptions, fingerprint: dict, lease: Lease | 
                 positions=ranges[split], prefix=shard_prefix(split, opts), on_error=opts.on_error,
                 on_items=bar.update,
             )
-            store.flush()  # every shard of the split uploaded (s3:// OUT) before the next split forks workers
+            store.flush()  # every shard of the split uploaded (s3:// OUT) before the next split starts workers
         bar.update(len(part.plan.skipped))
 
     extra = {**plan.extra, "fingerprint": fingerprint}
