@@ -109,7 +109,7 @@ def die_with_parent(parent_pid: int) -> None:
             libc = ctypes.CDLL(None, use_errno=True)
             PR_SET_PDEATHSIG = 1
             if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-                if not _alive(parent_pid):  # it died before prctl took effect
+                if not pid_alive(parent_pid):  # it died before prctl took effect
                     os._exit(1)
                 return
         except (OSError, AttributeError):
@@ -118,12 +118,13 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    while _alive(parent_pid):
+    while pid_alive(parent_pid):
         time.sleep(0.5)
     os._exit(1)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (in this PID namespace), whoever owns it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -28,7 +28,7 @@ import uuid
 from email.utils import parsedate_to_datetime
 
 from .. import s3
-from ..runtime import FolderInUse
+from ..runtime import FolderInUse, pid_alive
 
 LEASE_DIR = ".dalifeed-leases"
 STALE_S = 60.0  # a lease not renewed for this long is taken over (renewed every STALE_S / 4)
@@ -51,16 +51,6 @@ def _pid_namespace() -> int | None:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
 
 
 class Lease:
@@ -137,7 +127,7 @@ class Lease:
             return True
         # containers sharing a host name may not share pids: the pid is only looked up in our own pid namespace
         same_host = all(holder.get(k) == self.owner[k] for k in ("host", "pid_namespace"))
-        return same_host and isinstance(holder.get("pid"), int) and not _pid_alive(holder["pid"])
+        return same_host and isinstance(holder.get("pid"), int) and not pid_alive(holder["pid"])
 
     def _renew_until_released(self) -> None:
         while not self._stop.wait(max(self.stale_s / 4, 0.1)):  # at most 10 PUTs a second, whatever the limit
