@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import psutil
 from PIL import Image
 
 DATA = Path(__file__).parent / "data"
@@ -254,3 +255,19 @@ def stop_s3_server(server: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()
+
+
+def kill_run(agent: subprocess.Popen) -> None:
+    """SIGKILL to a torchrun agent and its workers, which torchrun starts in sessions of their own (killing the
+    agent's process group leaves them training on, and the tests after this one would share the cores with
+    them)."""
+    try:
+        run = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        run = []
+    for process in run:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    agent.wait()

@@ -17,6 +17,8 @@ import pytest
 from dalifeed.budget import CPU_DECODE_MAX_THREADS, MIXED_DECODE_MAX_THREADS, ranks_on_node, thread_budget
 from dalifeed.runtime import cgroup_cpu_quota, usable_cores
 
+from helpers import kill_run
+
 
 def cgroup(tmp_path: Path, files: dict[str, str], own: str = "0::/") -> dict:
     """A fake /sys/fs/cgroup under tmp_path holding `files` (path -> content) and a /proc/self/cgroup saying
@@ -164,7 +166,7 @@ def test_two_ranks_on_two_cpus_run_one_dali_thread_each_and_one_pipeline_at_a_ti
             time.sleep(0.02)
     finally:
         if agent.poll() is None:
-            os.killpg(agent.pid, 9)
+            kill_run(agent)
     output = log.read_text()
     assert agent.wait(timeout=30) == 0, output[-3000:]
     assert all(threads <= 1 for threads in most.values()), most

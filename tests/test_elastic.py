@@ -25,6 +25,8 @@ import torch
 from dalifeed.runtime import Stopped
 from dalifeed.train.stop import Seen, StepChecks, Stop, agree_to_skip
 
+from helpers import kill_run
+
 PY = sys.executable
 # 405 train samples, batch 4 on each of 2 ranks: 50 steps an epoch, a mid-epoch checkpoint every 3
 TRAIN = ["--model", "resnet18", "--width", "8", "--image-size", "32", "--batch-size", "4", "--epochs", "2",
@@ -63,21 +65,6 @@ def finish(agent: subprocess.Popen, timeout: float) -> int:
     except subprocess.TimeoutExpired:
         kill_run(agent)
         raise AssertionError(f"torchrun did not finish within {timeout} s") from None
-
-
-def kill_run(agent: subprocess.Popen) -> None:
-    """SIGKILL to the agent and its workers, which torchrun starts in sessions of their own (killing the agent's
-    process group leaves them training on, and the tests after this one would share the cores with them)."""
-    try:
-        run = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        run = []
-    for process in run:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    agent.wait()
 
 
 def mid_epoch_checkpoint(run: Path) -> dict | None:
