@@ -17,8 +17,11 @@ start the enhance ranges of TrivialAugmentWide at 0.01 (torchvision: 0) and fill
 0). `torchvision_space` below writes torchvision's magnitude bins out (tests/test_recipes.py compares them with
 torchvision's own tables) and `dali_op` maps each of its operations to DALI's.
 
-DALI's policies choose an operation per sample with `if` in the graph: the pipeline needs
-`enable_conditionals=True`, which `graphs.shard_pipeline` turns on only when a policy is set.
+The policies choose an operation per sample with `if` in the graph: the pipeline needs
+`enable_conditionals=True`, which `graphs.shard_pipeline` turns on only when a policy is set. AutoAugment runs
+DALI's `apply_auto_augment`; RandAugment and TrivialAugmentWide run DALI's choice with their five geometric
+operations folded into one warp (`apply_rand_augment_one_warp`, `apply_trivial_augment_one_warp`), which
+gives DALI's images bit for bit.
 """
 
 from __future__ import annotations
@@ -355,19 +358,155 @@ POLICY_WARP_ARGS = {"fill_value": 0, "interp_type": types.INTERP_NN}
 def apply_policy(images, cfg: "AugmentConfig"):
     """`cfg.auto_augment` on uint8 HWC images of cfg.image_size squared (needs enable_conditionals)."""
     from nvidia.dali.auto_aug.auto_augment import apply_auto_augment
-    from nvidia.dali.auto_aug.rand_augment import apply_rand_augment
-    from nvidia.dali.auto_aug.trivial_augment import apply_trivial_augment
 
     size = cfg.image_size
     if cfg.auto_augment == "imagenet":
         return apply_auto_augment(dali_imagenet_policy(size), images, **POLICY_WARP_ARGS)
     if cfg.auto_augment == "ra":
-        return apply_rand_augment(dali_suite("ra", size), images, n=cfg.ra_num_ops, m=cfg.ra_magnitude,
-                                  num_magnitude_bins=DEFAULT_BINS, **POLICY_WARP_ARGS)
+        return apply_rand_augment_one_warp(images, size, n=cfg.ra_num_ops, m=cfg.ra_magnitude)
     if cfg.auto_augment == "ta_wide":
-        return apply_trivial_augment(dali_suite("ta_wide", size), images, num_magnitude_bins=DEFAULT_BINS,
-                                     **POLICY_WARP_ARGS)
+        return apply_trivial_augment_one_warp(images, size)
     raise ValueError(f"auto_augment must be one of {', '.join(POLICIES)}, got {cfg.auto_augment!r}")
+
+
+# RandAugment's and TrivialAugmentWide's shears, translations and rotation: one nearest-neighbour warp each,
+# next to each other in torchvision's list (Identity, ShearX, ..., Rotate, Brightness, ...)
+GEOMETRIC = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")
+
+
+def source_matrix(name: str, magnitude: float, size: int) -> np.ndarray:
+    """The 2 x 3 map from output to input pixel coordinates (warp_affine's default, `inverse_map=True`) of
+    DALI's operation for torchvision's `name` at `magnitude` on a `size` x `size` image, in float32 as DALI
+    computes it, so that one warp gives each operation's images bit for bit (tests/test_recipes.py):
+
+    - shears and translations: the inverse of the fn.transforms.shear / translation matrix of the parameter
+      `dali_op` gives them (DALI's shear_x ... translate_y_no_shape warp with it and `inverse_map=False`);
+      exact in float32, a shear's by -sx, a translation's by -t;
+    - Rotate: fn.rotate(angle=magnitude, keep_size=True)'s own map, `translation(size / 2) *
+      rotation2D(deg2rad(angle)) * translation(-size / 2)` in float32 (DALI 2.4's rotate_params.h, with the
+      products of `geom/mat.h` summed left to right)."""
+    f32 = np.float32
+    if name in ("ShearX", "ShearY"):
+        sx, sy = (_shear_x if name == "ShearX" else _shear_y)(magnitude)
+        return np.array([[1.0, -sx, 0.0], [-sy, 1.0, 0.0]], dtype=f32)
+    if name in ("TranslateX", "TranslateY"):
+        tx, ty = (_translate_x if name == "TranslateX" else _translate_y)(magnitude)
+        return np.array([[1.0, 0.0, -tx], [0.0, 1.0, -ty]], dtype=f32)
+    if name != "Rotate":
+        raise ValueError(f"{name} is not one of {', '.join(GEOMETRIC)}")
+    angle = f32(f32(magnitude) * f32(math.pi / 180))
+    c, s, half = f32(math.cos(angle)), f32(math.sin(angle)), f32(size * 0.5)
+    rotation = [[c, -s, f32(0)], [s, c, f32(0)], [f32(0), f32(0), f32(1)]]
+    matrix = _mat3_f32([[f32(1), f32(0), half], [f32(0), f32(1), half], [f32(0), f32(0), f32(1)]], rotation)
+    matrix = _mat3_f32(matrix, [[f32(1), f32(0), -half], [f32(0), f32(1), -half], [f32(0), f32(0), f32(1)]])
+    return np.array(matrix[:2], dtype=f32)
+
+
+def _mat3_f32(a, b):
+    """a @ b for 3 x 3 float32 lists, each element's sum rounded step by step left to right (numpy's matmul
+    may sum in another order, and the last bit decides a nearest-neighbour pixel now and then)."""
+    f32 = np.float32
+    out = []
+    for i in range(3):
+        row = []
+        for j in range(3):
+            total = f32(a[i][0] * b[0][j])
+            total = f32(total + f32(a[i][1] * b[1][j]))
+            row.append(f32(total + f32(a[i][2] * b[2][j])))
+        out.append(row)
+    return out
+
+
+def geometric_table(policy: str, size: int, bins: int) -> np.ndarray:
+    """float32 (len(GEOMETRIC) * 2 * bins, 6): row `g * 2 * bins + 2 * bin + sign` is the source matrix of
+    GEOMETRIC[g] at magnitude bin `bin` (negated when `sign` is 1: DALI's signed magnitude index)."""
+    space = torchvision_space(policy, size, bins)
+    rows = [source_matrix(name, float(space[name][0][b]) * (-1.0 if sign else 1.0), size).ravel()
+            for name in GEOMETRIC for b in range(bins) for sign in (0, 1)]
+    return np.asarray(rows, dtype=np.float32)
+
+
+def _source_matrices(policy: str, size: int, bins: int, first: int, op_idx, magnitude_bin):
+    """Per sample, the source matrix of the geometric operation drawn (`op_idx`: the policy's operation
+    index; `first`: that of GEOMETRIC[0]) at its signed magnitude bin, (2, 3) float32; what is looked up for
+    the other operations is never used. Looked up before the branches, for every sample: one node carried
+    down the `if`s to the warp instead of the indices and the lookup's constant (DALI splits every node a
+    branch reads at each `if` above it)."""
+    table = geometric_table(policy, size, bins)
+    values = table.ravel().tolist()
+    row = dmath.clamp((op_idx - first) * (2 * bins) + magnitude_bin.signed_magnitude_idx, 0, len(table) - 1)
+    columns = types.Constant(np.arange(6, dtype=np.int32))
+    matrix = fn.lookup_table(row * 6 + columns, keys=list(range(len(values))), values=values, dtype=types.FLOAT)
+    return fn.reshape(matrix, shape=[2, 3])
+
+
+def _one_warp(data, *, matrix, fill_value, interp_type, **_):
+    """The five geometric operations as one branch: one warp_affine with the sample's matrix. In their own
+    branches each was a lookup, a transform and a warp behind the `if`s that choose it: with 14 branches per
+    choice, the splits and merges DALI's executor hands between its threads cost more than the warps
+    (docs/benchmarks.md, "One warp for five operations")."""
+    return fn.warp_affine(data, matrix=matrix, fill_value=fill_value, interp_type=interp_type)
+
+
+def _branches(policy: str, size: int, bins: int):
+    """(the branches, which branch each of the policy's operations is, the index of GEOMETRIC[0]): the
+    policy's operations in torchvision's order with GEOMETRIC folded into one `_one_warp` branch where they
+    stand."""
+    names = list(torchvision_space(policy, size, bins))
+    first = names.index(GEOMETRIC[0])
+    if names[first:first + len(GEOMETRIC)] != list(GEOMETRIC):
+        raise ValueError(f"{policy}: the geometric operations are not {GEOMETRIC} in a row")
+    suite = dali_suite(policy, size, bins)
+    branches = suite[:first] + [_one_warp] + suite[first + len(GEOMETRIC):]
+    branch_of = [i if i < first else max(first, i - len(GEOMETRIC) + 1) for i in range(len(names))]
+    return branches, branch_of, first
+
+
+def _select(branches: list, index, lo: int, hi: int, **kwargs):
+    """branches[index](**kwargs) per sample, as DALI's auto_aug `select`: a balanced tree of `if`s."""
+    if lo == hi:
+        return branches[lo](**kwargs)
+    mid = (lo + hi) // 2
+    if index <= mid:
+        return _select(branches, index, lo, mid, **kwargs)
+    else:
+        return _select(branches, index, mid + 1, hi, **kwargs)
+
+
+def _apply_one_warp(policy: str, data, size: int, op_idx, magnitude_bin, bins: int):
+    branches, branch_of, first = _branches(policy, size, bins)
+    branch = fn.lookup_table(op_idx, keys=list(range(len(branch_of))), values=branch_of, dtype=types.INT32)
+    matrix = _source_matrices(policy, size, bins, first, op_idx, magnitude_bin)
+    return _select(branches, branch, 0, len(branches) - 1, data=data, matrix=matrix, magnitude_bin=magnitude_bin,
+                   num_magnitude_bins=bins, **POLICY_WARP_ARGS)
+
+
+def apply_rand_augment_one_warp(data, size: int, n: int, m: int):
+    """DALI's `apply_rand_augment(dali_suite("ra", size), data, n, m, DEFAULT_BINS)` with the same random
+    draws (the same operators, made in the same order), and the geometric operations folded into one warp:
+    the same images, bit for bit (tests/test_recipes.py)."""
+    from nvidia.dali.auto_aug.core import signed_bin
+
+    if not isinstance(n, int) or n < 1 or not isinstance(m, int) or not 0 <= m < DEFAULT_BINS:
+        raise ValueError(f"RandAugment needs n >= 1 and 0 <= m < {DEFAULT_BINS}, got n={n}, m={m}")
+    ops = len(torchvision_space("ra", size))
+    shape = tuple() if n == 1 else (n,)
+    op_idx = fn.random.uniform(values=list(range(ops)), shape=shape, dtype=types.INT32)
+    magnitude_bin = signed_bin(m, shape=shape)
+    for level in range(n):
+        level_bin, level_op = (magnitude_bin, op_idx) if n == 1 else (magnitude_bin[level], op_idx[level])
+        data = _apply_one_warp("ra", data, size, level_op, level_bin, DEFAULT_BINS)
+    return data
+
+
+def apply_trivial_augment_one_warp(data, size: int):
+    """DALI's `apply_trivial_augment(dali_suite("ta_wide", size), data, DEFAULT_BINS)` with the same random
+    draws and the geometric operations folded into one warp: the same images, bit for bit."""
+    from nvidia.dali.auto_aug.core import signed_bin
+
+    magnitude_bin = signed_bin(fn.random.uniform(values=list(range(DEFAULT_BINS)), dtype=types.INT32))
+    op_idx = fn.random.uniform(values=list(range(len(torchvision_space("ta_wide", size)))), dtype=types.INT32)
+    return _apply_one_warp("ta_wide", data, size, op_idx, magnitude_bin, DEFAULT_BINS)
 
 
 def _round(x):
