@@ -234,15 +234,15 @@ def test_one_warp_gives_every_geometric_operations_images_bit_for_bit(photos, po
         assert not np.array_equal(outs[-2], np.stack(photos)), name  # the strongest bin moved the photos
 
 
-@pytest.mark.parametrize("policy", ["ra", "ta_wide"])
-def test_policies_with_one_warp_give_dalis_appliers_images_bit_for_bit(photos, policy):
+@pytest.mark.parametrize("policy,num_ops", [("ra", 2), ("ra", 1), ("ta_wide", None)])
+def test_policies_with_one_warp_give_dalis_appliers_images_bit_for_bit(photos, policy, num_ops):
     """apply_policy folds RandAugment's and TrivialAugmentWide's five geometric operations into one warp and
     draws what DALI's apply_rand_augment / apply_trivial_augment draw: the same images over three batches, the
     same seed, for the whole suite of DALI's operations each in its own branch."""
     from nvidia.dali.auto_aug.rand_augment import apply_rand_augment
     from nvidia.dali.auto_aug.trivial_augment import apply_trivial_augment
 
-    cfg = AugmentConfig(image_size=SIZE, auto_augment=policy)
+    cfg = AugmentConfig(image_size=SIZE, auto_augment=policy, **({"ra_num_ops": num_ops} if num_ops else {}))
     suite = augment.dali_suite(policy, SIZE)
     if policy == "ra":
         def dalis(data):
@@ -252,7 +252,7 @@ def test_policies_with_one_warp_give_dalis_appliers_images_bit_for_bit(photos, p
         def dalis(data):
             return apply_trivial_augment(suite, data, num_magnitude_bins=augment.DEFAULT_BINS,
                                          **augment.POLICY_WARP_ARGS)
-    ours = policy_outputs(policy, photos)
+    ours = policy_outputs(policy, photos, apply=lambda data: augment.apply_policy(data, cfg))
     theirs = policy_outputs(policy, photos, apply=dalis)
     assert all(np.array_equal(o, t) for o, t in zip(ours, theirs)), policy
     assert any(not np.array_equal(o, np.stack(photos * 4)) for o in ours)

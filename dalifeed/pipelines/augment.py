@@ -441,10 +441,10 @@ def _source_matrices(policy: str, size: int, bins: int, first: int, op_idx, magn
 
 
 def _one_warp(data, *, matrix, fill_value, interp_type, **_):
-    """The five geometric operations as one branch: one warp_affine with the sample's matrix. In their own
-    branches each was a lookup, a transform and a warp behind the `if`s that choose it: with 14 branches per
-    choice, the splits and merges DALI's executor hands between its threads cost more than the warps
-    (docs/benchmarks.md, "One warp for five operations")."""
+    """The five geometric operations as one branch: one warp_affine with the sample's matrix. In branches of
+    their own each was a lookup, a transform and a warp behind four more `if`s per choice, whose splits and
+    merges DALI's executor runs as operators of their own (docs/benchmarks.md, "One warp for five
+    operations")."""
     return fn.warp_affine(data, matrix=matrix, fill_value=fill_value, interp_type=interp_type)
 
 
@@ -484,11 +484,10 @@ def _apply_one_warp(policy: str, data, size: int, op_idx, magnitude_bin, bins: i
 def apply_rand_augment_one_warp(data, size: int, n: int, m: int):
     """DALI's `apply_rand_augment(dali_suite("ra", size), data, n, m, DEFAULT_BINS)` with the same random
     draws (the same operators, made in the same order), and the geometric operations folded into one warp:
-    the same images, bit for bit (tests/test_recipes.py)."""
+    the same images, bit for bit (tests/test_recipes.py). `n` >= 1 and `m` in 0..30: AugmentConfig checks
+    both."""
     from nvidia.dali.auto_aug.core import signed_bin
 
-    if not isinstance(n, int) or n < 1 or not isinstance(m, int) or not 0 <= m < DEFAULT_BINS:
-        raise ValueError(f"RandAugment needs n >= 1 and 0 <= m < {DEFAULT_BINS}, got n={n}, m={m}")
     ops = len(torchvision_space("ra", size))
     shape = tuple() if n == 1 else (n,)
     op_idx = fn.random.uniform(values=list(range(ops)), shape=shape, dtype=types.INT32)
