@@ -27,6 +27,7 @@ gives DALI's images bit for bit.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -426,13 +427,12 @@ def geometric_table(policy: str, size: int, bins: int) -> np.ndarray:
     return np.asarray(rows, dtype=np.float32)
 
 
-def _source_matrices(policy: str, size: int, bins: int, first: int, op_idx, magnitude_bin):
-    """Per sample, the source matrix of the geometric operation drawn (`op_idx`: the policy's operation
-    index; `first`: that of GEOMETRIC[0]) at its signed magnitude bin, (2, 3) float32; what is looked up for
-    the other operations is never used. Looked up before the branches, for every sample: one node carried
-    down the `if`s to the warp instead of the indices and the lookup's constant (DALI splits every node a
-    branch reads at each `if` above it)."""
-    table = geometric_table(policy, size, bins)
+def _source_matrices(table: np.ndarray, first: int, bins: int, op_idx, magnitude_bin):
+    """Per sample, the source matrix in `table` (geometric_table's) of the geometric operation drawn (`op_idx`:
+    the policy's operation index; `first`: that of GEOMETRIC[0]) at its signed magnitude bin, (2, 3) float32;
+    what is looked up for the other operations is never used. Looked up before the branches, for every
+    sample: one node carried down the `if`s to the warp instead of the indices and the lookup's constant
+    (DALI splits every node a branch reads at each `if` above it)."""
     values = table.ravel().tolist()
     row = dmath.clamp((op_idx - first) * (2 * bins) + magnitude_bin.signed_magnitude_idx, 0, len(table) - 1)
     columns = types.Constant(np.arange(6, dtype=np.int32))
@@ -448,22 +448,30 @@ def _one_warp(data, *, matrix, fill_value, interp_type, **_):
     return fn.warp_affine(data, matrix=matrix, fill_value=fill_value, interp_type=interp_type)
 
 
-def _branches(policy: str, size: int, bins: int):
-    """(the branches, which branch each of the policy's operations is, the index of GEOMETRIC[0]): the
-    policy's operations in torchvision's order with GEOMETRIC folded into one `_one_warp` branch where they
-    stand."""
-    names = list(torchvision_space(policy, size, bins))
-    first = names.index(GEOMETRIC[0])
-    if names[first:first + len(GEOMETRIC)] != list(GEOMETRIC):
-        raise ValueError(f"{policy}: the geometric operations are not {GEOMETRIC} in a row")
-    suite = dali_suite(policy, size, bins)
-    branches = suite[:first] + [_one_warp] + suite[first + len(GEOMETRIC):]
-    branch_of = [i if i < first else max(first, i - len(GEOMETRIC) + 1) for i in range(len(names))]
-    return branches, branch_of, first
+class _OneWarpSuite(NamedTuple):
+    """A policy's operations in torchvision's order with GEOMETRIC folded into one `_one_warp` branch where
+    they stand, made once per graph (RandAugment chooses from it `n` times)."""
+
+    branches: list  # DALI's augmentations, `_one_warp` in place of the five
+    branch_of: list[int]  # the branch of each of the policy's operations
+    first: int  # the policy's index of GEOMETRIC[0]
+    table: np.ndarray  # geometric_table's source matrices
+    bins: int
+
+    @classmethod
+    def of(cls, policy: str, size: int, bins: int) -> "_OneWarpSuite":
+        names = list(torchvision_space(policy, size, bins))
+        first = names.index(GEOMETRIC[0])
+        if names[first:first + len(GEOMETRIC)] != list(GEOMETRIC):
+            raise ValueError(f"{policy}: the geometric operations are not {GEOMETRIC} in a row")
+        suite = dali_suite(policy, size, bins)
+        branches = suite[:first] + [_one_warp] + suite[first + len(GEOMETRIC):]
+        branch_of = [i if i < first else max(first, i - len(GEOMETRIC) + 1) for i in range(len(names))]
+        return cls(branches, branch_of, first, geometric_table(policy, size, bins), bins)
 
 
 def _select(branches: list, index, lo: int, hi: int, **kwargs):
-    """branches[index](**kwargs) per sample, as DALI's auto_aug `select`: a balanced tree of `if`s."""
+    """branches[index](**kwargs) per sample: a balanced tree of `if`s, as DALI's auto_aug `select`."""
     if lo == hi:
         return branches[lo](**kwargs)
     mid = (lo + hi) // 2
@@ -473,12 +481,13 @@ def _select(branches: list, index, lo: int, hi: int, **kwargs):
         return _select(branches, index, mid + 1, hi, **kwargs)
 
 
-def _apply_one_warp(policy: str, data, size: int, op_idx, magnitude_bin, bins: int):
-    branches, branch_of, first = _branches(policy, size, bins)
-    branch = fn.lookup_table(op_idx, keys=list(range(len(branch_of))), values=branch_of, dtype=types.INT32)
-    matrix = _source_matrices(policy, size, bins, first, op_idx, magnitude_bin)
-    return _select(branches, branch, 0, len(branches) - 1, data=data, matrix=matrix, magnitude_bin=magnitude_bin,
-                   num_magnitude_bins=bins, **POLICY_WARP_ARGS)
+def _apply_one_warp(suite: _OneWarpSuite, data, op_idx, magnitude_bin):
+    """One choice per sample among the suite's branches."""
+    branch = fn.lookup_table(op_idx, keys=list(range(len(suite.branch_of))), values=suite.branch_of,
+                             dtype=types.INT32)
+    matrix = _source_matrices(suite.table, suite.first, suite.bins, op_idx, magnitude_bin)
+    return _select(suite.branches, branch, 0, len(suite.branches) - 1, data=data, matrix=matrix,
+                   magnitude_bin=magnitude_bin, num_magnitude_bins=suite.bins, **POLICY_WARP_ARGS)
 
 
 def apply_rand_augment_one_warp(data, size: int, n: int, m: int):
@@ -488,13 +497,13 @@ def apply_rand_augment_one_warp(data, size: int, n: int, m: int):
     both."""
     from nvidia.dali.auto_aug.core import signed_bin
 
-    ops = len(torchvision_space("ra", size))
+    suite = _OneWarpSuite.of("ra", size, DEFAULT_BINS)
     shape = tuple() if n == 1 else (n,)
-    op_idx = fn.random.uniform(values=list(range(ops)), shape=shape, dtype=types.INT32)
+    op_idx = fn.random.uniform(values=list(range(len(suite.branch_of))), shape=shape, dtype=types.INT32)
     magnitude_bin = signed_bin(m, shape=shape)
     for level in range(n):
         level_bin, level_op = (magnitude_bin, op_idx) if n == 1 else (magnitude_bin[level], op_idx[level])
-        data = _apply_one_warp("ra", data, size, level_op, level_bin, DEFAULT_BINS)
+        data = _apply_one_warp(suite, data, level_op, level_bin)
     return data
 
 
@@ -503,9 +512,10 @@ def apply_trivial_augment_one_warp(data, size: int):
     draws and the geometric operations folded into one warp: the same images, bit for bit."""
     from nvidia.dali.auto_aug.core import signed_bin
 
+    suite = _OneWarpSuite.of("ta_wide", size, DEFAULT_BINS)
     magnitude_bin = signed_bin(fn.random.uniform(values=list(range(DEFAULT_BINS)), dtype=types.INT32))
-    op_idx = fn.random.uniform(values=list(range(len(torchvision_space("ta_wide", size)))), dtype=types.INT32)
-    return _apply_one_warp("ta_wide", data, size, op_idx, magnitude_bin, DEFAULT_BINS)
+    op_idx = fn.random.uniform(values=list(range(len(suite.branch_of))), dtype=types.INT32)
+    return _apply_one_warp(suite, data, op_idx, magnitude_bin)
 
 
 def _round(x):
