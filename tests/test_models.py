@@ -1,4 +1,5 @@
-"""`resnet18_cifar`: torchvision's ResNet with a stem for small images (built directly, no training)."""
+"""`resnet18_cifar`: torchvision's ResNet with a stem for small images, and ResNet-10 (built directly, no
+training)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,17 @@ def test_cifar_stem_takes_tiny_images_that_the_imagenet_stem_refuses():
     check_input_size("resnet18_cifar", 16, width=32, batch_size=1)
     with pytest.raises(ModelError, match="--image-size >= 9"):
         check_input_size("resnet18_cifar", 8, width=32, batch_size=1)
+
+
+def test_resnet10_is_resnet18_with_one_block_a_stage():
+    r10 = build_model("resnet10_cifar", num_classes=10, width=16, image_size=16)
+    r18 = build_model("resnet18_cifar", num_classes=10, width=16, image_size=16)
+    assert [len(s) for s in (r10.layer1, r10.layer2, r10.layer3, r10.layer4)] == [1, 1, 1, 1]
+    assert [type(m) for m in r10.layer4[0].modules()] == [type(m) for m in r18.layer4[0].modules()]
+    assert isinstance(r10.maxpool, torch.nn.Identity) and r10.fc.in_features == 128
+    assert sum(p.numel() for p in r10.parameters()) < 0.5 * sum(p.numel() for p in r18.parameters())
+    assert build_model("resnet10", num_classes=5).fc.in_features == 512  # torchvision's widths without --width
+    check_input_size("resnet10_cifar", 16, width=16, batch_size=1)
 
 
 @pytest.mark.parametrize("name, message", [("vgg11_cifar", "for torchvision's ResNets"),

@@ -93,9 +93,10 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
               help="The split that evaluates after each epoch (COCO shards: e.g. val2017). none: train without "
                    "evaluation (best.pt then keeps the lowest train loss). A split the shards lack is an error.")
 @click.option("--model", default=d("model"), show_default=True,
-              help="Any torchvision classification model name, built for --image-size (ViT: a multiple of its patch "
-                   "size); a size the model cannot take is refused before any data is read. A ResNet name + _cifar "
-                   "(resnet18_cifar): a 3x3 stride-1 stem and no max-pool, for images of 8-32 px.")
+              help="Any torchvision classification model name, or resnet10 (ResNet-18 with one block a stage), built "
+                   "for --image-size (ViT: a multiple of its patch size); a size the model cannot take is refused "
+                   "before any data is read. A ResNet name + _cifar (resnet18_cifar): a 3x3 stride-1 stem and no "
+                   "max-pool, for images of 8-32 px.")
 @click.option("--width", type=int, default=d("width"),
               help="ResNets only: channels of the first stage (torchvision's: 64; the stages are w, 2w, 4w, 8w). "
                    "Small images need less: ResNet-18 at width 32 has a quarter of the weights.")

@@ -1,13 +1,14 @@
 """Models by torchvision name, built for the image size they train on (`check_input_size` refuses a size a
 model cannot take before any data is read), and the two knobs torchvision lacks for small images: ResNet width
-and a stem that does not shrink the image 4x at once (`resnet18_cifar`)."""
+a stem that does not shrink the image 4x at once (`resnet18_cifar`), and ResNet-10 (one block a stage), which
+torchvision does not build."""
 
 from __future__ import annotations
 
 import torch
 import torchvision
 from torch import nn
-from torchvision.models.resnet import ResNet
+from torchvision.models.resnet import BasicBlock, ResNet
 
 from dalifeed.cliutil import first_line
 
@@ -70,6 +71,11 @@ def builder_options(name: str, image_size: int) -> dict:
 
 CIFAR_SUFFIX = "_cifar"  # resnet18_cifar: resnet18 with `cifar_stem`
 
+# ResNets torchvision has no builder for: name -> (block, blocks in each of the four stages). ResNet-10 is
+# ResNet-18 with one block a stage instead of two: half the layers, and half the time of a training step on
+# images as small as the demo's digits (docs/training.md).
+MORE_RESNETS = {"resnet10": (BasicBlock, [1, 1, 1, 1])}
+
 
 def build_model(name: str, num_classes: int, width: int | None = None, image_size: int = 224) -> nn.Module:
     """`torchvision.models.get_model(name)` with fresh weights, built for `image_size` where the model's
@@ -81,10 +87,15 @@ def build_model(name: str, num_classes: int, width: int | None = None, image_siz
             raise ModelError(f"--model {name}: the {CIFAR_SUFFIX} stem is for torchvision's ResNets "
                              f"(e.g. resnet18{CIFAR_SUFFIX}), not {name.removesuffix(CIFAR_SUFFIX)}")
         return cifar_stem(model)
+    if name in MORE_RESNETS:
+        block, layers = MORE_RESNETS[name]
+        return (ResNet(block, layers, num_classes=num_classes) if width is None
+                else WidthResNet(block, layers, width, num_classes))
     classifiers = torchvision.models.list_models(torchvision.models)  # not detection, video, ... models
     if name not in classifiers:
-        names = ", ".join(n for n in classifiers if n.startswith("resnet"))
-        raise ModelError(f"--model {name!r}: not a torchvision classification model (e.g. {names})")
+        names = ", ".join([*MORE_RESNETS, *(n for n in classifiers if n.startswith("resnet"))])
+        raise ModelError(f"--model {name!r}: not a torchvision classification model nor "
+                         f"{' / '.join(MORE_RESNETS)} (e.g. {names})")
     builder = torchvision.models.get_model_builder(name)
     model = builder(weights=None, num_classes=num_classes, **builder_options(name, image_size))
     if width is None:
