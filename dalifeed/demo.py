@@ -65,7 +65,7 @@ class Steps:
 #   rows, and the random crops (and validation's centre crop) cut strokes off them.
 # - Screened on AVX-512, seeds 0-3 (wrong of 359): margin alone (width 32, 32 px): 5 / 0 / 2 / 1; margin + CIFAR
 #   stem at width 32: 16 px 1 / 2 / 2 / 3 but twice the CPU time (too slow for the demo), 15 epochs of it
-#   4 / 3, 12 px 4 / 2 / 3 / 3; at width 16 1 / 0 / 2 / 2 in the time of the previous recipe.
+#   4 / 3, 12 px 4 / 2 / 3 / 3; at width 16 (ResNet-18's recipe) 1 / 0 / 2 / 2 in the time of the one before.
 # - Tried before, for the previous recipe, and no better or slower: crops 0.25-1 or 0.5-1, 15 or 40 epochs,
 #   batch 32, batch 128 (45 epochs), lr 0.8, AdamW, no label smoothing, weight decay 1e-3, EMA of the weights,
 #   width 16 for 60 epochs, width 64, 24 or 48 px.

@@ -1,7 +1,6 @@
 """Models by torchvision name, built for the image size they train on (`check_input_size` refuses a size a
-model cannot take before any data is read), and the two knobs torchvision lacks for small images: ResNet width
-a stem that does not shrink the image 4x at once (`resnet18_cifar`), and ResNet-10 (one block a stage), which
-torchvision does not build."""
+model cannot take before any data is read), and what torchvision lacks for small images: ResNet width, a stem
+that does not shrink the image 4x at once (`resnet18_cifar`), and ResNet-10 (one block a stage)."""
 
 from __future__ import annotations
 
