@@ -54,7 +54,7 @@ class Steps:
 # AVX-512, AVX2 and SSE4.1 kernels (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA) on a 2-core Intel Xeon: top-1
 # 99.16-100%, mean 99.50% (0-3 of 359 validation images wrong; >= 99% is at most 3), as ResNet-18 measured
 # (99.16-100%, mean 99.54%, on a 2-core AMD EPYC) in half the time of a training step: on AVX2 kernels the
-# whole dali-train takes 43 s on the Xeon, ResNet-18's 75 s (medians of 3; docs/benchmarks.md, "A demo within 90 s").
+# whole dali-train takes 43 s on the Xeon, ResNet-18's 75 s (medians of 3; docs/benchmarks.md, "A faster demo").
 # - The digits are framed by a 2-pixel black margin (12x12, as MNIST centres its digits in a box; see
 #   make_digits_imagefolder) and trained at 16 px by a ResNet with a CIFAR stem (3x3 stride-1 convolution, no
 #   max-pool) at width 16 (stages 16..128 channels), one basic block a stage. torchvision's stem (7x7 stride 2,
