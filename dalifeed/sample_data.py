@@ -13,6 +13,7 @@ Run `python -m dalifeed.sample_data digits OUT` or `... photos OUT --per-class 5
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -28,31 +29,70 @@ def make_digits_imagefolder(out: Path, size: int = 32, seed: int = 0, val_fracti
     gets `margin` black pixels on every side before it is upscaled (as MNIST centres its digits in a box):
     the digits touch their top and bottom rows, so without a margin every random crop, and the centre crop
     of validation, cuts off strokes that tell a 9 from an 8 or a 3 from a 5."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
+    images, target = sklearn_digits()
     out = Path(out)
     _reset(out)
     rng = np.random.default_rng(seed)
     for label in range(10):
-        indices = np.flatnonzero(digits.target == label)
+        indices = np.flatnonzero(target == label)
         rng.shuffle(indices)
         n_val = int(round(len(indices) * val_fraction))
         for split, chosen in (("val", indices[:n_val]), ("train", indices[n_val:])):
             folder = out / split / str(label)
             folder.mkdir(parents=True, exist_ok=True)
             for i in sorted(chosen):
-                grey = (digits.images[i] * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
+                grey = (images[i] * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
                 grey = np.pad(grey, margin)
                 img = Image.fromarray(grey, "L").resize((size, size), Image.BICUBIC).convert("RGB")
                 img.save(folder / f"{i:04d}.jpg", quality=95)
     return out
 
 
+# scikit-learn's digits and sample photos are read from the files it ships, the way its loaders read them:
+# importing scikit-learn (scipy and the rest) takes 2.8 s on a 2-core machine, for two files it only reads.
+# Where a release moves them, its loaders are used (tests/test_sample_data.py compares both).
+
+
+def sklearn_file(*parts: str) -> Path | None:
+    """A file under the installed scikit-learn's `datasets/` folder, found without importing scikit-learn."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations)), "datasets", *parts)
+    return path if path.is_file() else None
+
+
+def sklearn_digits() -> tuple[np.ndarray, np.ndarray]:
+    """`load_digits()`'s (images (1797, 8, 8) float64 in 0..16, target (1797,) int): its digits.csv.gz, each
+    row 64 pixels and the label."""
+    path = sklearn_file("data", "digits.csv.gz")
+    if path is None:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        return digits.images, digits.target
+    data = np.loadtxt(path, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+
+
+def sklearn_sample_images() -> dict[str, np.ndarray]:
+    """`load_sample_images()`'s photos by file stem (china, flower): the JPEGs in its images folder."""
+    readme = sklearn_file("images", "README.txt")
+    if readme is None:
+        from sklearn.datasets import load_sample_images
+
+        images = load_sample_images()
+        return {Path(name).stem: image for name, image in zip(images.filenames, images.images)}
+    photos = {}
+    for path in sorted(readme.parent.glob("*.jpg")):
+        with Image.open(path) as image:
+            photos[path.stem] = np.asarray(image)
+    return photos
+
+
 def _photo_sources() -> dict[str, np.ndarray]:
     """Colour photographs (H, W, 3 uint8) that ship inside scikit-image and scikit-learn."""
     import skimage.data
-    from sklearn.datasets import load_sample_images
 
     photos = {}
     for name in ("astronaut", "chelsea", "coffee", "rocket", "retina", "motorcycle_left", "hubble_deep_field"):
@@ -67,8 +107,7 @@ def _photo_sources() -> dict[str, np.ndarray]:
             photo = photo[0]
         if photo.ndim == 3 and photo.shape[2] >= 3:
             photos[name] = np.ascontiguousarray(photo[:, :, :3])
-    for filename, photo in zip(load_sample_images().filenames, load_sample_images().images):
-        photos[Path(filename).stem] = photo
+    photos.update(sklearn_sample_images())
     return photos
 
 

@@ -7,6 +7,7 @@ from collections import Counter
 import numpy as np
 from PIL import Image
 
+from dalifeed import sample_data
 from dalifeed.sample_data import make_digits_imagefolder, make_photos_imagefolder
 
 
@@ -51,3 +52,25 @@ def test_digits_are_framed_by_a_black_margin(tmp_path):
     assert (grey[:, 6:26, 6:26].max(axis=(1, 2)) > 200).all()  # every digit has strokes inside the frame
     bare = make_digits_imagefolder(tmp_path / "bare", size=32, seed=0, margin=0)
     assert np.asarray(Image.open(next((bare / "val" / "0").glob("*.jpg"))).convert("L"))[:4].max() > 100
+
+
+def test_sklearns_files_read_without_it_are_what_its_loaders_give(monkeypatch):
+    """The digits and sample photos are read from scikit-learn's files without importing it (2.8 s); they must
+    be exactly what load_digits / load_sample_images return, and where the files are not found (a release that
+    moves them) the loaders themselves are used."""
+    from sklearn.datasets import load_digits, load_sample_images
+
+    assert sample_data.sklearn_file("data", "digits.csv.gz") is not None  # the fast path is the one tested
+    images, target = sample_data.sklearn_digits()
+    digits = load_digits()
+    assert images.dtype == digits.images.dtype and np.array_equal(images, digits.images)
+    assert np.array_equal(target, digits.target) and sorted(set(target.tolist())) == list(range(10))
+    photos = sample_data.sklearn_sample_images()
+    theirs = load_sample_images()
+    assert list(photos) == ["china", "flower"]
+    assert all(np.array_equal(photos[name], image) for name, image in zip(photos, theirs.images))
+
+    monkeypatch.setattr(sample_data, "sklearn_file", lambda *parts: None)
+    images_again, target_again = sample_data.sklearn_digits()
+    assert np.array_equal(images_again, images) and np.array_equal(target_again, target)
+    assert {k: v.shape for k, v in sample_data.sklearn_sample_images().items()} == {k: v.shape for k, v in photos.items()}
