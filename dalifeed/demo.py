@@ -108,7 +108,7 @@ def main(workdir: Path, seed: int, epochs: int) -> None:
 
     steps.part("bench", "2. photos: ImageNet-like 500x375 JPEGs, shards, and the loader race")
     # a process per core writes the photos (the same files as one: each class has its own seeded generator),
-    # 1.5 s sooner on 2 cores
+    # about 2 s sooner on 2 cores (docs/benchmarks.md, "The demo's data in less time")
     photos = make_photos_imagefolder(workdir / "photos", per_class=32, workers=os.cpu_count() or 1)
     steps.run("shard-convert", "imagefolder", str(photos), str(workdir / "photos-shards"), "--samples-per-shard", "32")
     steps.run("dali-bench", "--imagefolder", str(photos / "train"), "--shards", str(workdir / "photos-shards"),
