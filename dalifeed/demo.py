@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import click
 
+from dalifeed.runtime import usable_cores
 from dalifeed.sample_data import make_digits_imagefolder, make_photos_imagefolder
 
 BIN = Path(sys.executable).parent  # the console scripts installed beside this Python
@@ -109,7 +109,7 @@ def main(workdir: Path, seed: int, epochs: int) -> None:
     steps.part("bench", "2. photos: ImageNet-like 500x375 JPEGs, shards, and the loader race")
     # a process per core writes the photos (the same files as one: each class has its own seeded generator),
     # about 2 s sooner on 2 cores (docs/benchmarks.md, "The demo's data in less time")
-    photos = make_photos_imagefolder(workdir / "photos", per_class=32, workers=os.cpu_count() or 1)
+    photos = make_photos_imagefolder(workdir / "photos", per_class=32, workers=usable_cores())
     steps.run("shard-convert", "imagefolder", str(photos), str(workdir / "photos-shards"), "--samples-per-shard", "32")
     steps.run("dali-bench", "--imagefolder", str(photos / "train"), "--shards", str(workdir / "photos-shards"),
               *BENCH, "--out", str(workdir / "bench"))
