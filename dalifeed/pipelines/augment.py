@@ -30,7 +30,6 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-import torch
 from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 from nvidia.dali.pipeline import do_not_convert
@@ -48,11 +47,15 @@ DEFAULT_BINS = 31  # RandAugment's and TrivialAugmentWide's num_magnitude_bins
 def _linspace(lo: float, hi: float, bins: int) -> np.ndarray:
     """torch.linspace in float32, as torchvision computes its bins: float64 puts TrivialAugment's 15 * 32 / 30
     at exactly 16 pixels where torchvision's 15.999999 translates by int() = 15."""
+    import torch  # here, not at the top: the command lines' --help imports this module for POLICIES
+
     return torch.linspace(lo, hi, bins).double().numpy()
 
 
 def _posterize_bits(bins: int, span: int, top: int = 8) -> np.ndarray:
     """torchvision's `(top - arange(bins) / ((bins - 1) / span)).round().int()`: bits kept per bin."""
+    import torch
+
     return (top - (torch.arange(bins) / ((bins - 1) / span))).round().double().numpy()
 
 

@@ -8,8 +8,11 @@ shard folders opened and checked, the loaders), `progress.py` (what rank 0 shows
 `stop.py` (SIGINT/SIGTERM), `mixup.py`, `checkpoint.py`, `distributed.py`.
 """
 
-from .config import ConfigError, TrainConfig
-from .evaluate import evaluate
-from .trainer import TrainingDiverged, TrainResult, main, train_one_epoch
+from dalifeed.lazy import lazy_names
+
+# imported on first use: `dali-train --help` (cli.py, in this package) then reads its options without torch
+__getattr__, __dir__ = lazy_names(__name__, {
+    "ConfigError": ".config", "TrainConfig": ".config", "evaluate": ".evaluate", "TrainingDiverged": ".trainer",
+    "TrainResult": ".trainer", "main": ".trainer", "train_one_epoch": ".trainer"})
 
 __all__ = ["ConfigError", "TrainConfig", "TrainingDiverged", "TrainResult", "evaluate", "main", "train_one_epoch"]
