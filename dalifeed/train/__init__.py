@@ -11,8 +11,11 @@ shard folders opened and checked, the loaders), `progress.py` (what rank 0 shows
 from dalifeed.lazy import lazy_names
 
 # imported on first use: `dali-train --help` (cli.py, in this package) then reads its options without torch
-__getattr__, __dir__ = lazy_names(__name__, {
-    "ConfigError": ".config", "TrainConfig": ".config", "evaluate": ".evaluate", "TrainingDiverged": ".trainer",
-    "TrainResult": ".trainer", "main": ".trainer", "train_one_epoch": ".trainer"})
+_WHERE = {
+    "ConfigError": ".config", "TrainConfig": ".config", "TrainingDiverged": ".trainer", "TrainResult": ".trainer",
+    "evaluate": ".evaluate", "main": ".trainer", "train_one_epoch": ".trainer",
+}
+__all__ = list(_WHERE)
 
-__all__ = ["ConfigError", "TrainConfig", "TrainingDiverged", "TrainResult", "evaluate", "main", "train_one_epoch"]
+
+__getattr__, __dir__ = lazy_names(__name__, _WHERE)
