@@ -125,3 +125,13 @@ def test_help_shows_the_options_without_importing_torch():
              "sorted(m for m in ('torch', 'torchvision', 'dalifeed.train.trainer') if m in sys.modules))")
     out = subprocess.run([PY, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["0", "True", "[]"]
+
+
+def test_the_names_dalifeed_train_lends_stay_after_their_modules_are_imported():
+    """dalifeed.train lends its names on first use (for --help above); importing the module `.evaluate` (the
+    trainer does) must not put that module where the function `evaluate` was, as eager imports in __init__ had
+    it."""
+    probe = ("import dalifeed.train as t, dalifeed.train.trainer; from dalifeed.train import evaluate, main; "
+             "print(callable(t.evaluate), type(t.evaluate).__name__, evaluate is t.evaluate, main.__module__)")
+    out = subprocess.run([PY, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "function", "True", "dalifeed.train.trainer"]
