@@ -198,3 +198,45 @@ def test_gpu_check_recipe_step(tmp_path, step):
         assert case["device"] == "gpu" and case["compared_device"] == "hybrid" and case["images_per_s"] > 0, case
         assert case["targets_equal"] and case["mean_abs_difference"] <= gpu_recipes.MATCH_TOLERANCE, case
         assert case["gpu_vs_cpu"]["targets_equal"], case  # nvJPEG decodes the same crops of the same samples
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_a_training_slice_syncs_only_at_the_checks(shards, tmp_path, monkeypatch, amp):
+    """The sync test of tests/test_train_sync.py where it counts: on a GPU under
+    `torch.cuda.set_sync_debug_mode("error")`, which raises at any synchronizing CUDA call torch makes (an
+    `.item()`, a blocking copy to the host, in Python or C++), with every per-step option on; only the
+    checks, the epoch's end and the loss sum read there are let through."""
+    from dalifeed.train import progress, stop, trainer
+    from dalifeed.train.distributed import Dist
+
+    from fast_recipe import fast_config
+
+    def allowed(function):
+        def let_through(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+        return let_through
+
+    monkeypatch.setattr(stop, "CHECK_SECONDS", 1e9)
+    cfg = fast_config(shards, tmp_path / "run", width=8, amp=amp, ema=0.9, clip_grad=1.0, mixup_alpha=0.2,
+                      cutmix_alpha=1.0, channels_last=True, label_smoothing=0.1, accum_steps=2, device="gpu",
+                      progress_every=1e-6, tensorboard_every=1, max_bad_steps=10**6)
+    cfg.validate()
+    (tmp_path / "run").mkdir()
+    run = trainer.build_run(cfg, Dist(0, 1, 0, torch.device("cuda", torch.cuda.current_device())), resume=None)
+    monkeypatch.setattr(trainer, "check", allowed(trainer.check))
+    monkeypatch.setattr(torch.cuda, "synchronize", allowed(torch.cuda.synchronize))
+    for name in ("close", "snapshot"):
+        monkeypatch.setattr(progress.EpochProgress, name, allowed(getattr(progress.EpochProgress, name)))
+    for epoch in (0, 1):
+        run.state.epoch = epoch
+        run.start_epoch(epoch)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            stats = trainer.train_one_epoch(run)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert stats.steps == len(run.train_loader) // 2

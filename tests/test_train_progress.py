@@ -129,7 +129,9 @@ def test_rates_are_images_over_the_seconds_given(tmp_path):
     assert scalars(steps, "step/images_per_s") == [(2, 16 * 2 / 2.0), (3, 8 * 2 / 4.0)]
     assert scalars(steps, "step/data_wait_share") == [(2, 0.5 / 2.0), (3, 1.0 / 4.0)]
 
-    # the line: 24 x 2 images in 6 s; 2 s a step, 2 steps left
+    # the line: 24 x 2 images in 6 s; 2 s a step, 2 steps left; the loss of the newest copy on the host
+    assert "loss -," in progress.line(stats, start + 6.0)  # none copied yet
+    progress.copies.request(progress.totals, state.step)
     assert progress.line(stats, start + 6.0) == ("epoch 0 step 3/5: 8 images/s, loss 0, data wait 25%, "
                                                  "left: epoch 00:04, run 00:04")
 

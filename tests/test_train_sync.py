@@ -1,13 +1,21 @@
-"""A training step never makes the host wait for the device: the host syncs of an epoch are counted by the
-optimizer step they happen in, and only the checks (the epoch's first step, then about every CHECK_SECONDS,
+"""A training step never makes the host wait for the device: the host syncs of a run are counted by the
+optimizer step they happen in, and only the checks (an epoch's first step, then about every CHECK_SECONDS,
 and its end) may have one.
 
-The count is of the calls that read a tensor's value on the host, which on a GPU wait for every kernel queued
-before them: `Tensor.item`, `.tolist`, `.cpu`, `.numpy`, `bool()`/`float()`/`int()`/`index()` of a tensor, and
-`torch.cuda.synchronize`. Counting wrappers around them (the real functions still run) see every such call
-our code or the torch code it calls makes from Python; on the CPU a read costs nothing, but it is the same
-call that stalls a GPU. What they cannot see is a read inside a C++ operator: on the CPU `F.one_hot` checks its
-labels with one, on CUDA it does not (aten/src/ATen/native/Onehot.cpp leaves that check to the device)."""
+Reads are counted at two levels, because a GPU waits for both:
+
+- In Python: the calls that read a tensor's value on the host, `Tensor.item`, `.tolist`, `.cpu`, `.numpy`,
+  `bool()`/`float()`/`int()`/`index()` of a tensor, and `torch.cuda.synchronize`. Counting wrappers around
+  them (the real functions still run) see every such call our code or the torch code it calls makes from
+  Python.
+- Below Python, where torch's own C++ reads a value: every `aten._local_scalar_dense` (what `.item()` is in
+  C++, and what an operator's Scalar argument given a tensor costs: `_foreach_lerp_` with a tensor weight
+  did that once a step) and every copy from another device to the CPU (`_to_copy`, `copy_`), seen by a
+  `TorchDispatchMode` around the steps.
+
+On the CPU a read costs nothing, but it is the same call that stalls a GPU. What neither sees is a read a CPU
+kernel makes where its CUDA kernel does not (on the CPU `F.one_hot` checks its labels with one; dalifeed's
+steps do not call it)."""
 
 from __future__ import annotations
 
@@ -17,21 +25,50 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dalifeed.train import stop
 from dalifeed.train.distributed import Dist
-from dalifeed.train.trainer import build_run, train_one_epoch
+from dalifeed.train.trainer import build_run, train_one_epoch, update_ema
 
 from fast_recipe import fast_config
 
 TENSOR_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+# Functions that read a tensor known to be on the host, whatever the device (their docstrings say why)
+HOST_READERS = ("host_sources", "read_host_copy")
 
 
 @pytest.fixture(scope="module")
 def shards(make_shards) -> Path:
-    """45 train images: 5 optimizer steps of 8 an epoch."""
-    return make_shards({"train": {"red": 17, "green": 15, "blue": 13}, "val": {"red": 7, "green": 7, "blue": 7}},
-                       samples_per_shard=10)[1]
+    """200 train images: 25 batches of 8 an epoch, 12 optimizer steps with --accum-steps 2."""
+    return make_shards({"train": {"red": 70, "green": 66, "blue": 64}, "val": {"red": 7, "green": 7, "blue": 7}},
+                       samples_per_shard=40)[1]
+
+
+class DispatchReads(TorchDispatchMode):
+    """Every device read torch makes below Python while active (module docstring), as (optimizer steps done,
+    operator) in `calls`."""
+
+    def __init__(self, run):
+        super().__init__()
+        self.run, self.calls = run, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if is_device_read(func, args, kwargs):
+            self.calls.append((self.run.state.step, str(func)))
+        return func(*args, **kwargs)
+
+
+def is_device_read(func, args, kwargs) -> bool:
+    name = func._schema.name
+    if name in ("aten::_local_scalar_dense", "aten::item"):
+        return True
+    if name == "aten::_to_copy":  # to the CPU from another device (a dtype cast on one device is no read)
+        return str(kwargs.get("device")) == "cpu" and args[0].device.type != "cpu"
+    if name == "aten::copy_":
+        return args[0].device.type == "cpu" and args[1].device.type != "cpu"
+    return False
 
 
 def count_syncs(monkeypatch, run) -> list[tuple[int, str, str]]:
@@ -41,7 +78,7 @@ def count_syncs(monkeypatch, run) -> list[tuple[int, str, str]]:
     def counting(original, name):
         def wrapper(*args, **kwargs):
             frames = [f for f in traceback.extract_stack()[:-1] if "/dalifeed/" in f.filename]
-            if frames and frames[-1].name == "host_sources":  # a CPU tensor on every device (its docstring)
+            if frames and frames[-1].name in HOST_READERS:
                 return original(*args, **kwargs)
             where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
             calls.append((run.state.step, name, where))
@@ -56,25 +93,77 @@ def count_syncs(monkeypatch, run) -> list[tuple[int, str, str]]:
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16", "off"])
 def test_no_host_sync_between_checks(shards, tmp_path, monkeypatch, amp):
-    """With mixup/cutmix, --clip-grad, --ema and channels-last on, the paths a step can take: only the check
-    after the first step (one read: its all-reduced tallies) and the epoch's end (the check's read and the
-    loss sum's) read the device. fp16 too: the GradScaler hands its verdict to the fused optimizer on the
-    device instead of reading it (torch/amp/grad_scaler.py, `_step_supports_amp_scaling`)."""
-    monkeypatch.setattr(stop, "CHECK_SECONDS", 1e9)  # no timed check inside this short epoch: only the fixed ones
+    """Two epochs of 12 optimizer steps with every option that runs per step on (--ema, mixup/cutmix,
+    --clip-grad, --accum-steps, channels-last, label smoothing), progress lines and TensorBoard points at
+    every step: only the check after each epoch's first step (one read: its all-reduced tallies) and each
+    epoch's end (the check's read and the loss sum's) read the device, in Python; below Python, nothing does.
+    fp16 too: the GradScaler hands its verdict to the fused optimizer on the device instead of reading it
+    (torch/amp/grad_scaler.py, `_step_supports_amp_scaling`)."""
+    monkeypatch.setattr(stop, "CHECK_SECONDS", 1e9)  # no timed check inside these short epochs: only the fixed ones
     cfg = fast_config(shards, tmp_path / "run", width=8, amp=amp, ema=0.9, clip_grad=1.0, mixup_alpha=0.2,
-                      cutmix_alpha=1.0, channels_last=True, progress_every=0, tensorboard_every=0,
+                      cutmix_alpha=1.0, channels_last=True, label_smoothing=0.1, accum_steps=2,
+                      progress_every=1e-6, tensorboard_every=1,
                       max_bad_steps=10**6)  # a skipped step is one of the paths: it must not sync either
     cfg.validate()
     Path(cfg.out).mkdir()
     run = build_run(cfg, Dist(0, 1, 0, torch.device("cpu")), resume=None)
-    run.start_epoch(0)
+    below = DispatchReads(run)
     with monkeypatch.context() as m:
         calls = count_syncs(m, run)
-        stats = train_one_epoch(run)
-    assert stats.steps == 5
+        for epoch in (0, 1):
+            run.state.epoch = epoch
+            run.start_epoch(epoch)
+            with below:
+                stats = train_one_epoch(run)
+            assert stats.steps == 12
+    assert below.calls == []
     per_step = Counter(step for step, _, _ in calls)
-    assert {step: per_step[step] for step in range(6)} == {0: 0, 1: 1, 2: 0, 3: 0, 4: 0, 5: 2}, calls
-    assert sorted(name for _, name, _ in calls) == ["tolist"] * 3, calls
+    assert dict(per_step) == {1: 1, 12: 2, 13: 1, 24: 2}, calls
+    assert sorted(name for _, name, _ in calls) == ["tolist"] * 6, calls
+
+
+def test_update_ema_is_torchs_ema_and_reads_nothing_on_the_host():
+    """update_ema against torch's own EMA (`AveragedModel` with `get_ema_multi_avg_fn`, which takes the
+    weights on its first update): the same averages, the first update an exact copy, a skipped step (taken
+    0.0) leaving the average as it was; and no device read, where `_foreach_lerp_` with a tensor weight read
+    it in C++ once an update."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.Flatten(),
+                                torch.nn.LazyLinear(2))
+    model(torch.randn(2, 3, 6, 6))
+    ours = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    ours.n_averaged = ours.n_averaged.to(torch.device("cpu"))
+    torchs = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if is_device_read(func, args, kwargs or {}):
+                reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for step, taken in enumerate([1.0, 1.0, 0.0, 1.0, 1.0]):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        model.train()(torch.randn(2, 3, 6, 6))  # BatchNorm's running statistics move too
+        with Reads():
+            update_ema(ours, model, 0.9, taken=torch.tensor(taken))
+        if taken:
+            torchs.update_parameters(model)
+        for a, b in zip(chain_state(ours), chain_state(torchs)):
+            if step == 0:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert int(ours.n_averaged) == int(torchs.n_averaged) == 4
+    assert reads == []
+
+
+def chain_state(averaged) -> list[torch.Tensor]:
+    return [*averaged.module.parameters(), *averaged.module.buffers()]
 
 
 def test_a_check_is_due_every_check_seconds_of_steps(monkeypatch):

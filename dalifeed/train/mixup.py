@@ -84,16 +84,23 @@ class BatchMixer:
     @staticmethod
     def mix_targets(labels: torch.Tensor, draw: MixDraw, num_classes: int) -> torch.Tensor:
         """Soft targets (B, num_classes) float32 of a batch mixed by `draw`: each row sums to 1."""
-        targets = F.one_hot(labels.long(), num_classes).float()
+        targets = one_hot(labels, num_classes)
         return targets.roll(1, 0).mul_(1.0 - draw.lam).add_(targets.mul(draw.lam))
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, num_classes: int, epoch: int,
                  step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(images, soft targets) of batch `step` of `epoch` (off: the images and one-hot targets)."""
         if not self.enabled:
-            return images, F.one_hot(labels.long(), num_classes).float()
+            return images, one_hot(labels, num_classes)
         images, draw = self.mix_images(images, epoch, step)
         return images, self.mix_targets(labels, draw, num_classes)
+
+
+def one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """(B, num_classes) float32 one-hot rows of `labels`. Not `F.one_hot`, whose CPU kernel reads the labels'
+    range on the host (aten/src/ATen/native/Onehot.cpp): on a CPU run that read would hide among the ones the
+    sync test counts."""
+    return torch.zeros(labels.shape[0], num_classes, device=labels.device).scatter_(1, labels.long()[:, None], 1.0)
 
 
 def soft_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:

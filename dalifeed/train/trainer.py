@@ -234,10 +234,16 @@ def update_ema(ema: torch.optim.swa_utils.AveragedModel, model: torch.nn.Module,
     """--ema after an optimizer step: the average of the weights (and buffers) moves 1 - decay of the way to
     the model's, takes them on its first update, and stays after a skipped step (`taken` 0.0 on the device).
     The arithmetic of torch's `get_ema_multi_avg_fn`; not `AveragedModel.update_parameters`, which decides its
-    first update on the host (`n_averaged == 0`), copies its count to the device every step (each a host sync
-    on a GPU) and could skip a step only if the host read whether it was."""
+    first update on the host (`n_averaged == 0`) and could skip a step only if the host read whether it was.
+
+    The weight stays on the device: average x (1 - w) + model x w with `_foreach_mul_.Tensor` and
+    `_foreach_add_.List` (their CUDA kernels read a 0-dim tensor on the device: ATen's
+    native/cuda/ForeachBinaryOpScalarTensor.cu). `_foreach_lerp_` has no tensor-weight overload in torch 2.14
+    (.List, .Scalar, .ScalarList only), so a tensor weight was read with `.item()` in C++: a host sync a step.
+    w = 1 gives the model's weights exactly (x 0 + model), w = 0 the average's (+ model x 0: finite weights,
+    since a skipped step leaves them as they were)."""
     first = ema.n_averaged == 0  # on the device: trainer.make_model puts the count there
-    weight = taken * torch.where(first, 1.0, 1.0 - decay)  # 1: a copy (lerp's exact end), 0: unchanged
+    weight = taken * torch.where(first, 1.0, 1.0 - decay)
     floats, others = defaultdict(lambda: ([], [])), []
     for averaged, current in zip(chain(ema.module.parameters(), ema.module.buffers()),
                                  chain(model.parameters(), model.buffers())):
@@ -247,7 +253,9 @@ def update_ema(ema: torch.optim.swa_utils.AveragedModel, model: torch.nn.Module,
         else:
             others.append((averaged, current))
     for dtype, (averaged, current) in floats.items():
-        torch._foreach_lerp_(averaged, current, weight.to(dtype))
+        w = weight.to(dtype)
+        torch._foreach_mul_(averaged, 1.0 - w)
+        torch._foreach_add_(averaged, torch._foreach_mul(current, w))
     for averaged, current in others:  # BatchNorm's num_batches_tracked: as get_ema_multi_avg_fn does integers
         moved = torch.where(first, current, averaged * decay + current * (1 - decay))
         averaged.copy_(torch.where(taken > 0, moved, averaged))
