@@ -67,9 +67,10 @@ test-seeds: venv
 	  DALIFEED_TEST_SEED=$$seed $(PY) -m pytest -q -m learns $(PYTEST_ARGS); \
 	done
 
-# The tests marked gpu (tests/test_gpu.py): they need a CUDA GPU that torch and DALI both see, and are
-# skipped elsewhere (so `make test` on a CPU machine runs them as skips). `make test-gpu PY=python` uses that
-# Python's stack, as gpu-check does (the Docker image: docker/README.md).
+# The tests marked gpu (tests/test_gpu.py): they need a CUDA GPU that torch and DALI both see. `make test` on a
+# CPU machine runs them as skips; `make test-gpu` where torch sees no GPU stops with exit 3 and one line saying
+# why (tests/conftest.py), never green with every test skipped. `make test-gpu PY=python` uses that Python's
+# stack, as gpu-check does (the Docker image: docker/README.md).
 test-gpu: $(GPU_CHECK_DEPS)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 

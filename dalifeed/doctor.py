@@ -76,7 +76,7 @@ def verdict(report: StackReport) -> str:
         return (f"OK: --device auto runs on the GPU (torch sees {stack.torch_gpus}, DALI sees {stack.dali_gpus}; "
                 f"driver {stack.driver}, CUDA {stack.driver_cuda})")
     why = (f"CUDA_VISIBLE_DEVICES={stack.cuda_visible_devices!r} hides the GPUs" if stack.gpus_hidden
-           else "no NVIDIA GPU here")
+           else "this container or job was given no GPU (note below)" if report.notes else "no NVIDIA GPU here")
     return f"OK: {why}; --device auto runs on the CPU"
 
 
@@ -100,12 +100,15 @@ def render(doc: dict) -> str:
         f"  driver       {driver}",
         f"  GPUs         NVML: {', '.join(s['nvml_gpus']) or 'none'}; device files: "
         f"{', '.join(s['device_files']) or 'none'}{hidden}",
+        *([f"               not openable here: {', '.join(s['closed_device_files'])}"] if s["closed_device_files"] else []),
+        *([f"               the host's (/proc): {', '.join(s['host_gpus'])}"] if s["host_gpus"] else []),
         f"  CPU          {cpu['model'] or '?'}; {cpu['usable_cores']} of {cpu['machine_cpus']} CPUs usable; torch "
         f"kernels {cpu['torch_kernels'] or '?'}; {' '.join(cpu['simd_flags']) or 'no SIMD flags read'}",
         f"verdict: {doc['verdict']}",
     ]
     lines += [f"  problem: {p}" for p in s["problems"]]
     lines += [f"  warning: {w}" for w in s["warnings"]]
+    lines += [f"  note: {n}" for n in s["notes"]]
     lines.append("installs (from a source checkout; one CUDA major for torch and DALI, chosen by the driver):")
     lines += [f"  {name} (driver >= {i['driver_at_least']}): {i['command']}" for name, i in doc["installs"].items()]
     return "\n".join(lines)

@@ -13,7 +13,14 @@ nvidia-dali-cuda130), so the wrong pair on an R535-R575 driver (the common one o
   line naming what does not fit and the command that fixes it) and the warnings.
 - `choose_device(requested, report)`: 'auto' -> 'gpu' on a node with NVIDIA GPUs whose stack fits, 'cpu' on a
   node without; on a node with GPUs and a stack that does not fit it raises `StackMismatch` (one line) instead
-  of falling back to the CPU. The loaders (`resolve_device`), dali-train (`distributed.setup`), dali-bench and
+  of falling back to the CPU.
+
+A GPU node is one whose GPUs this process can use: NVML answering with GPUs, or a `/dev/nvidia<N>` this process
+can open (what a container runtime injects, or a job's cgroup allows). The host's `/proc/driver/nvidia/gpus`
+alone, or device files it may not open, are a container or job given no GPU (a `docker build`, a CPU pod on a
+GPU node, a Slurm job without `--gres=gpu`): libnvidia-container masks `/proc/driver/nvidia` only where it
+injects GPUs, and Docker's default masked paths leave it. There `--device auto` runs on the CPU with a note
+(`StackReport.notes`) saying how to be given the GPUs. The loaders (`resolve_device`), dali-train (`distributed.setup`), dali-bench and
   gpu-check all ask it.
 
 `dalifeed doctor` prints all of it (dalifeed/doctor.py).
@@ -51,7 +58,9 @@ class Stack:
     driver: str | None = None  # NVML's driver version ("535.104.05"); None: no NVIDIA driver answered
     driver_cuda: str | None = None  # the newest CUDA the driver runs ("12.2", nvmlSystemGetCudaDriverVersion)
     nvml_gpus: tuple[str, ...] = ()  # the names of the GPUs NVML lists (all of the machine's)
-    device_files: tuple[str, ...] = ()  # /dev/nvidia<N> and /proc/driver/nvidia/gpus/*: GPUs even where NVML is silent
+    device_files: tuple[str, ...] = ()  # /dev/nvidia<N> this process can open: GPUs even where NVML is silent
+    closed_device_files: tuple[str, ...] = ()  # /dev/nvidia<N> it may not open (a job's cgroup device rules)
+    host_gpus: tuple[str, ...] = ()  # /proc/driver/nvidia/gpus/<bus id>: the host's, seen also by a container without
     cuda_visible_devices: str | None = None  # $CUDA_VISIBLE_DEVICES, None when unset
     torch: str | None = None  # torch.__version__ ("2.14.1+cu130")
     torch_cuda: str | None = None  # torch.version.cuda ("13.0"); None: a CPU-only build
@@ -87,14 +96,18 @@ class Stack:
 
     @property
     def gpu_count(self) -> int:
-        """The GPUs of the node: NVML's count, else the /dev/nvidia<N> files (else the /proc entries)."""
-        dev = [f for f in self.device_files if f.startswith("/dev/")]
-        return len(self.nvml_gpus) or len(dev) or len(self.device_files)
+        """The GPUs this process can use: NVML's count, else the /dev/nvidia<N> files it can open."""
+        return len(self.nvml_gpus) or len(self.device_files)
 
     @property
     def gpu_node(self) -> bool:
-        """Whether this process is on a node with NVIDIA GPUs it is meant to use."""
+        """Whether this process is on a node with NVIDIA GPUs it can use and is meant to."""
         return bool(self.nvml_gpus or self.device_files) and not self.gpus_hidden
+
+    @property
+    def given_no_gpu(self) -> bool:
+        """A container or job on a GPU host that was given none of its GPUs (module docstring)."""
+        return not (self.nvml_gpus or self.device_files) and bool(self.host_gpus or self.closed_device_files)
 
 
 @dataclass
@@ -102,6 +115,7 @@ class StackReport:
     stack: Stack
     problems: list[str] = field(default_factory=list)  # each stops --device auto (and gpu) on this node
     warnings: list[str] = field(default_factory=list)  # a stack that would not run on a GPU node, here on the CPU
+    notes: list[str] = field(default_factory=list)  # why --device auto runs on the CPU where GPUs are near
 
     @property
     def ok(self) -> bool:
@@ -121,7 +135,8 @@ class StackReport:
         stack = self.stack
         return {**asdict(stack), "driver_major": stack.driver_major, "torch_major": stack.torch_major,
                 "dali_majors": list(stack.dali_majors), "gpu_node": stack.gpu_node, "gpus_hidden": stack.gpus_hidden,
-                "ok": self.ok, "device_auto": self.device, "problems": self.problems, "warnings": self.warnings}
+                "given_no_gpu": stack.given_no_gpu, "ok": self.ok, "device_auto": self.device,
+                "problems": self.problems, "warnings": self.warnings, "notes": self.notes}
 
 
 def _major(version: str | None) -> int | None:
@@ -138,6 +153,8 @@ def check(stack: Stack) -> StackReport:
     report = StackReport(stack)
     report.problems += _dali_installed(stack)
     if not stack.gpu_node:
+        if stack.given_no_gpu and not stack.gpus_hidden:
+            report.notes.append(not_given_note(stack))
         if stack.torch_major and stack.dali_majors and stack.dali_majors != (stack.torch_major,):
             report.warnings.append(_majors_differ(stack, stack.torch_major) + " (no GPU here, so the CPU runs it)")
         return report
@@ -145,6 +162,17 @@ def check(stack: Stack) -> StackReport:
     if not report.problems:  # versions that fit; whether each library really sees the GPUs
         report.problems += _libraries_see_gpus(stack)
     return report
+
+
+def not_given_note(stack: Stack) -> str:
+    """Why a process on a GPU host runs on the CPU: the GPUs it sees but was not given, and how to be given them."""
+    if stack.closed_device_files:
+        seen = f"{', '.join(stack.closed_device_files[:2])} cannot be opened by this process"
+        how = ("ask the job for GPUs (Slurm: --gres=gpu:N or --gpus N; a container: --gpus all)")
+    else:
+        seen = f"the host lists {len(stack.host_gpus)} NVIDIA GPU(s) in /proc/driver/nvidia/gpus"
+        how = "run it with --gpus all (Kubernetes: a nvidia.com/gpu limit) to use them"
+    return f"this container or job was given no GPU ({seen}): {how}"
 
 
 def _dali_installed(stack: Stack) -> list[str]:
@@ -250,6 +278,7 @@ def choose_device(requested: str, report: StackReport) -> str:
     if device == "auto":
         return "cpu"
     hidden = (f"CUDA_VISIBLE_DEVICES={report.stack.cuda_visible_devices!r} hides its GPUs" if report.stack.gpus_hidden
+              else not_given_note(report.stack) if report.stack.given_no_gpu
               else "no NVIDIA driver answers and there is no /dev/nvidia<N>")
     raise StackMismatch(f"--device {requested} needs a CUDA GPU and this node has none ({hidden}): "
                         f"use --device cpu, or auto")
@@ -262,7 +291,11 @@ def probe(environ=os.environ, root: Path = Path("/")) -> Stack:
     driver, driver_cuda, names = nvml_driver()
     torch_version, torch_cuda, torch_gpus = torch_stack()
     dali, packages, build, dali_gpus = dali_stack()
-    return Stack(driver=driver, driver_cuda=driver_cuda, nvml_gpus=names, device_files=nvidia_device_files(root),
+    devices = nvidia_device_files(root)
+    # NVML listing GPUs settles it; else each file is opened, as CUDA would open it
+    opened = devices if names else tuple(d for d in devices if can_open(root / d.lstrip("/")))
+    return Stack(driver=driver, driver_cuda=driver_cuda, nvml_gpus=names, device_files=opened,
+                 closed_device_files=tuple(d for d in devices if d not in opened), host_gpus=host_gpu_entries(root),
                  cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"), torch=torch_version, torch_cuda=torch_cuda,
                  torch_gpus=torch_gpus, dali=dali, dali_packages=packages, dali_cuda_build=build, dali_gpus=dali_gpus)
 
@@ -301,16 +334,29 @@ def _text(value) -> str:
 
 
 def nvidia_device_files(root: Path = Path("/")) -> tuple[str, ...]:
-    """/dev/nvidia<N> (one per GPU the kernel module made a node for) and /proc/driver/nvidia/gpus/<bus id>: a
-    node with GPUs even where NVML does not answer (a container started without the driver's libraries)."""
-    dev = sorted(str(p.relative_to(root).as_posix()) for p in (root / "dev").glob("nvidia*")
-                 if re.fullmatch(r"nvidia\d+", p.name))
-    proc = root / "proc/driver/nvidia/gpus"
+    """/dev/nvidia<N>, one per GPU the kernel module made a node for (not the control nodes nvidiactl,
+    nvidia-uvm, ...): GPUs even where NVML does not answer (a container started without the driver's
+    libraries), if this process can open them (`can_open`)."""
+    return tuple(sorted("/" + p.relative_to(root).as_posix() for p in (root / "dev").glob("nvidia*")
+                        if re.fullmatch(r"nvidia\d+", p.name)))
+
+
+def host_gpu_entries(root: Path = Path("/")) -> tuple[str, ...]:
+    """/proc/driver/nvidia/gpus/<bus id>: the host's GPUs, also inside a container that was given none."""
     try:
-        gpus = sorted(str(p.relative_to(root).as_posix()) for p in proc.iterdir())
+        return tuple(sorted("/" + p.relative_to(root).as_posix() for p in (root / "proc/driver/nvidia/gpus").iterdir()))
     except OSError:
-        gpus = []
-    return tuple("/" + p for p in dev + gpus)
+        return ()
+
+
+def can_open(path: Path) -> bool:
+    """Whether this process may open a device file for reading and writing, as CUDA does: a cgroup's device
+    rules (Slurm's ConstrainDevices, a container's device list) refuse it with EPERM."""
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK))
+        return True
+    except OSError:
+        return False
 
 
 def dali_distributions(paths: list[str] | None = None) -> tuple[str, ...]:

@@ -62,14 +62,29 @@ def check_training_tests_take_the_seed(items) -> None:
                                     f"a test does (marked: {learns}, seeded: {seeded})")
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: `items` are the tests that will run
 def pytest_collection_modifyitems(config, items):
     check_training_tests_take_the_seed(items)
     if has_gpu():
         return
+    gpu = [item for item in items if item.get_closest_marker("gpu")]  # the marker, not a test id like `[gpu]`
+    if gpu and len(gpu) == len(items):
+        # a run of GPU tests only (make test-gpu, pytest -m gpu) that could run none of them proves nothing
+        pytest.exit(f"no CUDA GPU visible to torch, so none of the {len(gpu)} gpu tests can run: {gpu_verdict()}",
+                    returncode=3)
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if item.get_closest_marker("gpu"):  # the marker, not the keyword: a test id like `[gpu]` is not one
-            item.add_marker(skip)
+    for item in gpu:
+        item.add_marker(skip)
+
+
+def gpu_verdict() -> str:
+    """`dalifeed doctor`'s verdict on this node, and its first problem or note."""
+    from dalifeed.doctor import verdict
+    from dalifeed.stack import stack_report
+
+    report = stack_report()
+    why = (report.problems or report.notes or [""])[0]
+    return verdict(report) + (f" ({why})" if why else "")
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ generators a checkpoint holds and restores per rank, and which NVML device is th
 from __future__ import annotations
 
 import random
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -126,3 +127,22 @@ def test_dali_train_turns_on_cudnn_autotuning(make_shards, tmp_path):
         assert "DALI threads per pipeline:" in result.output
     finally:
         torch.backends.cudnn.benchmark = False
+
+
+def test_a_gpu_test_run_without_a_gpu_fails_in_one_line():
+    """`make test-gpu` (pytest -m gpu) where torch sees no GPU: every gpu test would be skipped and the run
+    green; it stops non-zero instead, saying why and what `dalifeed doctor` says of this node."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the gpu tests run")
+    tests = Path(__file__).parent
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                          str(tests / "test_gpu.py")], capture_output=True, text=True, timeout=300, cwd=tests.parent)
+    assert run.returncode == 3, run.stdout + run.stderr
+    said = [line for line in run.stdout.splitlines() if "Exit" in line]
+    assert len(said) == 1 and re.fullmatch(r"! _pytest\.outcomes\.Exit: no CUDA GPU visible to torch, so none of the "
+                                           r"\d+ gpu tests can run: OK: .*--device auto runs on the CPU.* !", said[0]), \
+        run.stdout

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from dalifeed.cli import main as dalifeed_cli
 from dalifeed.pipelines import resolve_device
 from dalifeed.stack import (INSTALL, Stack, StackMismatch, check, choose_device, dali_distributions, install_majors,
-                            installed_packages, nvidia_device_files, pip_report_packages, probe, torch_build_major)
+                            host_gpu_entries, installed_packages, nvidia_device_files, pip_report_packages, probe,
+                            torch_build_major)
 from dalifeed.train.distributed import setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,8 +119,8 @@ def test_gpus_hidden_by_cuda_visible_devices_run_on_the_cpu(visible):
 
 
 def test_device_files_without_nvml_say_how_to_start_the_container():
-    report = check(Stack(device_files=("/dev/nvidia0", "/dev/nvidia1", "/proc/driver/nvidia/gpus/0000:07:00.0",
-                                       "/proc/driver/nvidia/gpus/0000:0f:00.0"), **TORCH_CU130, **DALI_130))
+    report = check(Stack(device_files=("/dev/nvidia0", "/dev/nvidia1"), host_gpus=(
+        "/proc/driver/nvidia/gpus/0000:07:00.0", "/proc/driver/nvidia/gpus/0000:0f:00.0"), **TORCH_CU130, **DALI_130))
     assert report.problems == [
         "this node has 2 NVIDIA GPU(s) (/dev/nvidia0, /dev/nvidia1) but NVML does not answer: load the NVIDIA driver "
         "(nvidia-smi shows whether it runs); in a container, run it with --gpus all (the NVIDIA Container Toolkit "
@@ -257,8 +258,74 @@ def test_nvidia_device_files_are_the_gpus_not_the_control_nodes(tmp_path):
         (tmp_path / "dev").mkdir(exist_ok=True)
         (tmp_path / "dev" / name).touch()
     (tmp_path / "proc/driver/nvidia/gpus/0000:07:00.0").mkdir(parents=True)
-    assert nvidia_device_files(tmp_path) == ("/dev/nvidia0", "/dev/nvidia7", "/proc/driver/nvidia/gpus/0000:07:00.0")
-    assert nvidia_device_files(tmp_path / "nothing") == ()
+    assert nvidia_device_files(tmp_path) == ("/dev/nvidia0", "/dev/nvidia7")
+    assert host_gpu_entries(tmp_path) == ("/proc/driver/nvidia/gpus/0000:07:00.0",)
+    assert nvidia_device_files(tmp_path / "nothing") == host_gpu_entries(tmp_path / "nothing") == ()
+
+
+def gpu_host_root(root: Path, *, proc: int = 0, openable: int = 0, closed: int = 0, mig: bool = False) -> Path:
+    """A machine's view as a folder: `proc` GPUs of the host in /proc/driver/nvidia/gpus, /dev/nvidia<N> files
+    this process can open (`openable`: regular files) and files it cannot (`closed`: a directory, which
+    open(O_RDWR) refuses as a cgroup's device rules refuse a device), and MIG's capability nodes."""
+    (root / "dev").mkdir(parents=True)
+    for i in range(proc):
+        (root / f"proc/driver/nvidia/gpus/0000:{7 + i:02x}:00.0").mkdir(parents=True)
+    for i in range(openable):
+        (root / f"dev/nvidia{i}").touch()
+    for i in range(openable, openable + closed):
+        (root / f"dev/nvidia{i}").mkdir()
+    (root / "dev/nvidiactl").touch()
+    if mig:
+        (root / "dev/nvidia-caps").mkdir()
+        for cap in ("nvidia-cap1", "nvidia-cap2", "nvidia-cap66"):
+            (root / "dev/nvidia-caps" / cap).touch()
+    return root
+
+
+def test_the_hosts_proc_alone_is_a_container_given_no_gpu(tmp_path):
+    """docker build, a CPU pod on a GPU node, CI without --gpus: the host's /proc/driver/nvidia stays visible
+    (libnvidia-container masks it only where it injects GPUs). auto runs on the CPU, with a note; gpu is
+    refused naming why."""
+    stack = probe(root=gpu_host_root(tmp_path, proc=2))
+    assert stack.host_gpus == ("/proc/driver/nvidia/gpus/0000:07:00.0", "/proc/driver/nvidia/gpus/0000:08:00.0")
+    assert (stack.device_files, stack.gpu_node, stack.given_no_gpu) == ((), False, True)
+    report = check(stack)
+    assert report.ok and report.device == "cpu" and choose_device("auto", report) == "cpu"
+    assert report.notes == ["this container or job was given no GPU (the host lists 2 NVIDIA GPU(s) in "
+                            "/proc/driver/nvidia/gpus): run it with --gpus all (Kubernetes: a nvidia.com/gpu limit) "
+                            "to use them"]
+    with pytest.raises(StackMismatch, match=r"^--device gpu needs a CUDA GPU and this node has none \(this container"):
+        choose_device("gpu", report)
+
+
+def test_device_files_it_cannot_open_are_a_job_given_no_gpu(tmp_path):
+    """Slurm's ConstrainDevices: the node's /dev/nvidia<N> exist, the job's cgroup refuses to open them."""
+    stack = probe(root=gpu_host_root(tmp_path, proc=2, closed=2))
+    assert (stack.device_files, stack.closed_device_files) == ((), ("/dev/nvidia0", "/dev/nvidia1"))
+    report = check(stack)
+    assert report.ok and report.device == "cpu"
+    assert report.notes[0].startswith("this container or job was given no GPU (/dev/nvidia0, /dev/nvidia1 cannot be "
+                                      "opened by this process): ask the job for GPUs")
+
+
+@pytest.mark.parametrize("layout", [dict(proc=2, openable=1, closed=1), dict(openable=2), dict(proc=1, openable=1,
+                                                                                            mig=True)])
+def test_device_files_it_can_open_are_gpus_it_must_be_able_to_use(tmp_path, layout):
+    """GPUs given (a container with --gpus, a job's own GPU beside others' closed ones, a MIG instance's parent
+    device with its capability nodes): a GPU node, and without NVML answering the loud refusal stays."""
+    stack = probe(root=gpu_host_root(tmp_path, **layout))
+    assert stack.gpu_node and not stack.given_no_gpu and len(stack.device_files) == layout.get("openable")
+    report = check(stack)
+    assert report.device == "refused" and report.notes == []
+    assert "but NVML does not answer" in report.problems[0]
+    with pytest.raises(StackMismatch, match="but NVML does not answer"):
+        choose_device("auto", report)
+
+
+def test_gpus_hidden_on_a_host_given_none_need_no_note():
+    report = check(Stack(host_gpus=("/proc/driver/nvidia/gpus/0000:07:00.0",), cuda_visible_devices="",
+                         **TORCH_CU130, **DALI_130))
+    assert report.ok and report.notes == [] and report.device == "cpu"
 
 
 # -- the installs ------------------------------------------------------------------------------------------
@@ -357,3 +424,40 @@ def test_doctor_prints_each_problem_of_a_stack_that_does_not_fit():
     assert [line for line in text.splitlines() if line.startswith("  problem: ")] == \
         [f"  problem: {p}" for p in doc["stack"]["problems"]]
     assert "  GPUs         NVML: " + ", ".join(EIGHT) + "; device files: none" in text.splitlines()
+
+
+def in_a_container_given_no_gpu(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """`command` where the host's /proc/driver/nvidia lists a GPU and nothing else of it is there: a private
+    mount namespace (unshare -m, as root) with a tmpfs on /proc/driver holding one GPU entry; what a
+    container given no GPU sees on a GPU host. Skipped where this machine cannot make one."""
+    script = ('mount -t tmpfs none /proc/driver && mkdir -p /proc/driver/nvidia/gpus/0000:07:00.0 && '
+              'exec "$@"')
+    probe_run = subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", "true"], capture_output=True)
+    if probe_run.returncode != 0:
+        pytest.skip(f"no private mount of /proc/driver here: {probe_run.stderr.decode().strip()[:200]}")
+    return subprocess.run(["unshare", "-m", "sh", "-c", script, "sh", *command], capture_output=True, text=True,
+                          **kwargs)
+
+
+def test_doctor_and_dali_train_in_a_container_given_no_gpu(make_shards, tmp_path):
+    """The Dockerfile runs `dalifeed doctor` at build time, on GPU build hosts too: it says OK (CPU) with the
+    note, and `dali-train --device auto` trains on the CPU saying why in one line."""
+    from fast_recipe import fast_args
+
+    doctor = in_a_container_given_no_gpu([sys.executable, "-m", "dalifeed.cli", "doctor"], timeout=120)
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert "verdict: OK: this container or job was given no GPU (note below); --device auto runs on the CPU" in \
+        doctor.stdout
+    assert "  note: this container or job was given no GPU (the host lists 1 NVIDIA GPU(s) in /proc/driver/nvidia/" \
+           "gpus): run it with --gpus all" in doctor.stdout
+
+    shards = make_shards({"red": 9, "green": 8}, samples_per_shard=10)[1]
+    train = in_a_container_given_no_gpu(
+        [sys.executable, "-m", "dalifeed.train.cli", "--data", str(shards), "--out", str(tmp_path / "run"),
+         "--epochs", "1", "--val-split", "none", "--device", "auto", *fast_args(width=8)], timeout=300)
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
+    lines = [line for line in train.stdout.splitlines() if "given no GPU" in line]
+    assert lines == ["--device auto: this container or job was given no GPU (the host lists 1 NVIDIA GPU(s) in "
+                     "/proc/driver/nvidia/gpus): run it with --gpus all (Kubernetes: a nvidia.com/gpu limit) to use "
+                     "them; training on the CPU"]
+    assert "device cpu" in train.stdout

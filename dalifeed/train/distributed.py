@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import astuple, dataclass
 
 import torch
@@ -49,9 +50,16 @@ def launched(environ=os.environ) -> Launch:
 def setup(device: str, report: StackReport | None = None) -> Dist:
     """Rank and world size from the launcher (`launched`); one process otherwise. The device is
     `stack.choose_device`'s, as the loaders decide it (`report`: this node's, probed when None): 'auto' on a
-    node with GPUs and a stack that does not fit them raises `StackMismatch` before any process group forms."""
+    node with GPUs and a stack that does not fit them raises `StackMismatch` before any process group forms;
+    'auto' in a container or job given no GPU on a GPU host runs on the CPU and says why in one line. Ranks
+    that would share one GPU are refused before NCCL starts (`refuse_shared_gpus`)."""
     rank, world_size, local_rank = astuple(launched())
-    use_gpu = device != "cpu" and uses_gpu(choose_device(device, stack_report() if report is None else report))
+    use_gpu = False
+    if device != "cpu":
+        report = stack_report() if report is None else report
+        use_gpu = uses_gpu(choose_device(device, report))
+        if not use_gpu and report.notes:
+            log(f"--device {device}: {report.notes[0]}; training on the CPU")
     if use_gpu:
         index = cuda_index(local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         torch.cuda.set_device(index)
@@ -59,8 +67,11 @@ def setup(device: str, report: StackReport | None = None) -> Dist:
     else:
         dev = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_gpu else "gloo", device_id=dev if use_gpu else None,
-                                **attempt_store(rank, world_size))
+        store = attempt_store(rank, world_size)
+        if use_gpu:
+            store = store or rendezvous_store(rank, world_size)
+            refuse_shared_gpus(exchange(store["store"], "gpu", rank, world_size, gpu_identity(dev)))
+        dist.init_process_group(backend="nccl" if use_gpu else "gloo", device_id=dev if use_gpu else None, **store)
     return Dist(rank, world_size, local_rank, dev)
 
 
@@ -85,6 +96,41 @@ def cuda_index(local_rank: int, visible: int, cuda_visible_devices: str | None =
     raise GpuAssignmentError(
         f"LOCAL_RANK={local_rank} but this process sees {visible} GPU(s){shown}: start at most one rank per visible "
         f"GPU on a node (torchrun --nproc-per-node {visible}), or give each rank its own GPU")
+
+
+def gpu_identity(device: torch.device) -> str:
+    """`HOST UUID` of this rank's CUDA device: CUDA's UUID names a GPU, or a MIG instance, whatever index
+    CUDA_VISIBLE_DEVICES gives it in this process."""
+    return f"{socket.gethostname()} {torch.cuda.get_device_properties(device).uuid}"
+
+
+def rendezvous_store(rank: int, world_size: int) -> dict:
+    """The launcher's store (env://: MASTER_ADDR and MASTER_PORT), as `init_process_group` arguments: made
+    here, not by it, so the ranks can compare their GPUs in it first."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size))
+    return {"store": store, "rank": rank, "world_size": world_size}
+
+
+def exchange(store, key: str, rank: int, world_size: int, value: str) -> list[str]:
+    """Every rank's `value`, in rank order, through the launcher's key-value `store` (no process group yet)."""
+    store.set(f"dalifeed/{key}/{rank}", value)
+    return [store.get(f"dalifeed/{key}/{r}").decode() for r in range(world_size)]
+
+
+def refuse_shared_gpus(identities: list[str]) -> None:
+    """Ranks whose GPUs are one device (`gpu_identity` of each, in rank order) would fail in NCCL ("Duplicate
+    GPU detected") or, on gloo-less paths, silently share it: refused in one line. One GPU visible per rank
+    is right when each rank's is its own (srun --gpu-bind, a pod per GPU), and such ranks' UUIDs differ."""
+    ranks: dict[str, list[int]] = {}
+    for rank, identity in enumerate(identities):
+        ranks.setdefault(identity, []).append(rank)
+    shared = [(identity, r) for identity, r in ranks.items() if len(r) > 1]
+    if shared:
+        identity, r = shared[0]
+        host, _, uuid = identity.partition(" ")
+        raise GpuAssignmentError(
+            f"ranks {', '.join(map(str, r))} on {host} would share one GPU ({uuid}): give each rank its own GPU "
+            f"(torchrun --nproc-per-node at most the GPUs CUDA_VISIBLE_DEVICES shows, or srun --gpus-per-task 1)")
 
 
 def attempt_store(rank: int, world_size: int) -> dict:
