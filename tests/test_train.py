@@ -344,6 +344,14 @@ def test_amp_modes():
     assert amp_dtype(TrainConfig(data=".", out=".", amp="off"), cuda) is None
 
 
+@pytest.mark.parametrize("capability, dtype", [((7, 0), torch.float16), ((7, 5), torch.float16),
+                                               ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_amp_auto_takes_bf16_only_where_the_gpu_has_it(capability, dtype):
+    """V100 (sm70) and T4 (sm75) emulate bf16, slower than fp16: auto takes fp16 (with its GradScaler) there,
+    where torch.cuda.is_bf16_supported() would say yes (including_emulation=True by default)."""
+    assert amp_dtype(TrainConfig(data=".", out=".", amp="auto"), torch.device("cuda"), capability) is dtype
+
+
 def onednn_isa_at_most_avx2() -> str:
     """The ONEDNN_MAX_CPU_ISA for a bf16 run: AVX2, or the lower limit already set (make test-kernels' SSE4.1)."""
     current = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()

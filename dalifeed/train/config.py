@@ -85,7 +85,7 @@ class TrainConfig:
     accum_steps: int = 1
     clip_grad: float | None = None
     ema: float | None = None  # e.g. 0.9999: keep an exponential moving average of the weights
-    amp: str = "auto"  # auto | bf16 | fp16 | off; auto = bf16 on a GPU that has it, off on the CPU
+    amp: str = "auto"  # auto | bf16 | fp16 | off; auto = bf16 on sm80+, fp16 on older GPUs, off on the CPU
     channels_last: bool = False
     compile: bool = False
     image_size: int = 224  # training's size (without --progressive-resize), validation's unless --val-image-size

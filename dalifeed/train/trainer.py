@@ -324,7 +324,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     if cfg.log_samples:
         run.sample_log = SampleLog(Path(cfg.out), dist)
     where = f", batch {resumed_batches(run.midway, train_loader)} of {len(train_loader)}" if run.midway else ""
-    log(f"global batch {global_batch} (lr {lr:.4g}), {steps_per_epoch} steps/epoch, amp {dtype or 'off'}, "
+    log(f"global batch {global_batch} (lr {lr:.4g}), {steps_per_epoch} steps/epoch, "
+        f"{describe_amp(cfg, dtype, dist.device)}, "
         f"starting at epoch {run.state.epoch}{where}" + (", synthetic data (one batch, repeated)" if cfg.synthetic else ""))
     return run
 
@@ -364,11 +365,27 @@ def log_start(cfg: TrainConfig, dist: Dist, data: Dataset, dtype: torch.dtype | 
             "use --amp off, or bf16 on a CPU with AVX-512 BF16 or AMX")
 
 
-def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    """Autocast's dtype; None means full precision."""
+def amp_dtype(cfg: TrainConfig, device: torch.device, capability: tuple[int, int] | None = None) -> torch.dtype | None:
+    """Autocast's dtype; None means full precision. `auto`: off on the CPU; on a GPU bf16 where it computes
+    bf16 natively (compute capability 8.0 on, `capability`: this device's when None), else fp16 with its
+    GradScaler. Not `torch.cuda.is_bf16_supported()`, which by default (`including_emulation=True`) says yes on
+    V100 and T4 (sm70/75), where bf16 is emulated and slower than fp16."""
     if cfg.amp == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+        if device.type != "cuda":
+            return None
+        major, _ = capability or torch.cuda.get_device_capability(device)
+        return torch.bfloat16 if major >= 8 else torch.float16
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "off": None}[cfg.amp]
+
+
+def describe_amp(cfg: TrainConfig, dtype: torch.dtype | None, device: torch.device) -> str:
+    """`amp bf16`, with what `auto` chose it from on a GPU."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "off"}[dtype]
+    if cfg.amp != "auto" or device.type != "cuda":
+        return f"amp {name}"
+    major, minor = torch.cuda.get_device_capability(device)
+    why = "native bf16" if dtype == torch.bfloat16 else "no native bf16: fp16 with a GradScaler"
+    return f"amp {name} (auto: sm{major}{minor}, {why})"
 
 
 def make_model(cfg: TrainConfig, dist: Dist, num_classes: int) -> tuple[torch.nn.Module, torch.nn.Module | None]:
