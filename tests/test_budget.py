@@ -174,6 +174,25 @@ def test_two_ranks_on_two_cpus_run_one_dali_thread_each_and_one_pipeline_at_a_ti
     assert "DALI threads per pipeline: 1 (2 CPUs this process may use / 2 rank(s) on this node = 1)" in output
 
 
+def test_mixed_datasets_share_one_thread_budget(make_shards):
+    """Several --data datasets train through one pipeline each, all at once: their threads add up to the rank's
+    one budget, dealt by their shares of the batch (each at least one), not the budget each; evaluation reads
+    one dataset at a time with the whole budget."""
+    from dalifeed.pipelines import make_loader
+    from dalifeed.pipelines.mixing import share_threads
+
+    data = [make_shards({"train": {"red": n, "blue": n}, "val": {"red": 3, "blue": 3}}, seed=n)[1] for n in (24, 16, 12)]
+    loader = make_loader(data, "train", 16, weights=[2, 1, 1], image_size=16, device="cpu", num_threads=6)
+    assert [d.options.batch_size for d in loader.loaders] == [8, 4, 4]
+    assert [d.options.num_threads for d in loader.loaders] == [3, 2, 1]  # 6 by 2:1:1, largest remainder first
+    images, labels = next(iter(loader))
+    assert images.shape[0] == labels.shape[0] == 16
+    val = make_loader(data, "val", 4, image_size=16, device="cpu", num_threads=6)
+    assert [d.loader.options.num_threads for d in val.per_dataset.values()] == [6, 6, 6]
+    assert share_threads(6, [192, 64]) == [5, 1] and share_threads(2, [1, 1, 1]) == [1, 1, 1]
+    assert share_threads(16, [128, 64, 64]) == [8, 4, 4] and share_threads(7, [10, 1]) == [6, 1]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # docs/gpu.md's memory table: its numbers are these functions' (issue 19 review, item 3)
 

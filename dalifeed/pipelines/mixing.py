@@ -23,6 +23,11 @@ in torch. The contract, extending `dalifeed.pipelines.loader`'s:
   checkpoints: `checkpointing=True`); a fresh loader given it yields exactly the rest of the epoch.
 - **Evaluation** (`train=False`): every sample of every dataset once, dataset after dataset, labels mapped;
   `per_dataset` holds one loader per dataset so that each is evaluated and reported apart.
+- **Threads and decoders**: the datasets' training pipelines run at once, so they share the rank's one DALI
+  thread budget in proportion to their shares (`share_threads`), each at least one thread: N datasets hold N
+  decoders whose per-thread buffers and batch-sized hardware-decoder allocations add up to one pipeline's at
+  the budget and the whole batch (docs/gpu.md, "Memory per rank"). Evaluation reads one dataset at a time,
+  each with the whole budget.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from .cursor import EpochCursor, FollowsCursor
 from .dataset import Dataset, MixError
 from .elastic import batches_left
 
-__all__ = ["ConcatLoader", "MixError", "MixedLoader", "RemappedLoader", "mixed_loader"]
+__all__ = ["ConcatLoader", "MixError", "MixedLoader", "RemappedLoader", "mixed_loader", "share_threads"]
 
 
 class RemappedLoader:
@@ -157,6 +162,19 @@ def own_epochs(batches: int, loader_batches: int) -> int:
     return -(-batches // loader_batches)
 
 
+def share_threads(threads: int, shares: list[int]) -> list[int]:
+    """`threads` DALI threads dealt to pipelines that decode `shares` samples a batch each: in proportion,
+    largest remainder first, at least one each (so more than `threads` in all only where there are more
+    datasets than threads)."""
+    exact = [threads * share / sum(shares) for share in shares]
+    dealt = [max(1, int(x)) for x in exact]
+    while sum(dealt) < threads:
+        dealt[max(range(len(dealt)), key=lambda i: exact[i] - dealt[i])] += 1
+    while sum(dealt) > max(threads, len(dealt)):
+        dealt[max((i for i in range(len(dealt)) if dealt[i] > 1), key=lambda i: dealt[i] - exact[i])] -= 1
+    return dealt
+
+
 def mixed_loader(dataset: Dataset, options, make_one, image_size=None) -> MixedLoader | ConcatLoader:
     """The loader of a mixed `dataset` (see the module docstring) with `options` (a resolved, checked
     `loader.LoaderOptions`); `make_one(source, options, image_size)` makes one dataset's loader. Training: a
@@ -175,12 +193,13 @@ def mixed_loader(dataset: Dataset, options, make_one, image_size=None) -> MixedL
     totals = [source.manifest.num_samples(options.split) for source in dataset.sources]
     batches = sum(totals) // options.world_size // options.batch_size  # MixedLoader's, before its loaders exist
     loaders = []
-    for source, share, total in zip(dataset.sources, shares, totals):
+    for source, share, total, threads in zip(dataset.sources, shares, totals,
+                                             share_threads(options.num_threads, shares)):
         size = None
         if image_size is not None:  # a DaliLoader's training epoch: (total // world) // batch (loader.py)
             reserved = own_epochs(batches, (total // options.world_size) // share)
             size = (lambda epoch, reserved=reserved: image_size(epoch // reserved))
-        loaders.append(make_one(source, replace(options, batch_size=share), size))
+        loaders.append(make_one(source, replace(options, batch_size=share, num_threads=threads), size))
     return MixedLoader(loaders, shares, [source.remap for source in dataset.sources],
                        sum(loader.total_samples for loader in loaders), options.batch_size, options.world_size,
                        dataset)
