@@ -119,6 +119,40 @@ def test_a_loader_restored_mid_epoch_yields_exactly_the_rest_of_it(unique_shards
     assert resumed.state_dict() == {"epoch": 2, "samples_done": 0, "dali": None}
 
 
+def built_pipelines() -> list:
+    """The DALI pipelines alive and built in this process (defined ones, such as an epoch defined ahead,
+    hold no threads or buffers yet)."""
+    import gc
+
+    from nvidia.dali import Pipeline
+
+    gc.collect()
+    return [p for p in gc.get_objects() if isinstance(p, Pipeline) and p._built]
+
+
+def test_a_consumer_that_stops_mid_epoch_frees_the_pipeline_and_keeps_its_place(unique_shards):
+    """A `break` (a stop, an accumulation window's remainder) closes the loader's generator: its pipeline goes
+    at once, so validation's runs alone, and the state where it stopped is still what state_dict gives (a
+    fresh loader given it yields exactly the rest)."""
+    def loader():
+        return make_loader(unique_shards, "train", 4, seed=3, image_size=16, device="cpu", checkpointing=True)
+
+    straight = [labels.tolist() for _, labels in loader()]
+    train, val = loader(), make_loader(unique_shards, "train", 5, train=False, image_size=16, device="cpu")
+    for i, (_, labels) in enumerate(train):
+        if i == 2:
+            break
+    state = train.state_dict()
+    assert state["samples_done"] == 3 * 4 and state["dali"]
+    for _ in val:
+        assert len(built_pipelines()) == 1  # validation's: training's went at the break
+    assert train.state_dict() == state
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state  # loaded, not yet read
+    assert [labels.tolist() for _, labels in resumed] == straight[3:]
+
+
 def test_a_mid_epoch_state_needs_checkpointing(unique_shards):
     loader = make_loader(unique_shards, "train", 4, image_size=16, device="cpu")
     batches = iter(loader)

@@ -303,6 +303,8 @@ class DaliLoader(FollowsCursor):
         self._excluded: SampleSet | None = None
         self._seen = SampleSet()
         self._rest: tempfile.TemporaryDirectory | None = None  # index files of a resumed epoch's remaining samples
+        # mid-epoch without a pipeline: the state a consumer stopped iterating at, or one loaded and not yet read
+        self._paused: dict | None = None
         self.last_samples: list[str] = []  # the last batch's samples, `SHARD:POSITION` (when tracking them)
         self._ahead: tuple[int, Future] | None = None  # (epoch, its pipeline being defined in the background)
         self._next: tuple[int, LaneBatches, SampleKeys] | None = None  # the next epoch's lanes, started
@@ -348,10 +350,12 @@ class DaliLoader(FollowsCursor):
         an epoch, DALI's checkpoint of this rank after the last of them (only with `checkpointing=True`), the
         number of ranks, the samples a resume excluded from the epoch and those this rank has handed out
         since (what `elastic.merge_rank_states` joins when another number of ranks resumes)."""
-        if self._iterator is None or self.cursor.samples_done == 0:  # between epochs, or none handed out yet
+        if self.cursor.samples_done == 0:  # between epochs, or none handed out yet
             return {"epoch": self.cursor.epoch, "samples_done": 0, "dali": None}
         if not self.options.checkpointing:
             raise RuntimeError("a mid-epoch loader state needs make_loader(..., checkpointing=True)")
+        if self._iterator is None:
+            return self._paused
         checkpoints = self._iterator.checkpoints()
         lanes = {} if len(checkpoints) == 1 else {"lanes": len(checkpoints), "handed": list(self._iterator.handed)}
         return {**self.cursor.state_dict(), "dali": checkpoints[0] if len(checkpoints) == 1 else checkpoints,
@@ -370,6 +374,7 @@ class DaliLoader(FollowsCursor):
             raise ElasticError(f"a reader state of {saved_world} ranks cannot be restored on "
                                f"{self.options.world_size}: merge the ranks' states (elastic.merge_rank_states)")
         self.cursor.load_state_dict(state)
+        self._paused = state if self.cursor.samples_done else None
         excluded = state.get("excluded")
         self._restore = None if self.cursor.samples_done == 0 else \
             Restore(state["dali"], SampleSet.from_state(excluded) if excluded is not None else None, state.get("seen"),
@@ -606,6 +611,7 @@ class DaliLoader(FollowsCursor):
     def __iter__(self):
         cursor = self.cursor
         restore, self._restore = self._restore, None
+        self._paused = None
         if restore is None:
             cursor.start(cursor.epoch)
         seen = self._seen = SampleSet() if restore is None or restore.dali is None else \
@@ -642,6 +648,12 @@ class DaliLoader(FollowsCursor):
                         self._start_next_epoch()
                         start_next_at = None
                     yield self.to_torch(outputs)
+        except GeneratorExit:
+            # the consumer stopped mid-epoch (a break, an accumulation window's remainder): the pipeline goes
+            # now, not beside validation's until the next epoch; where it stopped stays a state to save
+            self._paused = self.state_dict() if self.options.checkpointing and cursor.samples_done else None
+            self._release_pipeline()
+            raise
         except Exception as e:
             if not is_pipeline_failure(e):
                 raise
