@@ -138,8 +138,10 @@ def dali_pool_threads(pid: int) -> int:
 @pytest.mark.slow  # two dali-train ranks under torchrun: ~30-60 s on 2 cores
 def test_two_ranks_on_two_cpus_run_one_dali_thread_each_and_one_pipeline_at_a_time(make_shards, tmp_path):
     """With 2 ranks on a node whose job may use 2 CPUs (SLURM_CPUS_PER_TASK=2, whatever the machine has), each
-    rank's pipelines get 1 DALI thread by default, and a rank never holds its training and its validation
-    pipeline at once: its DALI worker threads, sampled while it trains and evaluates, never exceed 1."""
+    rank's pipelines get 1 DALI thread by default, and a rank holds at most two pipelines at once: an epoch's
+    and the next epoch's, started near its end, then the next epoch's (idle) and validation's; never the
+    epoch's training pipeline beside validation's. Its DALI worker threads, sampled while it trains and
+    evaluates, never exceed 2."""
     _, shards = make_shards({"train": {"red": 17, "green": 15, "blue": 13}, "val": {"red": 7, "green": 7, "blue": 7}},
                             samples_per_shard=10)
     with socket.socket() as s:
@@ -161,7 +163,7 @@ def test_two_ranks_on_two_cpus_run_one_dali_thread_each_and_one_pipeline_at_a_ti
             for worker in psutil.Process(agent.pid).children(recursive=True):
                 threads = dali_pool_threads(worker.pid)
                 most[worker.pid] = max(most.get(worker.pid, 0), threads)
-                if threads == 1:
+                if threads >= 1:
                     seen_one.add(worker.pid)
             time.sleep(0.02)
     finally:
@@ -169,7 +171,7 @@ def test_two_ranks_on_two_cpus_run_one_dali_thread_each_and_one_pipeline_at_a_ti
             kill_run(agent)
     output = log.read_text()
     assert agent.wait(timeout=30) == 0, output[-3000:]
-    assert all(threads <= 1 for threads in most.values()), most
+    assert all(threads <= 2 for threads in most.values()), most
     assert len(seen_one) == 2, (most, output[-2000:])  # both ranks were seen running their pipeline
     assert "DALI threads per pipeline: 1 (2 CPUs this process may use / 2 rank(s) on this node = 1)" in output
 

@@ -153,6 +153,20 @@ def test_a_consumer_that_stops_mid_epoch_frees_the_pipeline_and_keeps_its_place(
     assert [labels.tolist() for _, labels in resumed] == straight[3:]
 
 
+def test_a_one_lane_training_loader_starts_its_next_epoch_before_this_one_ends(unique_shards):
+    """So the next epoch's first batch is ready when it begins (docs/gpu.md, "A pipeline per epoch"): the
+    started pipeline is epoch 1's, and what it yields is epoch 1 exactly as a fresh loader's set_epoch(1)."""
+    def loader():
+        return make_loader(unique_shards, "train", 4, seed=5, image_size=16, device="cpu", lanes=1)
+
+    running = loader()
+    list(running)
+    assert running._next is not None and running._next[0] == 1 and len(running._next[1].pipes) == 1
+    fresh = loader()
+    fresh.set_epoch(1)
+    assert labels_of(running) == labels_of(fresh)
+
+
 def test_a_mid_epoch_state_needs_checkpointing(unique_shards):
     loader = make_loader(unique_shards, "train", 4, image_size=16, device="cpu")
     batches = iter(loader)

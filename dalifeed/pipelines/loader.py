@@ -26,22 +26,20 @@ Epoch semantics (what a trainer may rely on):
   makes of every rank's, loaded by each new rank, reads the epoch's samples not yet consumed through index
   files listing only them (elastic.py): every sample of the epoch once, floor(N / global batch) batches in
   all.
-- One pipeline per epoch: each iteration builds its DALI pipeline and frees it when the epoch ends, so a
-  trainer's rank holds one pipeline at a time (training's while it trains, validation's while it
-  evaluates) with its thread pool and decoder buffers (but for lanes, below). Why not one pipeline for all
-  epochs: docs/gpu.md.
-  What would make the epoch wait, defining the graph (Python: 0.15-0.5 CPU s for a policy's graph), is done
-  once: the first epoch's pipeline is serialized before it is built, and every later epoch's is that
-  definition with its own reader arguments, deserialized in C++ (serialized.py; 20-30 ms). The first is
-  defined on a background thread at construction, and each next epoch's pipeline object is made on it while
-  the epoch before runs (from its first batch on; not with a shard cache, whose tars are pinned when their
-  epoch starts). A process forked meanwhile waits for a definition to end (`DefinitionsAhead`).
+- One pipeline per epoch: each epoch reads through its own DALI pipeline, built for its `(seed, epoch)` order
+  and freed when the epoch ends. A training loader builds the next epoch's pipelines and starts their first
+  runs near the end of each epoch, once this epoch's have no run left to schedule, so that the next epoch's
+  first batch is ready when it begins; the next iteration reads them if it is that epoch from its start (else
+  they are dropped). So a rank holds two training pipelines over an epoch's last `prefetch_queue_depth`
+  batches, and the next epoch's (idle, its first batches made) beside validation's (docs/gpu.md, "Memory per
+  rank"). Not with a shard cache, whose tars are pinned when their epoch starts. Defining a graph is Python
+  and slow with a policy, so it is done once: the first epoch's pipeline is serialized before it is built,
+  and every later epoch's is that definition with its own reader arguments (serialized.py), made on a
+  background thread while the epoch before runs; a process forked meanwhile waits for a definition to end
+  (`DefinitionsAhead`).
 - Lanes (`LoaderOptions.lanes`, lanes.py): CPU training reads the rank's shard in two pipelines of half the
   threads, whole batches from each in turn; the contract above holds the same (a mid-epoch state holds each
-  lane's checkpoint and is restored with as many lanes). A lane's first batch is a whole batch of its one
-  thread, so a training loader in lanes starts the next epoch's lanes near the end of each epoch, once this
-  epoch's have no run left to schedule, and the next iteration reads them if it is that epoch from its
-  start (else they are dropped): the one place a rank holds two epochs' pipelines.
+  lane's checkpoint and is restored with as many lanes).
 - Progressive resizing (`classification_loader(..., image_size=)`): the graph of epoch e is built for the
   image size of epoch e (a function of the epoch alone: resolution.py), so the epoch defined ahead, one set
   by `set_epoch` and one restored mid-epoch all train at the size an uninterrupted run would have.
@@ -510,12 +508,10 @@ class DaliLoader(FollowsCursor):
 
     def _define_ahead(self, epoch: int) -> None:
         """Start defining epoch `epoch`'s pipeline on a background thread, so that the epoch does not wait for
-        it: defining a graph is Python (a policy's 14 branches take about a second on this machine: docs/gpu.md,
-        "One pipeline per epoch"; once the first epoch's is serialized, only its reader arguments are replaced,
-        a few ms), building and running it are not, and DALI keeps the definition state per thread
-        (`pipeline_tls`, autograph's `ag_ctx.stacks`). Only the definition: building is what allocates the
-        pipeline's threads and (mixed decoding) device memory, and one built pipeline at a time is held.
-        Not with a shard cache: its `epoch_files` fetches and pins the epoch's tars, which waits for the
+        it: defining a graph is Python (docs/gpu.md, "A pipeline per epoch"; once the first epoch's is
+        serialized, only its reader arguments are replaced), building and running it are not, and DALI keeps
+        the definition state per thread (`pipeline_tls`, autograph's `ag_ctx.stacks`). Only the definition:
+        building allocates the pipeline's threads and device memory (`_start_next_epoch`). Not with a shard cache: its `epoch_files` fetches and pins the epoch's tars, which waits for the
         epoch's start."""
         if self.shard_cache is not None:
             return
@@ -577,13 +573,12 @@ class DaliLoader(FollowsCursor):
         return LaneBatches(iterators, sizes, self.options.batch_size, handed)
 
     def _start_next_epoch(self) -> None:
-        """Build the next epoch's lanes and start their first runs now, near the end of this epoch, where this
-        epoch's lanes have no run left to schedule and their threads fall idle one after the other: a lane's
-        first batch is a whole batch of its one thread, which the epoch would otherwise wait for (3.4 batch
-        times with two lanes against 1.6 with one: docs/benchmarks.md, "One definition per loader"). Only
-        training loaders in lanes (CPU): a rank then briefly holds two epochs' pipelines, and holds the next
-        one's, idle once its first batches are made, through validation. A next epoch that fails to start
-        is started again, and fails with its own message, when it begins."""
+        """Build the next epoch's pipelines and start their first runs now, near the end of this epoch, where
+        this epoch's have no run left to schedule: a fresh pipeline's first batch (its shuffle buffer filled,
+        its executor started, a whole batch computed) would otherwise be a pause at the epoch's start. A rank
+        then holds the next epoch's pipelines beside this epoch's last batches and, idle once their first
+        batches are made, through validation (module docstring). A next epoch that fails to start is started
+        again, and fails with its own message, when it begins."""
         epoch = self.cursor.epoch + 1
         try:
             pipes, keys, sizes = self._defined(None, epoch)
@@ -628,9 +623,9 @@ class DaliLoader(FollowsCursor):
                 # running the first batches already (started near the end of the epoch before, in lanes)
                 self._iterator, keys = started or self._build_iterator(restore)
             del started
-            # In lanes, the next epoch starts when this one's lanes have no run left to schedule
+            # The next epoch starts when this one's pipelines have no run left to schedule
             start_next_at = len(self._iterator.pipes) * self.options.prefetch_queue_depth \
-                if left and self.options.train and len(self._iterator.pipes) > 1 and self.shard_cache is None else None
+                if left and self.options.train and self.shard_cache is None else None
             # DALI decodes the rest of the rank's slice too, the batch dropped at the end included (so a sample
             # it cannot decode fails the epoch wherever it lands), but none of it is handed out
             next_defined = False
