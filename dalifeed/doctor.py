@@ -100,8 +100,8 @@ def render(doc: dict) -> str:
         f"  driver       {driver}",
         f"  GPUs         NVML: {', '.join(s['nvml_gpus']) or 'none'}; device files: "
         f"{', '.join(s['device_files']) or 'none'}{hidden}",
-        *([f"               not openable here: {', '.join(s['closed_device_files'])}"] if s["closed_device_files"] else []),
-        *([f"               the host's (/proc): {', '.join(s['host_gpus'])}"] if s["host_gpus"] else []),
+        *([f"{'':15}not openable here: {', '.join(s['closed_device_files'])}"] if s["closed_device_files"] else []),
+        *([f"{'':15}the host's (/proc): {', '.join(s['host_gpus'])}"] if s["host_gpus"] else []),
         f"  CPU          {cpu['model'] or '?'}; {cpu['usable_cores']} of {cpu['machine_cpus']} CPUs usable; torch "
         f"kernels {cpu['torch_kernels'] or '?'}; {' '.join(cpu['simd_flags']) or 'no SIMD flags read'}",
         f"verdict: {doc['verdict']}",

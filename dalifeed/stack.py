@@ -20,8 +20,8 @@ can open (what a container runtime injects, or a job's cgroup allows). The host'
 alone, or device files it may not open, are a container or job given no GPU (a `docker build`, a CPU pod on a
 GPU node, a Slurm job without `--gres=gpu`): libnvidia-container masks `/proc/driver/nvidia` only where it
 injects GPUs, and Docker's default masked paths leave it. There `--device auto` runs on the CPU with a note
-(`StackReport.notes`) saying how to be given the GPUs. The loaders (`resolve_device`), dali-train (`distributed.setup`), dali-bench and
-  gpu-check all ask it.
+(`StackReport.notes`) saying how to be given the GPUs. The loaders (`resolve_device`), dali-train
+(`distributed.setup`), dali-bench and gpu-check all ask `choose_device`.
 
 `dalifeed doctor` prints all of it (dalifeed/doctor.py).
 """

@@ -82,7 +82,10 @@ def gpu_verdict() -> str:
     from dalifeed.doctor import verdict
     from dalifeed.stack import stack_report
 
-    report = stack_report()
+    try:
+        report = stack_report()
+    except Exception as e:  # the line must still be one line
+        return f"the stack check failed ({type(e).__name__}: {e}); run dalifeed doctor"
     why = (report.problems or report.notes or [""])[0]
     return verdict(report) + (f" ({why})" if why else "")
 

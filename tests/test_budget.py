@@ -136,7 +136,7 @@ def dali_pool_threads(pid: int) -> int:
 
 
 @pytest.mark.slow  # two dali-train ranks under torchrun: ~30-60 s on 2 cores
-def test_two_ranks_on_two_cpus_run_one_dali_thread_each_and_one_pipeline_at_a_time(make_shards, tmp_path):
+def test_two_ranks_on_two_cpus_run_one_dali_thread_each_and_two_pipelines_at_most(make_shards, tmp_path):
     """With 2 ranks on a node whose job may use 2 CPUs (SLURM_CPUS_PER_TASK=2, whatever the machine has), each
     rank's pipelines get 1 DALI thread by default, and a rank holds at most two pipelines at once: an epoch's
     and the next epoch's, started near its end, then the next epoch's (idle) and validation's; never the

@@ -78,7 +78,7 @@ def test_an_epoch_defined_ahead_is_the_epoch_a_fresh_loader_reads(shards):
     running = loader()
     assert running._ahead is not None and running._ahead[0] == 0  # the first epoch, at construction
     list(running)
-    assert running._ahead[0] == 1  # defined while epoch 0 ran
+    assert running._ahead is None and running._next[0] == 1  # defined, then started, while epoch 0 ran
     ahead = [(images.clone(), labels.clone()) for images, labels in running]  # epoch 1, from the graph ahead
 
     fresh = loader()

@@ -55,3 +55,5 @@ def test_ranks_sharing_one_gpu_are_refused_by_its_uuid():
     with pytest.raises(GpuAssignmentError, match=r"^ranks 1, 2 on node1 would share one GPU \(GPU-bbbb\): give each "
                                                  r"rank its own GPU"):
         refuse_shared_gpus(["node1 GPU-aaaa", "node1 GPU-bbbb", "node1 GPU-bbbb", "node2 GPU-cccc"])
+    with pytest.raises(GpuAssignmentError, match=r"^ranks 0, 1 on pod-a would share one GPU \(GPU-aaaa\)"):
+        refuse_shared_gpus(["pod-a GPU-aaaa", "pod-b GPU-aaaa"])  # two pods given one GPU: the UUID decides

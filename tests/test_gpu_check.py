@@ -131,7 +131,8 @@ def test_report_states_what_the_mixed_decoder_of_a_dali_train_rank_reserves(tmp_
     assert budget["pinned_mib"] == threads.threads * 2 * budget["host_padding_mib"]
     text = (tmp_path / "gpu-check.md").read_text()
     assert f"dali-train's default with one rank per GPU here, {threads.describe()}" in text
-    assert f"each rank's `mixed` decoder reserves {budget['gpu_mib']:.0f} MiB of GPU" in text and "holds two" not in text
+    assert f"each rank's `mixed` decoder reserves {budget['gpu_mib']:.0f} MiB of GPU" in text
+    assert "twice that at an epoch's boundary, with the next epoch's started" in text
 
 
 def test_docs_quote_gpu_checks_decoder_line_for_8_gpus_on_64_cpus():

@@ -127,7 +127,7 @@ def built_pipelines() -> list:
     from nvidia.dali import Pipeline
 
     gc.collect()
-    return [p for p in gc.get_objects() if isinstance(p, Pipeline) and p._built]
+    return [p for p in gc.get_objects() if issubclass(type(p), Pipeline) and p._built]
 
 
 def test_a_consumer_that_stops_mid_epoch_frees_the_pipeline_and_keeps_its_place(unique_shards):
@@ -162,6 +162,9 @@ def test_a_one_lane_training_loader_starts_its_next_epoch_before_this_one_ends(u
     running = loader()
     list(running)
     assert running._next is not None and running._next[0] == 1 and len(running._next[1].pipes) == 1
+    val = make_loader(unique_shards, "train", 5, train=False, image_size=16, device="cpu")
+    for _ in val:  # validation's and the next epoch's (idle, started): never epoch 0's, which went at its end
+        assert len(built_pipelines()) == 2 and running._iterator is None
     fresh = loader()
     fresh.set_epoch(1)
     assert labels_of(running) == labels_of(fresh)

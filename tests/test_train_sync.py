@@ -91,18 +91,20 @@ def count_syncs(monkeypatch, run) -> list[tuple[int, str, str]]:
     return calls
 
 
+@pytest.mark.parametrize("mixing", [True, False], ids=["mixup-cutmix", "hard-labels"])
 @pytest.mark.parametrize("amp", ["bf16", "fp16", "off"])
-def test_no_host_sync_between_checks(shards, tmp_path, monkeypatch, amp):
-    """Two epochs of 12 optimizer steps with every option that runs per step on (--ema, mixup/cutmix,
-    --clip-grad, --accum-steps, channels-last, label smoothing), progress lines and TensorBoard points at
-    every step: only the check after each epoch's first step (one read: its all-reduced tallies) and each
-    epoch's end (the check's read and the loss sum's) read the device, in Python; below Python, nothing does.
+def test_no_host_sync_between_checks(shards, tmp_path, monkeypatch, amp, mixing):
+    """Two epochs of 12 optimizer steps with every option that runs per step on (--ema, --clip-grad,
+    --accum-steps, channels-last, label smoothing; mixup/cutmix's soft targets, or the hard labels' loss),
+    progress lines and TensorBoard points at every step: only the check after each epoch's first step (one
+    read: its all-reduced tallies) and each epoch's end (the check's read and the loss sum's) read the device,
+    in Python; below Python, nothing does.
     fp16 too: the GradScaler hands its verdict to the fused optimizer on the device instead of reading it
     (torch/amp/grad_scaler.py, `_step_supports_amp_scaling`)."""
     monkeypatch.setattr(stop, "CHECK_SECONDS", 1e9)  # no timed check inside these short epochs: only the fixed ones
-    cfg = fast_config(shards, tmp_path / "run", width=8, amp=amp, ema=0.9, clip_grad=1.0, mixup_alpha=0.2,
-                      cutmix_alpha=1.0, channels_last=True, label_smoothing=0.1, accum_steps=2,
-                      progress_every=1e-6, tensorboard_every=1,
+    cfg = fast_config(shards, tmp_path / "run", width=8, amp=amp, ema=0.9, clip_grad=1.0,
+                      mixup_alpha=0.2 if mixing else 0.0, cutmix_alpha=1.0 if mixing else 0.0, channels_last=True,
+                      label_smoothing=0.1, accum_steps=2, progress_every=1e-6, tensorboard_every=1,
                       max_bad_steps=10**6)  # a skipped step is one of the paths: it must not sync either
     cfg.validate()
     Path(cfg.out).mkdir()

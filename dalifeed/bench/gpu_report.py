@@ -43,7 +43,7 @@ def decoder_memory_line(budget: dict) -> str:
     return (f"dali-train's default with one rank per GPU here, {budget['budget']}. At that budget each rank's "
             f"`mixed` decoder reserves {budget['gpu_mib']:.0f} MiB of GPU and {budget['pinned_mib']:.0f} MiB of pinned "
             f"host memory when built ({budget['device_padding_mib']:.0f} MiB + 2 x {budget['host_padding_mib']:.0f} MiB "
-            f"per thread; a rank holds two at an epoch's boundary: docs/gpu.md).")
+            f"per thread; twice that at an epoch's boundary, with the next epoch's started: docs/gpu.md).")
 
 
 # -- the sections, in order: each is given its part of the report and gives its lines -------------------

@@ -301,7 +301,7 @@ class DaliLoader(FollowsCursor):
         self._excluded: SampleSet | None = None
         self._seen = SampleSet()
         self._rest: tempfile.TemporaryDirectory | None = None  # index files of a resumed epoch's remaining samples
-        # mid-epoch without a pipeline: the state a consumer stopped iterating at, or one loaded and not yet read
+        # what state_dict gives mid-epoch without a pipeline: where a consumer stopped, or a state not yet read
         self._paused: dict | None = None
         self.last_samples: list[str] = []  # the last batch's samples, `SHARD:POSITION` (when tracking them)
         self._ahead: tuple[int, Future] | None = None  # (epoch, its pipeline being defined in the background)
@@ -353,6 +353,9 @@ class DaliLoader(FollowsCursor):
         if not self.options.checkpointing:
             raise RuntimeError("a mid-epoch loader state needs make_loader(..., checkpointing=True)")
         if self._iterator is None:
+            if self._paused is None:
+                raise RuntimeError("this loader's epoch ended without a position to save (its pipeline failed): "
+                                   "start the epoch again")
             return self._paused
         checkpoints = self._iterator.checkpoints()
         lanes = {} if len(checkpoints) == 1 else {"lanes": len(checkpoints), "handed": list(self._iterator.handed)}
@@ -511,8 +514,8 @@ class DaliLoader(FollowsCursor):
         it: defining a graph is Python (docs/gpu.md, "A pipeline per epoch"; once the first epoch's is
         serialized, only its reader arguments are replaced), building and running it are not, and DALI keeps
         the definition state per thread (`pipeline_tls`, autograph's `ag_ctx.stacks`). Only the definition:
-        building allocates the pipeline's threads and device memory (`_start_next_epoch`). Not with a shard cache: its `epoch_files` fetches and pins the epoch's tars, which waits for the
-        epoch's start."""
+        building allocates the pipeline's threads and device memory (`_start_next_epoch`). Not with a shard
+        cache: its `epoch_files` fetches and pins the epoch's tars, which waits for the epoch's start."""
         if self.shard_cache is not None:
             return
         self._ahead = (epoch, self._background_thread().submit(DEFINITIONS_AHEAD.run, self._define, epoch))
@@ -623,7 +626,7 @@ class DaliLoader(FollowsCursor):
                 # running the first batches already (started near the end of the epoch before, in lanes)
                 self._iterator, keys = started or self._build_iterator(restore)
             del started
-            # The next epoch starts when this one's pipelines have no run left to schedule
+            # when this epoch's pipelines have no run left to schedule, their threads fall idle: start the next
             start_next_at = len(self._iterator.pipes) * self.options.prefetch_queue_depth \
                 if left and self.options.train and self.shard_cache is None else None
             # DALI decodes the rest of the rank's slice too, the batch dropped at the end included (so a sample
@@ -644,10 +647,11 @@ class DaliLoader(FollowsCursor):
                         start_next_at = None
                     yield self.to_torch(outputs)
         except GeneratorExit:
-            # the consumer stopped mid-epoch (a break, an accumulation window's remainder): the pipeline goes
-            # now, not beside validation's until the next epoch; where it stopped stays a state to save
-            self._paused = self.state_dict() if self.options.checkpointing and cursor.samples_done else None
-            self._release_pipeline()
+            # freed now, not beside validation's pipeline until the next epoch
+            try:
+                self._paused = self.state_dict() if self.options.checkpointing and cursor.samples_done else None
+            finally:
+                self._release_pipeline()
             raise
         except Exception as e:
             if not is_pipeline_failure(e):

@@ -24,10 +24,10 @@ in torch. The contract, extending `dalifeed.pipelines.loader`'s:
 - **Evaluation** (`train=False`): every sample of every dataset once, dataset after dataset, labels mapped;
   `per_dataset` holds one loader per dataset so that each is evaluated and reported apart.
 - **Threads and decoders**: the datasets' training pipelines run at once, so they share the rank's one DALI
-  thread budget in proportion to their shares (`share_threads`), each at least one thread: N datasets hold N
-  decoders whose per-thread buffers and batch-sized hardware-decoder allocations add up to one pipeline's at
-  the budget and the whole batch (docs/gpu.md, "Memory per rank"). Evaluation reads one dataset at a time,
-  each with the whole budget.
+  thread budget in proportion to their shares (`share_threads`), each at least one thread. N datasets still
+  hold N decoders (each its own instance, streams and state), but their per-thread buffers and hardware
+  decoder batch pools add up to one pipeline's at the budget and the whole batch (docs/gpu.md, "Memory per
+  rank"). Evaluation reads one dataset at a time, each with the whole budget.
 """
 
 from __future__ import annotations

@@ -123,9 +123,8 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
 @click.option("--clip-grad", type=float, default=d("clip_grad"), help="Clip the gradient norm to this value.")
 @click.option("--ema", type=float, default=d("ema"), help="Keep an EMA of the weights with this decay (e.g. 0.9998).")
 @click.option("--amp", type=click.Choice(["auto", "bf16", "fp16", "off"]), default=d("amp"), show_default=True,
-              help="auto: bf16 on a GPU with native bf16 (sm80+: A100, H100, L4), fp16 on older ones (V100, T4), off on "
-                   "the CPU. fp16 adds a GradScaler (and is slow on "
-                   "a CPU: a warning says so).")
+              help="auto: bf16 on a GPU with native bf16 (sm80+: A100, H100, L4), fp16 on older ones (V100, "
+                   "T4), off on the CPU. fp16 adds a GradScaler (and is slow on a CPU: a warning says so).")
 @click.option("--channels-last", is_flag=True, help="NHWC model and batches (faster convolutions on tensor cores).")
 @click.option("--compile/--no-compile", default=d("compile"), show_default=True,
               help="torch.compile the model (minutes of compilation before the first step; docs/gpu.md). May "

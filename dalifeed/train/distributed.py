@@ -122,12 +122,12 @@ def refuse_shared_gpus(identities: list[str]) -> None:
     GPU detected") or, on gloo-less paths, silently share it: refused in one line. One GPU visible per rank
     is right when each rank's is its own (srun --gpu-bind, a pod per GPU), and such ranks' UUIDs differ."""
     ranks: dict[str, list[int]] = {}
-    for rank, identity in enumerate(identities):
-        ranks.setdefault(identity, []).append(rank)
-    shared = [(identity, r) for identity, r in ranks.items() if len(r) > 1]
+    for rank, identity in enumerate(identities):  # by UUID alone: containers on one host may name it alike
+        ranks.setdefault(identity.partition(" ")[2], []).append(rank)
+    shared = [(uuid, r) for uuid, r in ranks.items() if len(r) > 1]
     if shared:
-        identity, r = shared[0]
-        host, _, uuid = identity.partition(" ")
+        uuid, r = shared[0]
+        host = identities[r[0]].partition(" ")[0]
         raise GpuAssignmentError(
             f"ranks {', '.join(map(str, r))} on {host} would share one GPU ({uuid}): give each rank its own GPU "
             f"(torchrun --nproc-per-node at most the GPUs CUDA_VISIBLE_DEVICES shows, or srun --gpus-per-task 1)")

@@ -72,8 +72,8 @@ class EpochProgress:
         (resuming mid-epoch), `state` is read as the steps go (its step count)."""
         self.cfg, self.dist, self.state, self.steps = cfg, dist, state, steps
         # (loss sum, steps) of the steps taken, on the device
-        self.totals = torch.tensor([stats.loss, stats.steps - stats.bad_steps], dtype=torch.float64,
-                                   device=dist.device)
+        self.totals = torch.stack([torch.full((), float(v), dtype=torch.float64, device=dist.device)
+                                   for v in (stats.loss, stats.steps - stats.bad_steps)])
         self.start, self.seconds_before, self.steps_before = time.perf_counter(), stats.seconds, stats.steps
         self.bar = tqdm(total=steps, initial=stats.steps, desc=f"epoch {state.epoch}", unit="step",
                         dynamic_ncols=True, leave=False, disable=not (dist.is_main and sys.stderr.isatty()))

@@ -99,7 +99,9 @@ class StepChecks:
         """Tallies from the host's: `streak` skipped steps in a row before this epoch (TrainState.bad_streak), at
         optimizer step `step`. Every epoch's first step is checked (it is the slow one: warm-up, cuDNN's
         search, a new pipeline), and the interval is timed from there."""
-        self.skipped, self.streak, self.worst = (torch.tensor(float(v), device=self.device) for v in (0, streak, streak))
+        # made on the device by a fill: torch.tensor(..., device=cuda) copies from pageable memory, a host sync
+        self.skipped, self.streak, self.worst = (torch.full((), float(v), device=self.device)
+                                                 for v in (0, streak, streak))
         self.next, self.last_step, self.last_time = step + 1, step, time.perf_counter()
 
     def count(self, skipped: torch.Tensor) -> None:
@@ -119,8 +121,8 @@ class StepChecks:
         one read: the host sync."""
         seconds_per_step = (time.perf_counter() - self.last_time) / max(1, step - self.last_step)
         votes = torch.stack([self.skipped, self.streak, self.worst,
-                             torch.tensor(float(stop.requested), device=self.device),
-                             torch.tensor(seconds_per_step, device=self.device)])
+                             torch.full((), float(stop.requested), device=self.device),
+                             torch.full((), seconds_per_step, device=self.device)])
         skipped, streak, worst, signum, slowest = all_reduce_max(votes).tolist()
         seen = Seen(step - self.last_step, int(skipped), int(streak), int(worst))
         stop.agreed = int(signum)

@@ -21,7 +21,6 @@ import time
 from collections import defaultdict
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from itertools import chain
 from pathlib import Path
 
 import torch
@@ -240,24 +239,24 @@ def update_ema(ema: torch.optim.swa_utils.AveragedModel, model: torch.nn.Module,
     `_foreach_add_.List` (their CUDA kernels read a 0-dim tensor on the device: ATen's
     native/cuda/ForeachBinaryOpScalarTensor.cu). `_foreach_lerp_` has no tensor-weight overload in torch 2.14
     (.List, .Scalar, .ScalarList only), so a tensor weight was read with `.item()` in C++: a host sync a step.
-    w = 1 gives the model's weights exactly (x 0 + model), w = 0 the average's (+ model x 0: finite weights,
-    since a skipped step leaves them as they were)."""
+    w = 1 gives the model's parameters exactly (x 0 + model), w = 0 the average's (+ model x 0: a skipped step
+    leaves the parameters as they were). Buffers are few and move in the forward pass even when the step is
+    skipped (BatchNorm's statistics, inf after an fp16 overflow): each keeps the average by a `where`."""
     first = ema.n_averaged == 0  # on the device: trainer.make_model puts the count there
     weight = taken * torch.where(first, 1.0, 1.0 - decay)
-    floats, others = defaultdict(lambda: ([], [])), []
-    for averaged, current in zip(chain(ema.module.parameters(), ema.module.buffers()),
-                                 chain(model.parameters(), model.buffers())):
-        if averaged.is_floating_point():
-            floats[averaged.dtype][0].append(averaged)
-            floats[averaged.dtype][1].append(current.detach())
-        else:
-            others.append((averaged, current))
-    for dtype, (averaged, current) in floats.items():
+    params = defaultdict(lambda: ([], []))
+    for averaged, current in zip(ema.module.parameters(), model.parameters()):
+        params[averaged.dtype][0].append(averaged)
+        params[averaged.dtype][1].append(current.detach())
+    for dtype, (averaged, current) in params.items():
         w = weight.to(dtype)
         torch._foreach_mul_(averaged, 1.0 - w)
         torch._foreach_add_(averaged, torch._foreach_mul(current, w))
-    for averaged, current in others:  # BatchNorm's num_batches_tracked: as get_ema_multi_avg_fn does integers
-        moved = torch.where(first, current, averaged * decay + current * (1 - decay))
+    for averaged, current in zip(ema.module.buffers(), model.buffers()):
+        if averaged.is_floating_point():
+            moved = torch.where(first, current, averaged.lerp(current, 1.0 - decay))
+        else:  # BatchNorm's num_batches_tracked: as get_ema_multi_avg_fn does integers
+            moved = torch.where(first, current, averaged * decay + current * (1 - decay))
         averaged.copy_(torch.where(taken > 0, moved, averaged))
     ema.n_averaged += taken.long()
 
@@ -325,8 +324,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
         run.sample_log = SampleLog(Path(cfg.out), dist)
     where = f", batch {resumed_batches(run.midway, train_loader)} of {len(train_loader)}" if run.midway else ""
     log(f"global batch {global_batch} (lr {lr:.4g}), {steps_per_epoch} steps/epoch, "
-        f"{describe_amp(cfg, dtype, dist.device)}, "
-        f"starting at epoch {run.state.epoch}{where}" + (", synthetic data (one batch, repeated)" if cfg.synthetic else ""))
+        f"{describe_amp(cfg, dtype, dist.device)}, starting at epoch {run.state.epoch}{where}"
+        + (", synthetic data (one batch, repeated)" if cfg.synthetic else ""))
     return run
 
 
@@ -344,8 +343,8 @@ def log_start(cfg: TrainConfig, dist: Dist, data: Dataset, dtype: torch.dtype | 
     loaders = loader_record(options)
     log(f"dali-train config: {json.dumps(cfg.to_json())}")
     log(f"loaders (rank {dist.rank}): {json.dumps(loaders)}")
-    log(f"world size {dist.world_size}, device {dist.device}, {data.num_classes} classes, "
-        f"{data.num_samples(cfg.train_split)} train samples")
+    log(f"world size {dist.world_size}, device {dist.device}, {describe_amp(cfg, dtype, dist.device)}, "
+        f"{data.num_classes} classes, {data.num_samples(cfg.train_split)} train samples")
     log(f"--dali-threads {cfg.workers}: DALI threads per pipeline" if cfg.workers else budget.describe())
     mixed = {}
     if isinstance(cfg.data, list):  # the union's classes, in order, and what each dataset brings
