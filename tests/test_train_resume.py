@@ -65,8 +65,12 @@ RULES = [
                  "--model was 'resnet18', now 'resnet34'; --lr was 0.1, now 0.2", id="auto, two changes: both named"),
     pytest.param("auto", {"world_size": 2}, {"batch_size": 16}, 1, {"batch_size": 16},
                  id="auto, half the processes, same global batch: continued"),
-    pytest.param("auto", {"world_size": 2}, {}, 1, "--batch-size was 8 on 2 processes, now 8 on 1",
-                 id="auto, half the processes, same per-process batch: refused"),
+    pytest.param("auto", {"world_size": 2}, {}, 1,
+                 {"batch_size": 16, "log": "resuming on 1 processes (trained on 2): --batch-size 8 -> 16 per process "
+                                          "keeps the global batch 16"},
+                 id="auto, half the processes, the same command: continued at the saved global batch"),
+    pytest.param("auto", {"world_size": 2}, {"batch_size": 4}, 1, "--batch-size was 8 on 2 processes, now 4 on 1",
+                 id="auto, half the processes, another batch: refused"),
     pytest.param("auto", {}, {"batch_size": 16}, 1, "(--batch-size was 8, now 16)", id="auto, another batch: refused"),
     pytest.param("RUN", {}, {}, 1, {"epochs": 2, "batch_size": 8}, id="--resume RUN: its config"),
     pytest.param("RUN", {}, {"epochs": 5, "profile": 3}, 1, {"epochs": 5, "profile": 3},
@@ -120,6 +124,21 @@ def test_resolve_run(tmp_path, capsys, resume, saved, typed, world_size, decided
     assert {name: getattr(cfg, name) for name in values} == values
     if "log" in decided:
         assert decided["log"] in capsys.readouterr().out
+
+
+def test_a_run_folder_moved_elsewhere_continues_under_its_new_out(tmp_path, capsys):
+    """The folder holding last.pt is the run, wherever it was saved: the same command with the new --out
+    continues it there, as --resume NEW does."""
+    data, run, moved = tmp_path / "data", tmp_path / "run", tmp_path / "elsewhere" / "run"
+    data.mkdir()
+    save_run(run, data)
+    moved.parent.mkdir()
+    run.rename(moved)
+    asked, names, _ = command("auto", data, moved, {})
+    cfg, saved = resolve_run(asked, names, None, 1)
+    assert saved is not None and cfg.out == str(moved) and "holds this run: continuing it" in capsys.readouterr().out
+    cfg, saved = resolve_run(*command("RUN", data, moved, {})[:2], moved, 1)
+    assert saved is not None and cfg.out == str(moved)
 
 
 def test_a_resumed_command_validates_only_the_config_it_runs(tmp_path):

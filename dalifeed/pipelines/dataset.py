@@ -140,6 +140,14 @@ class Dataset:
     def described(self) -> str:
         return " + ".join(s.location for s in self.sources)
 
+    def contents(self, splits: list[str]) -> list[dict]:
+        """What each source holds of `splits`, as a checkpoint records it: its location and, per split, every
+        shard's path and sha256 (its manifest's): a resume compares them with what the folder holds then."""
+        return [{"location": s.location,
+                 "splits": {split: [[shard.path, shard.sha256] for shard in s.manifest.split_info(split).shards]
+                            for split in splits if split in s.manifest.splits}}
+                for s in self.sources]
+
 
 def open_dataset(data: str | os.PathLike | list, *, task: str = "classify", splits: tuple[str, ...] = (),
                  weights: list[float] | None = None, check: str = "size",

@@ -84,7 +84,7 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
 @click.option("--resume", default="auto", show_default=True, metavar="RUN|auto",
               help="RUN: continue the run in this folder from its last.pt with its saved config (options given "
                    "must agree with it, except --epochs, --dali-threads, --profile, --compile, --checkpoint-every, "
-                   "--check-shards, --progress-every, --tensorboard-every). auto: continue --out's run if it has "
+                   "--check-shards, --progress-every, --tensorboard-every, --allow-data-change). auto: continue --out's run if it has "
                    "one and the options are the same.")
 @click.option("--task", type=click.Choice(["classify", "multilabel"]), default=d("task"), show_default=True,
               help="classify: one class per image (cross-entropy; top-1/top-5). multilabel: COCO shards, predict "
@@ -194,6 +194,11 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
 @click.option("--tensorboard-every", type=int, default=d("tensorboard_every"), show_default=True, metavar="STEPS",
               help="Per-step TensorBoard scalars (step/train_loss, step/lr, step/images_per_s, "
                    "step/data_wait_share) every STEPS optimizer steps, in RUN/tensorboard/steps (0: none).")
+@click.option("--allow-data-change", is_flag=True,
+              help="Resume at an epoch's end although the shards differ from those the checkpoint trained on "
+                   "(re-converted, re-indexed, shards added): recorded in metrics.jsonl as data_changed. Without "
+                   "it such a resume is refused; a mid-epoch checkpoint on changed shards is always refused, since "
+                   "it names positions in the tars it read.")
 @click.option("--log-samples", is_flag=True,
               help="Write RUN/samples/rank<R>-of-<W>.jsonl: for every batch this rank trains on, the epoch, the "
                    "batch's index in it and its samples (SHARD:POSITION in the shard's index). To check what a "

@@ -110,6 +110,7 @@ class TrainConfig:
     progress_every: float = 30.0  # seconds between progress lines when stdout is not a terminal (0: none)
     tensorboard_every: int = 50  # optimizer steps between per-step TensorBoard scalars (0: none)
     log_samples: bool = False  # RUN/samples/: which samples each rank trained on, batch by batch
+    allow_data_change: bool = False  # resume at an epoch's end on shards other than the checkpoint's
     data_weights: list[float] | None = None  # with several --data: their shares of every batch (default equal)
     recipe: str | None = None  # a RECIPES preset; the values it set are the fields themselves
     auto_augment: str | None = None  # None | imagenet | ra | ta_wide (torchvision's names; in the DALI graph)

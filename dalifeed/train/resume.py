@@ -14,7 +14,7 @@ from .distributed import log
 
 # Options that may differ from the checkpoint's config when resuming: they do not change the maths.
 RESUMABLE_OVERRIDES = {"epochs", "workers", "profile", "compile", "checkpoint_every", "check_shards", "progress_every",
-                       "tensorboard_every", "cache_dir", "cache_limit", "log_samples"}
+                       "tensorboard_every", "cache_dir", "cache_limit", "log_samples", "allow_data_change"}
 
 
 def resolve_run(asked: TrainConfig, typed: Collection[str] = (), resume: Path | None = None,
@@ -26,9 +26,10 @@ def resolve_run(asked: TrainConfig, typed: Collection[str] = (), resume: Path | 
     - `resume` RUN (--resume RUN): RUN/last.pt's run, with RUN as its --out. An option typed may repeat the
       saved value; one of RESUMABLE_OVERRIDES replaces it; any other value is refused.
     - `resume` None (--resume auto): --data and --out are needed. --out without last.pt: a fresh run of
-      `asked`. With one: that run, if every option but RESUMABLE_OVERRIDES (which replace the saved ones) is
-      the same, the batch counted as the global batch (per-process batch x processes); refused otherwise,
-      naming each option that differs.
+      `asked`. With one: that run (in --out, wherever it was saved), if every option but RESUMABLE_OVERRIDES
+      (which replace the saved ones) is the same, and the batch the same per process (the command run again,
+      on any number of processes) or the same global batch; refused otherwise, naming each option that
+      differs.
     - Either way, on another number of processes than the checkpoint's: the saved global batch, and so the
       learning rate and schedule, is kept by changing the per-process batch (refused when the processes
       cannot share it evenly); a mid-epoch checkpoint continues its epoch with the samples not yet trained
@@ -72,11 +73,14 @@ def saved_config_if_same_options(saved: dict, asked: TrainConfig, world_size: in
     # the defaults that depend on other options, as they were filled when saved; only the config that runs is
     # validated, once, by trainer.main (an option that differs from the saved run is refused here either way)
     asked.fill_defaults()
+    # --out is where last.pt was found: a run folder moved elsewhere is that run
     changes = [f"--{f.name.replace('_', '-')} was {getattr(cfg, f.name)!r}, now {getattr(asked, f.name)!r}"
-               for f in fields(TrainConfig) if f.name not in RESUMABLE_OVERRIDES | {"batch_size"}
+               for f in fields(TrainConfig) if f.name not in RESUMABLE_OVERRIDES | {"batch_size", "out"}
                and getattr(cfg, f.name) != getattr(asked, f.name)]
     saved_world = saved.get("world_size", world_size)
-    if cfg.batch_size * saved_world != asked.batch_size * world_size:  # the global batch: see check_world_size
+    # the same command on another number of processes keeps the saved global batch (check_world_size)
+    same_batch = asked.batch_size == cfg.batch_size or asked.batch_size * world_size == cfg.batch_size * saved_world
+    if not same_batch:
         changes.append(f"--batch-size was {cfg.batch_size}, now {asked.batch_size}" if saved_world == world_size else
                        f"--batch-size was {cfg.batch_size} on {saved_world} processes, now {asked.batch_size} on "
                        f"{world_size}")
@@ -85,6 +89,7 @@ def saved_config_if_same_options(saved: dict, asked: TrainConfig, world_size: in
                           f"as it was with --resume {asked.out}, or choose another --out")
     for name in RESUMABLE_OVERRIDES:
         setattr(cfg, name, getattr(asked, name))
+    cfg.out = asked.out
     return cfg
 
 
@@ -113,3 +118,47 @@ def check_world_size(cfg: TrainConfig, saved: dict, world_size: int) -> None:
         f"learning rate and the schedule; the order of samples differs from an uninterrupted run"
         + ("; the rest of the epoch it stopped in is its samples not yet trained, shared by the processes"
            if midway is not None else ""))
+
+
+def data_changes(saved: list[dict], now: list[dict]) -> list[str]:
+    """How the shards a run holds now (`Dataset.contents`) differ from those its checkpoint recorded: one
+    phrase per split of each dataset that differs, naming it, the shard counts and the first shard that
+    differs."""
+    changes = []
+    for before, after in zip(saved, now):
+        for split, shards in before["splits"].items():
+            current = after["splits"].get(split, [])
+            if [list(s) for s in shards] == [list(s) for s in current]:
+                continue
+            then, present = dict(map(tuple, shards)), dict(map(tuple, current))
+            differ = [path for path in then if present.get(path) != then[path]]
+            added = [path for path in present if path not in then]
+            first = (f"{differ[0]} " + (f"sha256 {then[differ[0]][:12]}... now {present[differ[0]][:12]}..."
+                                        if differ[0] in present else "gone") if differ else f"{added[0]} added")
+            changes.append(f"split {split!r} of {after['location']}: {len(shards)} shards then, {len(current)} now, "
+                           f"{len(differ)} changed or gone, {len(added)} added (e.g. {first})")
+    return changes
+
+
+def check_same_data(cfg: TrainConfig, saved: dict, contents: list[dict]) -> str | None:
+    """Whether a checkpoint (`saved`) may continue on the shards --data holds now (`contents`): the same shards,
+    or, at an epoch's end with --allow-data-change, others (returns the change, for metrics.jsonl). A mid-epoch
+    checkpoint names positions in the tars it read, so it never continues on other ones. ConfigError in one
+    line otherwise; a checkpoint of an older dalifeed, which does not record its shards, gets a warning."""
+    if saved.get("data") is None:
+        log(f"warning: {cfg.out}/last.pt does not record the shards it trained on (an older dalifeed wrote it): "
+            f"resuming without checking that --data still holds them")
+        return None
+    changes = data_changes(saved["data"], contents)
+    if not changes:
+        return None
+    what = f"{cfg.out}/last.pt was trained on other shards than --data holds now ({changes[0]}" + \
+        (f"; and {len(changes) - 1} more)" if len(changes) > 1 else ")")
+    if saved.get("midway") is not None:
+        raise ConfigError(f"{what}: it was saved mid-epoch and names positions in the tars it read, so it cannot "
+                          f"continue on these; restore the shards it trained on, or start a new --out")
+    if not cfg.allow_data_change:
+        raise ConfigError(f"{what}: continue on them with --allow-data-change (recorded in metrics.jsonl), or "
+                          f"restore the shards it trained on")
+    log(f"warning: {what}: continuing on them (--allow-data-change)")
+    return "; ".join(changes)

@@ -74,6 +74,8 @@ class Run:
     sample_log: SampleLog | None = None  # --log-samples
     stop: Stop = field(default_factory=Stop)
     checks: StepChecks | None = None  # skipped steps tallied on the device, and when the host reads them
+    data: list | None = None  # the shards it trains on (`Dataset.contents`): what checkpoints record
+    data_changed: str | None = None  # how they differ from the resumed checkpoint's (--allow-data-change)
 
     def __post_init__(self):
         if self.train_model is None:
@@ -136,7 +138,7 @@ class Run:
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
             "ema": self.ema.state_dict() if self.ema is not None else None, "state": asdict(self.state),
             "rng": checkpoint.rng_state(), "config": self.cfg.to_json(), "classes": self.classes,
-            "metrics": metrics, "world_size": self.dist.world_size,
+            "metrics": metrics, "world_size": self.dist.world_size, "data": self.data,
         }
 
     def save(self, path: Path, payload: dict) -> None:

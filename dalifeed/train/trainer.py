@@ -43,6 +43,7 @@ from .data import (describe_lanes, describe_plan, loader_device, loader_options,
 from .evaluate import autocast, validation_record
 from .mixup import BatchMixer, soft_cross_entropy
 from .progress import EpochProgress
+from .resume import check_same_data
 from .run import EpochStats, Run, RunLog, SampleLog, TrainState
 from .stop import TrainingStopped, agree_to_skip
 
@@ -105,6 +106,8 @@ def fit(run: Run) -> TrainResult:
                       "bad_steps": stats.bad_steps}
             record.update(validation_record(run))
             record.update(gpu_stats(run.dist.device))
+            if run.data_changed is not None:  # the first epoch on shards other than the checkpoint's
+                record["data_changed"], run.data_changed = run.data_changed, None
             state.epoch = epoch + 1
             run.finish_epoch(record)
             if stop.agreed or stop.requested and not run.dist.enabled:
@@ -285,8 +288,12 @@ def check(run: Run, stats: EpochStats) -> None:
 def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     """Data, model, optimiser, schedule and precision for `cfg` on this process; restored from `resume`."""
     data = open_data(cfg, dist)  # --data opened once: kind, splits and batch checked
-    if resume is not None and resume["classes"] != data.classes:
-        raise ConfigError(f"{cfg.out}: checkpoint was trained on other classes than {cfg.data} holds")
+    contents = data.contents([cfg.train_split] + ([cfg.val_split] if cfg.val_split is not None else []))
+    data_changed = None
+    if resume is not None:
+        if resume["classes"] != data.classes:
+            raise ConfigError(f"{cfg.out}: checkpoint was trained on other classes than {cfg.data} holds")
+        data_changed = check_same_data(cfg, resume, contents)
     dtype = amp_dtype(cfg, dist.device)
     budget = thread_budget(loader_device(cfg, dist))
     options = loader_options(cfg, dist, threads=cfg.workers or budget.threads)
@@ -311,7 +318,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     scaler = torch.amp.GradScaler(dist.device.type, enabled=dtype == torch.float16)
 
     run = Run(cfg, dist, model, optimizer, scheduler, scaler, train_loader, val_loader=val_loader, dtype=dtype,
-              ema=ema, classes=data.classes, profiler=make_profiler(cfg, dist))
+              ema=ema, classes=data.classes, profiler=make_profiler(cfg, dist), data=contents,
+              data_changed=data_changed)
     if resume is not None:
         restore(run, resume)
     if dist.enabled:
