@@ -22,12 +22,29 @@ def dali_missing(error: ImportError) -> str:
             f"python -c \"import nvidia.dali\" shows why")
 
 
-def _run(target: str) -> None:
+def dali_import_error() -> ImportError | None:
+    """Why DALI does not import here, or None when it does."""
     try:
         import nvidia.dali  # noqa: F401  (the command imports it anyway)
     except ImportError as e:
-        click.echo(f"Error: {dali_missing(e)}", err=True)
-        sys.exit(2)
+        return e
+    return None
+
+
+def exit_without_dali(error: ImportError) -> None:
+    """The one line (exit 2) every entry point gives where DALI does not import."""
+    click.echo(f"Error: {dali_missing(error)}", err=True)
+    sys.exit(2)
+
+
+def is_dali_missing(error: ImportError) -> bool:
+    """Whether an ImportError is DALI's (nvidia.dali, or a module of it) rather than another package's."""
+    return (error.name or "").split(".")[:2] == ["nvidia", "dali"] or "nvidia.dali" in str(error)
+
+
+def _run(target: str) -> None:
+    if (error := dali_import_error()) is not None:
+        exit_without_dali(error)
     module, name = target.split(":")
     getattr(importlib.import_module(module), name)()
 

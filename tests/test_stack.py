@@ -225,6 +225,36 @@ def test_the_dali_commands_start_or_say_in_one_line_that_dali_does_not_import(sc
                         run.stderr), run.stderr
 
 
+DALI_HIDDEN = "import sys; sys.modules['nvidia.dali'] = None; "  # what a missing DALI looks like to an import
+DALI_LINE = (r"Error: NVIDIA DALI \(nvidia-dali-cuda1[23]0\) is installed but does not import \(import of "
+             r"nvidia\.dali halted; None in sys\.modules\): python -c \"import nvidia\.dali\" shows why\n")
+
+
+@pytest.mark.parametrize("module, args", [
+    ("dalifeed.train.cli", ["--data", "{shards}", "--out", "{tmp}/run", "--epochs", "1"]),  # torchrun -m's form
+    ("dalifeed.convert.cli", ["verify", "--decode", "{shards}"]),
+])
+def test_every_entry_point_names_the_missing_dali_install_in_one_line(make_shards, tmp_path, module, args):
+    shards = make_shards({"a": 5, "b": 4}, samples_per_shard=4)[1]
+    args = [a.format(shards=shards, tmp=tmp_path) for a in args]
+    start = DALI_HIDDEN + f"import runpy; sys.argv = ['x', *{args!r}]; runpy.run_module({module!r}, run_name='__main__')"
+    run = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
+    assert re.fullmatch(DALI_LINE, run.stderr), run.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_python_apis_first_dali_use_names_the_install():
+    start = DALI_HIDDEN + "from dalifeed.pipelines import make_loader"
+    run = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        "ImportError: dalifeed.pipelines.make_loader needs NVIDIA DALI: NVIDIA DALI (nvidia-dali-cuda1"), run.stderr
+    start = DALI_HIDDEN + "from dalifeed.convert.verify import dali_decoder; dali_decoder()"  # verify_shards' decoder
+    run = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, timeout=120)
+    assert "ImportError: NVIDIA DALI (nvidia-dali-cuda1" in run.stderr, run.stderr
+
+
 # -- this machine, for real ----------------------------------------------------------------------------------
 
 def test_this_machine_has_no_nvidia_driver_and_auto_runs_on_the_cpu():

@@ -11,6 +11,7 @@ import click
 
 from ..cliutil import LOCATION, default, run_command, size_option
 from ..atomic import temp_name, write_json_atomic
+from ..entry import dali_import_error, exit_without_dali
 from ..format import ManifestError, ShardManifest
 from ..runtime import DiskFull, FolderInUse
 from ..s3 import StorageError, is_s3_url
@@ -379,6 +380,8 @@ def verify_cmd(out: Path, decode: bool, as_json: bool):
     (every tar is downloaded once, into memory)."""
     if not is_s3_url(out) and not out.is_dir():
         raise click.UsageError(f"{out}: no such shard folder")
+    if decode and (error := dali_import_error()) is not None:
+        exit_without_dali(error)
 
     def open_folder():  # once; a store that cannot be reached fails here
         try:

@@ -31,4 +31,15 @@ _WHERE = {
 __all__ = list(_WHERE)
 
 
-__getattr__, __dir__ = lazy_names(__name__, _WHERE)
+_lent, __dir__ = lazy_names(__name__, _WHERE)
+
+
+def __getattr__(name: str):
+    try:
+        return _lent(name)
+    except ImportError as e:  # the API's first use of DALI where it does not import: the install, named
+        from dalifeed.entry import dali_missing, is_dali_missing
+
+        if not is_dali_missing(e):
+            raise
+        raise ImportError(f"dalifeed.pipelines.{name} needs NVIDIA DALI: {dali_missing(e)}") from e

@@ -9,15 +9,23 @@ import click
 from click.core import ParameterSource
 
 from dalifeed.cliutil import default, run_command
-from dalifeed.pipelines.augment import POLICIES
-from dalifeed.pipelines.checks import ShardDataError
-from dalifeed.pipelines.dataset import MixError
-from dalifeed.pipelines.graphs import DEVICES
 from dalifeed.runtime import DiskFull, FolderInUse
 from dalifeed.s3 import StorageError
 from dalifeed.stack import StackMismatch
 
-from .config import NO_SPLIT, RECIPE_GAPS, RECIPES, ConfigError, TrainConfig
+try:
+    from dalifeed.pipelines.augment import POLICIES
+    from dalifeed.pipelines.checks import ShardDataError
+    from dalifeed.pipelines.dataset import MixError
+    from dalifeed.pipelines.graphs import DEVICES
+
+    from .config import NO_SPLIT, RECIPE_GAPS, RECIPES, ConfigError, TrainConfig
+except ImportError as e:  # `python -m` (torchrun -m) runs this module without the console script's check
+    from dalifeed.entry import exit_without_dali, is_dali_missing
+
+    if __name__ != "__main__" or not is_dali_missing(e):
+        raise
+    exit_without_dali(e)
 
 if TYPE_CHECKING:
     from .distributed import Launch
