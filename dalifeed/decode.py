@@ -5,7 +5,8 @@ verify decodes with the decoder training uses without `convert/` importing `pipe
 - `decoder_device`, `decoder_hints` (with `decoder_memory`): the device string and the arguments of every
   `mixed` decoder (`pipelines/graphs.py` and `pipelines/detection.py` build their decoders with them);
 - `DaliDecoder`: DALI's own decoder run over encoded images handed in from Python, bisecting a failing batch
-  down to the samples it rejects, each with `summarize_dali_error`'s one line;
+  down to the samples it rejects, each with `summarize_dali_error`'s one line, and on request a batch that made
+  libjpeg warn (damaged data it decodes anyway) down to the samples that did;
 - `dali_sees_gpu`: whether DALI can use a GPU here.
 
 Importing this module does not import DALI (the base install has none: docs/gpu.md, "The CUDA stack");
@@ -14,7 +15,11 @@ Importing this module does not import DALI (the base install has none: docs/gpu.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
+import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,22 +164,61 @@ class DaliDecoder:
         self._pipe.feed_input("encoded", [np.frombuffer(item, np.uint8) for item in items])
         self._pipe.run()
 
-    def failures(self, items: list[bytes]) -> list[tuple[int, str]]:
-        """(index into `items`, DALI's reason) for every item DALI cannot decode, in index order."""
+    def failures(self, items: list[bytes], warnings: list[tuple[int, str]] | None = None) -> list[tuple[int, str]]:
+        """(index into `items`, DALI's reason) for every item DALI cannot decode, in index order. With a
+        `warnings` list, what the decoder writes to stderr meanwhile (libjpeg's "Corrupt JPEG data: ..." for
+        damaged data it decodes anyway) is caught instead and added to it as (index, its first line)."""
         found = [(i, "empty member") for i, item in enumerate(items) if not item]  # never handed to DALI
         positions = [i for i, item in enumerate(items) if item]
         for start in range(0, len(positions), self.batch_size):
             chunk = positions[start:start + self.batch_size]
-            found += [(chunk[j], why) for j, why in self._bisect([items[i] for i in chunk])]
+            failed, warned = self._bisect([items[i] for i in chunk], catch=warnings is not None)
+            found += [(chunk[j], why) for j, why in failed]
+            if warnings is not None:
+                warnings += [(chunk[j], said) for j, said in warned]
+        if warnings is not None:
+            warnings.sort()
         return sorted(found)
 
-    def _bisect(self, items: list[bytes]) -> list[tuple[int, str]]:
+    def _bisect(self, items: list[bytes], catch: bool) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+        """(failures, warnings) of `items`, by index into them: a batch that fails or warns is halved until the
+        samples that do are found."""
         try:
-            self._decode(items)
-            return []
+            with stderr_caught(catch) as caught:
+                self._decode(items)
+            said = "".join(caught).strip()
+            if not said:
+                return [], []
+            if len(items) == 1:
+                return [], [(0, said.splitlines()[0])]
         except RuntimeError as e:
             self._pipe = None  # a pipeline that raised is rebuilt, not trusted
             if len(items) == 1:
-                return [(0, summarize_dali_error(e))]
+                return [(0, summarize_dali_error(e))], []
         mid = len(items) // 2
-        return self._bisect(items[:mid]) + [(mid + i, why) for i, why in self._bisect(items[mid:])]
+        (failed_a, warned_a), (failed_b, warned_b) = self._bisect(items[:mid], catch), self._bisect(items[mid:], catch)
+        return (failed_a + [(mid + i, why) for i, why in failed_b],
+                warned_a + [(mid + i, said) for i, said in warned_b])
+
+
+@contextmanager
+def stderr_caught(catch: bool = True):
+    """Catch what is written to file descriptor 2 in the block (by C code too: libjpeg's warnings from DALI's
+    threads) instead of letting it reach the terminal without a sample's name: the list it yields holds the
+    text once the block has ended. Without `catch`, nothing is caught."""
+    caught: list[str] = []
+    if not catch:
+        yield caught
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as file:
+        os.dup2(file.fileno(), 2)
+        try:
+            yield caught
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            file.seek(0)
+            caught.append(file.read().decode("utf-8", "replace"))

@@ -459,6 +459,54 @@ def test_verify_decode_finds_a_kept_image_dali_cannot_decode(tmp_path):
     assert len(problems) == 1 and "sample 009: DALI cannot decode its image" in problems[0]
 
 
+def damaged_photo(seed: int) -> bytes:
+    """A 300 x 200 photo (scikit-learn's) with 2,000 random bytes written into its entropy-coded data: seed 0
+    gives one PIL refuses ("broken data stream") and DALI's libjpeg decodes with a warning; seed 1 one both
+    decode, libjpeg warning."""
+    from dalifeed.sample_data import sklearn_sample_images
+    from helpers import jpeg_bytes
+
+    good = jpeg_bytes(next(iter(sklearn_sample_images().values()))[:200, :300], quality=90)
+    start = good.index(b"\xff\xda") + 400
+    damaged = bytearray(good)
+    damaged[start:start + 2000] = np.random.default_rng(seed).integers(0, 256, 2000, dtype=np.uint8).tobytes()
+    return bytes(damaged)
+
+
+def test_verify_decode_names_a_jpeg_pil_cannot_decode_and_one_libjpeg_warns_of(tmp_path):
+    """Indexed without --decode, a JPEG with garbage in its scan is kept: DALI decodes it (into garbage),
+    PIL does not; `verify --decode` decodes with both, names each such sample (exit 1), and libjpeg's own
+    warnings, which DALI's threads write to stderr, are caught and named by sample instead of reaching the
+    terminal bare."""
+    from dalifeed.convert.images import ImageError, decode_check
+
+    root = tmp_path / "damaged"
+    root.mkdir()
+    with pytest.raises(ImageError, match="broken data stream"):
+        decode_check(damaged_photo(0))
+    decode_check(damaged_photo(1))
+    with tarfile.open(root / "train-000000.tar", "w") as tar:
+        for i in range(4):
+            add_member(tar, f"{i:03d}.jpg", solid(i % 2))
+            add_member(tar, f"{i:03d}.cls", str(i % 2).encode())
+        for key, seed in (("pil", 0), ("warn", 1)):
+            add_member(tar, f"{key}.jpg", damaged_photo(seed))
+            add_member(tar, f"{key}.cls", b"1")
+    assert index_folder(IndexConfig(root)).num_samples("train") == 6
+    result = subprocess.run([str(VENV_BIN / "shard-convert"), "verify", "--decode", str(root)], capture_output=True,
+                            text=True, timeout=300, env=ENV)
+    assert result.returncode == 1, result.stdout + result.stderr
+    tar = root / "train-000000.tar"
+    assert result.stdout.splitlines() == [
+        f"{tar}: sample pil: PIL cannot decode its image (corrupt or truncated image: broken data stream when reading "
+        f"image file) and DALI's libjpeg warns 'Corrupt JPEG data: premature end of data segment'; DALI decodes it, "
+        f"so training would read what it makes of it: leave it out with: shard-convert index --decode {root}",
+        f"{tar}: sample warn: DALI's libjpeg warns 'Corrupt JPEG data: premature end of data segment': its image data "
+        f"are damaged, and training would read what libjpeg makes of them",
+        "verify: 1 shards, 6 samples: 2 problem(s)"]
+    assert "Corrupt JPEG" not in result.stderr
+
+
 def test_index_decode_leaves_a_truncated_jpeg_out_and_training_finishes_the_epoch(tmp_path):
     """A JPEG cut in half passes the header rule: without --decode the loader stops at it and names the command
     that repairs the index; `index --decode` leaves it out with its reason (the tar untouched), and then

@@ -736,8 +736,8 @@ def write_index(folder: TarFolder, tar: ScannedTar, text: str) -> ShardInfo:
 def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decoder=None) -> list[str]:
     """Problems of an indexed folder, one line each: every tar's size and sha256 against the manifest (a tar
     changed since it was indexed), and every index against the one `index` writes now with the manifest's
-    options (each tar is read once). With `decoder` (a DaliDecoder), every kept image is also decoded by
-    DALI, as training would."""
+    options (each tar is read once). With `decoder` (a DaliDecoder), every kept image is also decoded by PIL
+    (as `index --decode` judges) and by DALI, as training would (`decode_problems`)."""
     opts = manifest.options
     folder = TarFolder(manifest.url or manifest.tar_root or manifest.root)  # the tars
     indexes = TarFolder(manifest.url or manifest.root)  # the indexes and the manifest
@@ -750,7 +750,7 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
     again = f"index it again: {manifest.index_command()}"
     problems: list[str] = []
     for info in manifest.splits.values():
-        undecodable: dict[tuple[str, str], str] = {}  # (tar, key) -> DALI's reason
+        undecodable: dict[tuple[str, str], str] = {}  # (tar, key) -> what the decoders say of its image
         try:
             tars = []
             for shard in info.shards:
@@ -760,7 +760,7 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
                     if sample.reason is None:
                         sample.reason = undecoded.get(f"{tar.name}:{sample.key}")
                 if decoder is not None:  # one tar's images at a time
-                    undecodable.update(decode_failures(tar, decoder))
+                    undecodable.update(decode_problems(tar, decoder, cfg.max_pixels, manifest.index_command(decode=True)))
                 tars.append(tar)
             mark_keys_across_tars(tars)
         except IndexDataError as e:
@@ -784,17 +784,33 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
             for sample in tar.samples:
                 why = undecodable.get((tar.name, sample.key))
                 if sample.reason is None and why is not None:
-                    problems.append(f"{where}: sample {sample.key}: DALI cannot decode its image ({why}): a "
-                                    f"training run would stop here")
+                    problems.append(f"{where}: sample {sample.key}: {why}")
             on_shard()
     return problems
 
 
-def decode_failures(tar: ScannedTar, decoder) -> dict[tuple[str, str], str]:
-    """DALI's reason for each image of the tar's samples judged usable that it cannot decode; the images are
-    dropped from memory afterwards."""
+def decode_problems(tar: ScannedTar, decoder, max_pixels: int, reindex: str) -> dict[tuple[str, str], str]:
+    """What is wrong with the image of each of the tar's samples judged usable, by (tar, key): DALI cannot
+    decode it (a training run would stop there), PIL cannot (`index --decode` leaves such a sample out; DALI may
+    decode it anyway, and training would read garbage), or DALI decodes it with libjpeg's warning of damaged
+    data. The images are dropped from memory afterwards."""
     kept = [x for x in tar.samples if x.reason is None]
-    found = {(tar.name, kept[i].key): why for i, why in decoder.failures([x.data[image_member(x).ext] for x in kept])}
+    images = [x.data[image_member(x).ext] for x in kept]
+    warned: list[tuple[int, str]] = []
+    dali = dict(decoder.failures(images, warnings=warned))
+    libjpeg = dict(warned)
+    found = {}
+    for i, sample in enumerate(kept):
+        pil = decode_problem(images[i], max_pixels)
+        if i in dali:
+            found[(tar.name, sample.key)] = f"DALI cannot decode its image ({dali[i]}): a training run would stop here"
+        elif pil is not None:
+            said = f" and DALI's libjpeg warns '{libjpeg[i]}'" if i in libjpeg else ""
+            found[(tar.name, sample.key)] = (f"PIL cannot decode its image ({pil}){said}; DALI decodes it, so "
+                                             f"training would read what it makes of it: leave it out with: {reindex}")
+        elif i in libjpeg:
+            found[(tar.name, sample.key)] = (f"DALI's libjpeg warns '{libjpeg[i]}': its image data are damaged, and "
+                                             f"training would read what libjpeg makes of them")
     for sample in tar.samples:
         sample.data = {}
     return found

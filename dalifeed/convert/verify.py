@@ -137,9 +137,13 @@ def verify_shard(root: Path, shard: ShardInfo, num_classes: int, decoder=None,
             problems += check_image(where, members[IMAGE_MEMBER], decoder is not None, max_pixels)
     if decoder is not None:
         keys = [key for key, members in samples.items() if IMAGE_MEMBER in members]
-        for i, why in decoder.failures([samples[key][IMAGE_MEMBER] for key in keys]):
+        warned: list[tuple[int, str]] = []
+        for i, why in decoder.failures([samples[key][IMAGE_MEMBER] for key in keys], warnings=warned):
             problems.append(f"{tar_path}: sample {keys[i]}{source_of(samples[keys[i]])}: DALI cannot decode "
                             f"its .jpg ({why}): a training run would stop here")
+        for i, said in warned:
+            problems.append(f"{tar_path}: sample {keys[i]}{source_of(samples[keys[i]])}: DALI's libjpeg warns "
+                            f"'{said}': its .jpg data are damaged, and training would read what it makes of them")
     return problems
 
 
