@@ -138,6 +138,24 @@ def is_disk_full(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in DISK_FULL
 
 
+def hit_file_size_limit(error: BaseException | None) -> bool:
+    """Whether a failed write (or what it was raised from) hit a file-size limit (EFBIG: `ulimit -f`,
+    RLIMIT_FSIZE, or a file system's largest file) rather than a full disk."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, OSError) and error.errno == errno.EFBIG:
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def write_remedy(error: BaseException) -> str:
+    """What lets a refused write through: space freed, or the file-size limit it hit raised."""
+    if hit_file_size_limit(error):
+        return "raise the file-size limit it hit (ulimit -f; the disk is not full)"
+    return "free space"
+
+
 def free_bytes(folder: str | os.PathLike) -> int | None:
     try:
         return os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize

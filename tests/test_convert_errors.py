@@ -45,6 +45,7 @@ def messy_folder(tmp_path: Path) -> Path:
     (src / "a" / "truncated.jpg").write_bytes(good[: len(good) // 2])
     (src / "a" / "noise.jpg").write_bytes(rng.integers(0, 256, 3000, dtype=np.uint8).tobytes())
     (src / "a" / "notes.txt").write_text("not an image")
+    (src / "a" / "empty.jpg").write_bytes(b"")  # a download that never arrived
     (src / "b" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
     (src / "b" / "png_named.jpg").write_bytes(png_bytes(Image.fromarray(random_image(rng, (20, 20)))))
     (src / "b" / "jpeg_named.png").write_bytes(good)
@@ -63,9 +64,11 @@ def test_every_file_is_converted_or_skipped_with_reason(messy_folder, tmp_path):
     all_files = [p for p in messy_folder.rglob("*") if p.is_file()]
     skipped = {s["path"]: s["reason"] for s in manifest.skipped}
     assert manifest.found == len(all_files) == manifest.num_samples("train") + len(skipped)
-    assert set(skipped) == {"a/truncated.jpg", "a/noise.jpg", "a/notes.txt", "b/.DS_Store", "stray.jpg"}
+    assert set(skipped) == {"a/truncated.jpg", "a/noise.jpg", "a/notes.txt", "a/empty.jpg", "b/.DS_Store",
+                            "stray.jpg"}
     assert "truncated" in skipped["a/truncated.jpg"]
     assert skipped["a/notes.txt"].startswith("not an image")
+    assert skipped["a/empty.jpg"] == "empty file (0 bytes)"
     assert skipped["stray.jpg"] == "outside any class folder"
 
     metas = {}
@@ -106,7 +109,8 @@ def test_max_side_shrinks_large_images(tmp_path):
 def test_on_error_fail_stops_naming_the_file(messy_folder, tmp_path):
     result = run_cli("imagefolder", messy_folder, tmp_path / "out", "--on-error", "fail", "--workers", "1")
     assert result.exit_code == 1
-    assert re.search(r"^Error: a/(truncated\.jpg|noise\.jpg|notes\.txt): ", result.output, re.M), result.output
+    assert re.search(r"^Error: (a/(truncated\.jpg|noise\.jpg|notes\.txt|empty\.jpg)|b/\.DS_Store): ", result.output,
+                     re.M), result.output
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -297,6 +301,8 @@ def test_a_full_disk_is_one_line_and_the_conversion_resumes(tmp_path):
     assert len(errors) == 1 and "Traceback" not in full.stderr
     assert f"{out}/train-000000.tar: File too large" in errors[0]
     assert "need about" in errors[0] and "run the same command again to resume" in errors[0]
+    # the write hit a file-size limit (ulimit -f), not a full disk: said so, not "free space"
+    assert "raise the file-size limit it hit (ulimit -f; the disk is not full), then run" in errors[0], errors[0]
     assert not list(out.glob(".*.tmp*"))  # nothing half-written is left behind
     rerun = shard_convert(*command)
     assert rerun.returncode == 0, rerun.stderr

@@ -28,7 +28,7 @@ from typing import Callable
 
 from ..atomic import write_json_atomic
 from ..format import FORMAT_VERSION, MANIFEST_NAME, ShardManifest, SplitInfo
-from ..runtime import LOCK_NAME, DiskFull, FolderInUse, folder_lock, free_bytes, mib
+from ..runtime import LOCK_NAME, DiskFull, FolderInUse, folder_lock, free_bytes, mib, write_remedy
 from ..s3 import is_s3_url
 from . import remote
 from .jobs import (MergeError, Part, add_up, add_up_records, job_positions, job_record_path, shard_prefix,
@@ -131,8 +131,8 @@ def convert(plan: Plan, opts: ShardOptions, command: str) -> ShardManifest:
             except DiskFull as e:
                 written = sum(p.stat().st_size for p in opts.folder.glob("*.tar"))
                 raise DiskFull(f"{e} ({mib(free_bytes(opts.folder))} free; the images not converted yet need about "
-                               f"{mib(max(0, plan.source_bytes - written))} more): free space, then run the same "
-                               f"command again to resume") from e
+                               f"{mib(max(0, plan.source_bytes - written))} more): {write_remedy(e)}, then run the "
+                               f"same command again to resume") from e
     summary = summarize(manifest, time.perf_counter() - started, status if not opts.jobs or status == "done" else "job")
     manifest.summary = summary
     if opts.remote:

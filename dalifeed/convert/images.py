@@ -196,6 +196,8 @@ def pixel_limit(max_pixels: int):
 def decode_check(data: bytes, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
     """Fully decode `data` (a header peek would miss truncation and corrupt scans) and return the image.
     Raises ImageError saying what the file is when it cannot be decoded."""
+    if not data:
+        raise ImageError("empty file (0 bytes)")
     try:
         with pixel_limit(max_pixels):
             img = Image.open(io.BytesIO(data))

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from dalifeed.atomic import write_atomic
-from dalifeed.runtime import DiskFull, free_bytes, is_disk_full, mib
+from dalifeed.runtime import DiskFull, free_bytes, is_disk_full, mib, write_remedy
 
 from . import checkpoint
 from .config import TrainConfig
@@ -146,7 +146,7 @@ class Run:
             checkpoint.save(path, payload)
         except DiskFull as e:
             raise DiskFull(f"{e} (a checkpoint of this run takes about {mib(checkpoint.size_of(payload))}, "
-                           f"{mib(free_bytes(path.parent))} free): free space, then "
+                           f"{mib(free_bytes(path.parent))} free): {write_remedy(e)}, then "
                            f"{self.where('its previous checkpoint')}") from e
 
     def where(self, saved: str) -> str:
@@ -216,7 +216,8 @@ class RunLog:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
             if is_disk_full(e):
-                raise DiskFull(f"{self.metrics}: {e.strerror}; free space, then dali-train --resume {self.out}") from e
+                raise DiskFull(f"{self.metrics}: {e.strerror}; {write_remedy(e)}, then dali-train --resume "
+                               f"{self.out}") from e
             raise
         if self.tb:
             for key, value in record.items():
