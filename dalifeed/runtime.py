@@ -187,6 +187,30 @@ def usable_cores(*, affinity: int | None = None, cgroup_root: Path = CGROUP_ROOT
     return max(1, min(limits))
 
 
+def usable_memory(*, physical: int | None = None, cgroup_root: Path = CGROUP_ROOT,
+                  proc_cgroup: Path = PROC_CGROUP) -> int:
+    """Bytes of memory this process may use: the machine's physical memory, or less where its cgroup's limit
+    says so (`docker run --memory`, Kubernetes memory limits, Slurm's --mem under ConstrainRAMSpace): cgroup v2
+    `memory.max`, v1 `memory/memory.limit_in_bytes`, the smallest along its path to the root."""
+    if physical is None:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    v2_path, v1_path = _own_cgroups(proc_cgroup, "memory")
+    limits = [physical]
+    for folder in _up_to(cgroup_root, v2_path):
+        limits.append(_memory_limit(folder / "memory.max"))
+    for folder in _up_to(cgroup_root / "memory", v1_path):
+        limits.append(_memory_limit(folder / "memory.limit_in_bytes"))
+    return min(limit for limit in limits if limit is not None)
+
+
+def _memory_limit(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
 def cgroup_cpu_quota(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> float | None:
     """CPUs' worth of time per period this process's cgroup may use (quota / period), the smallest along its
     path to the root as the kernel enforces it; None when there is no quota. cgroup v2 (`cpu.max`: "max
@@ -202,9 +226,9 @@ def cgroup_cpu_quota(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_C
     return min(found) if found else None
 
 
-def _own_cgroups(proc_cgroup: Path) -> tuple[str, str]:
+def _own_cgroups(proc_cgroup: Path, controller: str = "cpu") -> tuple[str, str]:
     """This process's cgroup paths ("/" inside a container's own namespace): the v2 one ("0::<path>") and
-    the v1 one of the cpu controller ("<n>:cpu,cpuacct:<path>")."""
+    the v1 one of `controller` ("<n>:cpu,cpuacct:<path>")."""
     v2 = v1 = "/"
     try:
         lines = proc_cgroup.read_text().splitlines()
@@ -214,7 +238,7 @@ def _own_cgroups(proc_cgroup: Path) -> tuple[str, str]:
         _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if controllers == "":
             v2 = path or "/"
-        elif "cpu" in controllers.split(","):
+        elif controller in controllers.split(","):
             v1 = path or "/"
     return v2, v1
 

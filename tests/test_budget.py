@@ -50,6 +50,19 @@ def test_usable_cores_is_the_smallest_of_affinity_and_cgroup_quota(tmp_path, fil
     assert usable_cores(affinity=8, environ={}, **cgroup(tmp_path, files, own)) == cores
 
 
+@pytest.mark.parametrize("files, own, limit", [
+    ({}, "0::/", 64 * 2**30),  # no cgroup files: the machine's memory
+    ({"memory.max": "max"}, "0::/", 64 * 2**30),
+    ({"memory.max": "max", "pod/memory.max": str(8 * 2**30), "pod/c/memory.max": "max"}, "0::/pod/c", 8 * 2**30),
+    ({"memory/memory.limit_in_bytes": str(4 * 2**30)}, "5:memory:/", 4 * 2**30),  # v1
+    ({"memory/slurm/memory.limit_in_bytes": str(2 * 2**30)}, "0::/\n5:memory:/slurm", 2 * 2**30),
+])
+def test_usable_memory_is_the_smallest_of_the_machines_and_the_cgroup_limits(tmp_path, files, own, limit):
+    from dalifeed.runtime import usable_memory
+
+    assert usable_memory(physical=64 * 2**30, **cgroup(tmp_path, files, own)) == limit
+
+
 def test_slurm_cpus_per_task_limits_the_cores_and_nonsense_is_ignored(tmp_path):
     paths = cgroup(tmp_path, {"cpu.max": "300000 100000"})
     assert usable_cores(affinity=64, environ={"SLURM_CPUS_PER_TASK": "8"}, **paths) == 3  # the quota is smaller

@@ -290,3 +290,22 @@ def test_recipe_fast_resnet50_is_ffcvs_88_epoch_config():
     assert recipe["val_image_size"] == 256 and recipe["val_resize"] == int(256 / (224 / 256))  # 292
     assert recipe["lr"] == pytest.approx(1.7 * 256 / (512 * 8))
     assert (recipe["label_smoothing"], recipe["weight_decay"], recipe["warmup_epochs"]) == (0.1, 1e-4, 2.0)
+
+
+def test_a_schedule_beyond_the_run_is_warned_about_at_start(shards, tmp_path):
+    """A recipe's or a typed schedule that --epochs cuts short (fast-resnet50's 160->192 ramp at epochs 65-76 in
+    a 2-epoch run), and a warm-up as long as the run, are said in one line each at start, not scaled."""
+    assert ProgressiveResize.parse("160:192:65:76").beyond(88) is None
+    assert ProgressiveResize.parse("160:192:65:76").beyond(2) == (
+        "its ramp to 192 px (epochs 65-76) ends after the run's last epoch 1: the run trains up to 160 px only")
+    assert ProgressiveResize.parse("16:48", epochs=2).beyond(2) is None  # START:END ramps over the run it is given
+    result = CliRunner().invoke(train_cli, fast_cli_args(shards, epochs=2, width=8) + [
+        "--out", str(tmp_path / "run"), "--progressive-resize", "16:48:1:9", "--warmup-epochs", "2",
+        "--val-split", "none"])
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: --warmup-epochs 2 lasts the whole run (--epochs 2): the learning rate rises to its peak and never "
+        "decays",
+        "warning: --progressive-resize 16:48:1:9: its ramp to 48 px (epochs 1-9) ends after the run's last epoch 1: "
+        "the run trains up to 16 px only (--epochs 2); the schedule is not scaled to the run"], result.output

@@ -183,6 +183,23 @@ def test_a_model_that_cannot_take_the_image_size_is_refused_before_the_run_folde
     assert result.exit_code == 2 and not run.exists(), result.output
 
 
+@pytest.mark.parametrize("option, label", [
+    (["--image-size", "100000"], "--image-size 100000"),
+    (["--val-image-size", "100000"], "--val-image-size 100000"),
+    (["--val-resize", "100000"], "--val-resize 100000"),
+    (["--progressive-resize", "100000:100000"], "--progressive-resize 100000:100000:0:1 (size 100000)"),
+])
+def test_a_size_no_memory_can_hold_is_refused_before_any_data_is_read(shards, tmp_path, option, label):
+    """A batch of 8 images of 100,000 px a side is at least 240 GB of pixels: a usage error naming the option,
+    not DALI's bad_alloc blamed on the shards after they were read."""
+    run = tmp_path / "run"
+    args = ["--data", str(shards), "--out", str(run), *fast_args(epochs=2, width=8), *option]
+    result = CliRunner().invoke(train_cli, args)
+    assert result.exit_code == 2 and not run.exists(), result.output
+    assert one_error_line(result).startswith(f"Error: {label}: a batch of 8 images of 100000 x 100000 px takes at "
+                                             f"least 223.5 GiB (8 x 100000² x 3 bytes), more than the "), result.output
+
+
 @pytest.mark.parametrize("model, size, refused", [
     ("vit_b_16", 64, 63), ("vit_b_32", 96, 80), ("maxvit_t", 448, 64), ("googlenet", 32, 14), ("inception_v3", 75, 74),
     ("alexnet", 63, 62), ("resnet18", 8, None)])

@@ -77,6 +77,16 @@ class ProgressiveResize:
             by_size.setdefault(self.size(epoch), []).append(epoch)
         return by_size
 
+    def beyond(self, epochs: int) -> str | None:
+        """What of the schedule a run of `epochs` epochs never reaches, in words (None: it all fits): a ramp
+        that ends after the run's last epoch (or starts there) stops short of END."""
+        last = epochs - 1
+        if self.start == self.end or self.to_epoch <= last:
+            return None
+        reached = self.size(last)
+        return (f"its ramp to {self.end} px (epochs {self.from_epoch}-{self.to_epoch}) ends after the run's last epoch "
+                f"{last}: the run trains up to {reached} px" + (" only" if reached == self.start else ""))
+
     def describe(self, epochs: int) -> str:
         """'epochs 0-64: 160 px, 65-87: 192 px' for a run of `epochs` epochs."""
         spans = []

@@ -221,6 +221,7 @@ class TrainConfig:
                                   f"({count} given) and at least two --data")
             if any(not w > 0 for w in self.data_weights):
                 raise ConfigError(f"--data-weights must be positive, got {self.data_weights}")
+        self.check_batch_memory()
         if self.pretrained and not Path(self.pretrained).is_file():
             raise ConfigError(f"--pretrained {self.pretrained}: no such file")
         problem = output_folder_problem("--out", self.out)
@@ -228,6 +229,26 @@ class TrainConfig:
             raise ConfigError(problem)
         self.check_model()
         self._validated = self.to_json()  # not a field: neither saved nor compared
+
+    def check_batch_memory(self) -> None:
+        """Every size a batch is decoded, resized or trained at fits in memory at least as 8-bit pixels
+        (batch x size² x 3 bytes, the least a batch of them takes) within what this process may use:
+        refused up front rather than as DALI's bad_alloc blamed on the data."""
+        from dalifeed.runtime import usable_memory
+
+        schedule = self.resize_schedule()
+        sizes = {size: f"--progressive-resize {schedule} (size {size})" for size in schedule.sizes(self.epochs)} \
+            if schedule is not None else {self.image_size: f"--image-size {self.image_size}"}
+        sizes.setdefault(self.val_size, f"--val-image-size {self.val_size}")
+        if self.val_resize is not None:
+            sizes.setdefault(self.val_resize, f"--val-resize {self.val_resize}")
+        largest = max(sizes)
+        need, have = self.batch_size * largest**2 * 3, usable_memory()
+        if need > have:
+            raise ConfigError(f"{sizes[largest]}: a batch of {self.batch_size} images of {largest} x "
+                              f"{largest} px takes at least {need / 2**30:,.1f} GiB ({self.batch_size} x {largest}² "
+                              f"x 3 bytes), more than the {have / 2**30:,.1f} GiB of memory this process may use: "
+                              f"use a smaller size or --batch-size")
 
     def check_model(self) -> None:
         """The model exists and takes --image-size (and --width) in batches of --batch-size, and, built for

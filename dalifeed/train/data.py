@@ -73,6 +73,9 @@ def make_loaders(cfg: TrainConfig, dataset: Dataset, options: tuple[LoaderOption
     schedule = cfg.resize_schedule()
     if schedule is not None:
         log(f"--progressive-resize {schedule}: {schedule.describe(cfg.epochs)}; validation at {cfg.val_size} px")
+        if (short := schedule.beyond(cfg.epochs)) is not None:
+            log(f"warning: --progressive-resize {schedule}: {short} (--epochs {cfg.epochs}); the schedule is not "
+                f"scaled to the run")
     train = build_loader(dataset, train_options, cfg.train_augment(),
                          image_size=schedule.size if schedule is not None else None)
     val = build_loader(dataset, val_options, cfg.val_augment()) if val_options is not None else None

@@ -367,6 +367,9 @@ def log_start(cfg: TrainConfig, dist: Dist, data: Dataset, dtype: torch.dtype | 
         write_json_atomic(Path(cfg.out) / "config.json", {**cfg.to_json(), **mixed, "loaders": loaders})
     if cfg.val_split is None:
         log("--val-split none: no evaluation; best.pt keeps the epoch of lowest train loss")
+    if cfg.warmup_epochs >= cfg.epochs:
+        log(f"warning: --warmup-epochs {cfg.warmup_epochs:g} lasts the whole run (--epochs {cfg.epochs}): the learning "
+            f"rate rises to its peak and never decays")
     if dtype == torch.float16 and dist.device.type == "cpu":
         log("warning: --amp fp16 on the CPU runs about 10x slower than fp32 (PyTorch has few fp16 CPU kernels); "
             "use --amp off, or bf16 on a CPU with AVX-512 BF16 or AMX")
