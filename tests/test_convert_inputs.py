@@ -390,6 +390,9 @@ CASES = [
     (["imagefolder", "src", "out", "--max-pixels", "-1"], 2, "--max-pixels must be >= 1, got -1"),
     (["imagefolder", "src", "out", "--jpeg-quality", "101"], 2, "--jpeg-quality must be in 1..100, got 101"),
     (["imagefolder", "src", "out", "--val-fraction", "-0.1"], 2, "--val-fraction must be in [0, 1), got -0.1"),
+    (["imagefolder", "src", "out", "--val-fraction", "0.1"], 2,  # 3 and 2 images a class: none held out
+     "--val-fraction 0.1 holds out no image: round(n x 0.1) is 0 for every class (the largest has 3): raise it above "
+     "0.17, or drop it for no val split"),
     (["imagefolder", "src", "out", "--top-level", "maybe"], 2, "'maybe' is not one of 'auto', 'splits', 'classes'"),
     (["imagefolder", "src", "out", "--staging", "stage"], 2, "--staging applies only to an s3://bucket/prefix OUT"),
     (["coco", "out", "--images", "coco/images"], 2, "Missing option '--annotations'"),

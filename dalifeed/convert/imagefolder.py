@@ -323,6 +323,11 @@ def stratified_split(items: list[Item], val_fraction: float, seed: int) -> dict[
         n_val = round(len(members) * val_fraction)
         val += members[:n_val]
         train += members[n_val:]
+    if not val:  # an empty val split, written without a word, would only be refused later by dali-train
+        largest = max(len(members) for members in by_class.values())
+        raise UsageError(f"--val-fraction {val_fraction:g} holds out no image: round(n x {val_fraction:g}) is 0 for "
+                         f"every class (the largest has {largest}): raise it above {0.5 / largest:.2g}, or "
+                         f"drop it for no val split")
     return {"train": train, "val": val}
 
 
