@@ -620,3 +620,43 @@ def test_split_names_from_file_names():
              "Test-000000.tar": "test"}
     assert {name: split_of(name, None) for name in names} == names
     assert split_of("shard-000001.tar", "holdout") == "holdout"
+
+
+def test_index_explains_a_tar_in_directory_order_a_class_name_in_cls_and_an_lfs_pointer(tmp_path):
+    """The first-hour cases: `tar cf DIR` stores a folder's files in directory order, so a key's .jpg and .cls
+    are apart and webdataset sees each key twice; a .cls holding a class name; a Git LFS pointer where the
+    tar should be. Each is named for what it is, with the way out."""
+    apart = tmp_path / "apart"
+    apart.mkdir()
+    with tarfile.open(apart / "train-000000.tar", "w") as tar:
+        for i in range(3):
+            add_member(tar, f"{i:03d}.jpg", solid(i % 2))
+        for i in range(3):
+            add_member(tar, f"{i:03d}.cls", str(i % 2).encode())
+    with pytest.raises(IndexDataError) as refused:
+        index_folder(IndexConfig(apart))
+    assert str(refused.value).startswith(f"{apart}: no sample can be trained on: 6 found, all left out (6 members "
+                                         f"not adjacent).")
+    assert ("train-000000.tar:000: members not adjacent: 000's files (000.jpg, 000.cls) are apart in "
+            "train-000000.tar, which webdataset reads as 2 samples: the tar was written in directory order (a plain "
+            "`tar cf DIR`); write it again with the files of each key together: tar --sort=name -cf TAR -C DIR ."
+            ) in str(refused.value)
+
+    named = tmp_path / "named"
+    named.mkdir()
+    with tarfile.open(named / "train-000000.tar", "w") as tar:
+        for i in range(3):
+            add_member(tar, f"{i:03d}.jpg", solid(i % 2))
+            add_member(tar, f"{i:03d}.cls", b"dog" if i == 1 else b"0")
+    manifest = index_folder(IndexConfig(named))
+    assert manifest.skipped == [{"path": "train-000000.tar:001", "reason": (
+        "label unreadable: .cls is 'dog', not a decimal integer (webdataset's convention): a class name? .cls holds "
+        "a class index; names go in a member such as .txt, indexed with --label-member txt")}]
+
+    lfs = tmp_path / "lfs"
+    lfs.mkdir()
+    (lfs / "train-000000.tar").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 +
+                                          "\nsize 123456789\n")
+    with pytest.raises(IndexDataError, match=r"train-000000\.tar: unreadable tar \(a Git LFS pointer, not the tar: "
+                                             r"fetch the file itself \(git lfs pull\)\)"):
+        index_folder(IndexConfig(lfs))

@@ -345,7 +345,10 @@ def read_label(sample: Sample, cfg: IndexConfig) -> tuple[int | str | None, str 
     if ext == "cls":
         digits = text.rstrip()
         if not CLS_DIGITS.fullmatch(digits):
-            return None, f"label unreadable: .cls is {text[:40]!r}, not a decimal integer (webdataset's convention)"
+            named = (": a class name? .cls holds a class index; names go in a member such as .txt, indexed with "
+                     "--label-member txt") if digits and not digits.lstrip("-").isdigit() else ""
+            return None, (f"label unreadable: .cls is {text[:40]!r}, not a decimal integer (webdataset's "
+                          f"convention){named}")
         sample.label_size = len(digits.encode())
         return int(digits), None
     name = text.strip()
@@ -448,12 +451,30 @@ def mark_keys_across_tars(tars: list[ScannedTar]) -> None:
         names = [tars[t].name for t, _ in places]
         (t0, i0), (t1, i1) = places[0], places[-1]
         split_across = len(places) == 2 and t1 == t0 + 1 and i1 == 0 and i0 == len(tars[t0].samples) - 1
+        samples = [tars[t].samples[i] for t, i in places]
         for t, i in places:
             if split_across:
                 reason = f"key split across tars: its members are in {names[0]} and {names[1]}"
+            elif members_apart(samples) and len(set(names)) == 1:
+                reason = (f"members not adjacent: {key}'s files ({', '.join(m.name for s in samples for m in s.members)}"
+                          f") are apart in {names[0]}, which webdataset reads as {len(places)} samples: the tar was "
+                          f"written in directory order (a plain `tar cf DIR`); write it again with the files of each "
+                          f"key together: tar --sort=name -cf TAR -C DIR .")
             else:
                 reason = f"duplicate key: {len(places)} samples named {key} (in {', '.join(sorted(set(names)))})"
             tars[t].samples[i].reason = reason
+
+
+def members_apart(samples: list[Sample]) -> bool:
+    """Whether the samples of one key hold different members (a .jpg here, its .cls there): one sample's files
+    apart in the tar, not the same sample twice."""
+    seen: set[str] = set()
+    for sample in samples:
+        exts = {m.ext for m in sample.members}
+        if exts & seen:
+            return False
+        seen |= exts
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -557,7 +578,8 @@ class IndexSummary:
                 f"again: {first_few(list(self.compressed.values()), '; ')}")
 
 
-EXPLAINED = ("dotted key",)  # reasons whose count alone does not say what happened: the summary shows one whole
+# reasons whose count alone does not say what happened: the summary shows one whole
+EXPLAINED = ("dotted key", "members not adjacent", "label unreadable")
 
 
 def explained(skipped: list[dict]) -> list[str]:

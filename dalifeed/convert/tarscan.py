@@ -161,7 +161,7 @@ class TarScan:
                 if self._end == self._start and at:  # ends at a header: the end, as tarfile and GNU tar take it
                     break
                 if at == 0:
-                    raise TarDamaged("an empty file" if self._end == 0 else "shorter than one tar header")
+                    raise TarDamaged(too_short(bytes(self._buf[self._start:self._end])))
                 raise TarDamaged(f"the header at {place(at, last)} is cut short: the file ends at byte {self.size}")
             block = bytes(self._buf[self._start:self._start + BLOCK])
             self._start += BLOCK
@@ -202,6 +202,19 @@ class TarScan:
             if not self._skip(padded(size)):
                 raise TarDamaged(cut_short(member, self.size))
         self.drain()
+
+
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def too_short(head: bytes) -> str:
+    """What a file shorter than one tar header is: empty, a Git LFS pointer left where the tar should be (a
+    clone without `git lfs pull`), or a cut-short file."""
+    if not head:
+        return "an empty file"
+    if head.startswith(LFS_POINTER):
+        return "a Git LFS pointer, not the tar: fetch the file itself (git lfs pull)"
+    return "shorter than one tar header"
 
 
 def place(at: int, last: str) -> str:
