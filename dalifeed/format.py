@@ -12,7 +12,7 @@ import json
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 from .atomic import write_json_atomic
@@ -226,6 +226,18 @@ class ShardManifest:
         write_json_atomic(path, self.to_json())
         return path
 
+    def refuse_links_outside(self) -> None:
+        """A local folder's tars and indexes, followed through symlinks, stay inside its tar root (and its
+        indexes inside its own folder): ManifestError naming the first that leaves."""
+        tars, indexes = (self.tar_root or self.root).resolve(), self.root.resolve()
+        for info in self.splits.values():
+            for shard in info.shards:
+                for name, base in ((shard.path, tars), (shard.index, indexes)):
+                    target = (base / name).resolve()
+                    if not target.is_relative_to(base):
+                        raise ManifestError(f"{self.root / MANIFEST_NAME}: {name} is a link to {target}, outside "
+                                            f"{base}: a manifest reads only files inside its folder")
+
     @classmethod
     def load(cls, root: str | os.PathLike) -> "ShardManifest":
         root = Path(root)
@@ -238,12 +250,17 @@ class ShardManifest:
             doc = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ManifestError(f"{path}: unreadable manifest ({e})") from None
-        return cls.from_json(root, doc)
+        manifest = cls.from_json(root, doc)
+        manifest.refuse_links_outside()
+        return manifest
 
     @classmethod
-    def from_json(cls, root: str | os.PathLike, doc: dict) -> "ShardManifest":
+    def from_json(cls, root: str | os.PathLike, doc: dict, where: str | None = None) -> "ShardManifest":
+        """The manifest `doc` of the folder `root` (`where`: how messages name it, e.g. its s3:// URL). Every
+        shard and index path it names is refused, in one line, unless it is relative and without `..`: a
+        folder someone else made decides which files dalifeed reads, and only those inside it."""
         root = Path(root)
-        path = root / MANIFEST_NAME
+        path = where or root / MANIFEST_NAME
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise ManifestError(f"{path}: not a {FORMAT_NAME} manifest (format={doc.get('format')!r})")
         if doc.get("version") == 1:
@@ -260,7 +277,7 @@ class ShardManifest:
                                 info.get("listing"))
                 for name, info in doc["splits"].items()
             }
-            return cls(
+            manifest = cls(
                 root=root,
                 kind=doc["kind"],
                 source=doc["source"],
@@ -276,9 +293,25 @@ class ShardManifest:
             )
         except (KeyError, TypeError) as e:
             raise ManifestError(f"{path}: malformed manifest ({e!r})") from None
+        for info in manifest.splits.values():
+            for shard in info.shards:
+                for name in (shard.path, shard.index):
+                    if not inside_folder(name):
+                        raise ManifestError(f"{path}: shard path {name!r} leaves the shard folder (paths must be "
+                                            f"relative, without '..'): a manifest reads only files inside its folder")
+        return manifest
 
 
 _SHARD_FIELDS = {f.name for f in fields(ShardInfo)}
+
+
+def inside_folder(name: object) -> bool:
+    """Whether a path a manifest names stays inside the folder it is relative to: a non-empty relative path
+    without `..` (symlinks are `ShardManifest.refuse_links_outside`'s)."""
+    if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
+        return False
+    parts = PurePosixPath(name).parts
+    return not PurePosixPath(name).is_absolute() and ".." not in parts
 
 
 def meta_problems(doc, schema: dict) -> list[str]:

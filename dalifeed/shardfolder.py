@@ -65,7 +65,7 @@ def _fetch_manifest(url: str) -> ShardManifest:
     if not (view / MANIFEST_NAME).is_file():
         view.mkdir(parents=True, exist_ok=True)
         write_atomic(view / MANIFEST_NAME, data)
-    manifest = ShardManifest.from_json(view, doc)
+    manifest = ShardManifest.from_json(view, doc, where=where)
     manifest.url = url
     return manifest
 

@@ -390,6 +390,8 @@ def verify_cmd(out: Path, decode: bool, as_json: bool):
             return out  # verify_shards reports it as the folder's one problem
 
     folder = run_command(open_folder, debug=False, runtime_errors=(StorageError, OSError))
+    if isinstance(folder, ShardManifest) and folder.tar_root is not None and not as_json:
+        click.echo(f"{out}: its manifest reads the tars from {folder.tar_root} (indexed with --index-dir)")
     total = sum(len(s.shards) for s in folder.splits.values()) if isinstance(folder, ShardManifest) else None
     show = sys.stderr.isatty() and not as_json
     from tqdm import tqdm  # here, as in core

@@ -354,6 +354,10 @@ def log_start(cfg: TrainConfig, dist: Dist, data: Dataset, dtype: torch.dtype | 
     log(f"world size {dist.world_size}, device {dist.device}, {describe_amp(cfg, dtype, dist.device)}, "
         f"{data.num_classes} classes, {data.num_samples(cfg.train_split)} train samples")
     log(f"--dali-threads {cfg.workers}: DALI threads per pipeline" if cfg.workers else budget.describe())
+    for source in data.sources:
+        if source.manifest.tar_root is not None:
+            log(f"--data {source.location}: its manifest reads the tars from {source.manifest.tar_root} (a folder "
+                f"indexed with shard-convert index --index-dir)")
     mixed = {}
     if isinstance(cfg.data, list):  # the union's classes, in order, and what each dataset brings
         plan = mix_plan(cfg, data, dist.world_size)
