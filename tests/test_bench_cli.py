@@ -130,3 +130,35 @@ def test_bench_races_at_each_size_given(bench_data, tmp_path):
     assert summary["images_per_s"]["24"]["dali-cpu"] > 0
     bad = run_bench("--shards", str(shards), "--image-size", "16,x", "--out", str(tmp_path / "bad"))
     assert bad.returncode == 2 and "'16,x': one size in pixels, or several separated by commas" in bad.stderr
+
+
+def test_help_shows_the_options_without_importing_torch_or_dali():
+    """`dali-bench --help` took 3 s when its option checks imported the loaders: the names they check are in
+    bench/names.py and pipelines/names.py, the loaders imported where a race starts."""
+    probe = ("import sys; from click.testing import CliRunner; from dalifeed.bench.cli import main; "
+             "result = CliRunner().invoke(main, ['--help']); "
+             "print(result.exit_code, '--auto-augment' in result.output, 'ta_wide' in result.output, "
+             "sorted(m for m in ('torch', 'nvidia.dali', 'dalifeed.bench.run') if m in sys.modules))")
+    out = subprocess.run([PY, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["0", "True", "True", "[]"]
+
+
+def test_a_race_leaves_nothing_in_tmpdir(bench_data, tmp_path):
+    """The race's temporary files (DataLoader workers' pymp-*, torch's inductor cache, the peers' chunks and
+    locks) go to a folder of its own, removed at the end: $TMPDIR is as it was."""
+    import os
+
+    import shutil
+    import tempfile
+
+    src, shards = bench_data
+    tmp = Path(tempfile.mkdtemp(prefix="tmpdir"))  # short, as a TMPDIR is: the workers' sockets go below it
+    result = subprocess.run([PY, "-m", "dalifeed.bench.cli", "--imagefolder", str(src), "--shards", str(shards),
+                             "--batch-size", "4", "--image-size", "32", "--loaders", "baseline,webdataset,dali-cpu",
+                             "--seconds", "0.2", "--repeats", "1", "--model", "resnet18", "--model-steps", "2",
+                             "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "TMPDIR": str(tmp)})
+    left = sorted(p.name for p in tmp.iterdir())
+    shutil.rmtree(tmp)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert left == []

@@ -6,7 +6,11 @@ loaders, `report.py` renders and writes what they measured."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import tempfile
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,15 +18,15 @@ import click
 
 from dalifeed.atomic import write_json_atomic
 from dalifeed.cliutil import LOCATION, default, folder_not_created, run_command
-from dalifeed.pipelines.augment import POLICIES
 from dalifeed.pipelines.checks import ShardDataError
-from dalifeed.pipelines.graphs import AugmentConfig
+from dalifeed.pipelines.names import POLICIES
 from dalifeed.s3 import StorageError
 from dalifeed.stack import StackMismatch
 
 from .config import BenchConfig, BenchUsageError
 from .report import render_table, write_report
-from .run import run_bench
+
+# run.py (the race) imports torch and DALI: imported where a race starts, so that --help shows at once
 
 
 def d(name: str):
@@ -144,6 +148,10 @@ def main(debug: bool, **options):
     races = [cfg] if len(sizes) == 1 else [replace(cfg, image_size=size, out=cfg.out / f"{size}px") for size in sizes]
 
     def bench() -> list[dict]:
+        from dalifeed.pipelines.graphs import AugmentConfig
+
+        from .run import run_bench
+
         dataset = cfg.validate()  # --shards opened once, for every loader and size
         for race in races[1:]:
             if race.model:  # the model must take every size
@@ -169,10 +177,11 @@ def main(debug: bool, **options):
             write_json_atomic(cfg.out / "sizes.json", sizes_summary(sizes, reports))
         return reports
 
-    reports = run_command(bench, debug=debug, usage_errors=(BenchUsageError, StackMismatch),
-                          runtime_errors=(ShardDataError, StorageError),
-                          log=lambda: cfg.out / "bench-error.log" if cfg.out.is_dir() else None,
-                          stopped=lambda e: "nothing was written")
+    with own_temp_folder():
+        reports = run_command(bench, debug=debug, usage_errors=(BenchUsageError, StackMismatch),
+                              runtime_errors=(ShardDataError, StorageError),
+                              log=lambda: cfg.out / "bench-error.log" if cfg.out.is_dir() else None,
+                              stopped=lambda e: "nothing was written")
     for race, report in zip(races, reports):
         if len(races) > 1:
             click.echo(f"\n{race.image_size} px:")
@@ -180,6 +189,24 @@ def main(debug: bool, **options):
         click.echo(f"\nwrote {race.out / 'bench.json'} and {race.out / 'bench.png'}", err=True)
     if len(races) > 1:
         click.echo(f"wrote {cfg.out / 'sizes.json'}", err=True)
+
+
+@contextmanager
+def own_temp_folder():
+    """The race's temporary files (the DataLoader workers' pymp-*, torch's inductor cache, the peers' chunks and
+    file locks) in a folder of its own, removed when the race ends however it ends; $TMPDIR as it was."""
+    folder = tempfile.mkdtemp(prefix="db")  # short: sockets in it (pymp-*/listener-*) must fit AF_UNIX's 107 bytes
+    saved_env, saved_default = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = folder, folder  # child processes inherit the variable
+    try:
+        yield Path(folder)
+    finally:
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
+        tempfile.tempdir = saved_default
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def sizes_summary(sizes: list[int], reports: list[dict]) -> dict:

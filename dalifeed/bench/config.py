@@ -5,17 +5,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dalifeed.cliutil import output_folder_problem
-from dalifeed.cliutil import parse_size
+from typing import TYPE_CHECKING
+
+from dalifeed.cliutil import output_folder_problem, parse_size
+from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 from dalifeed.format import ManifestError
-from dalifeed.pipelines.dataset import Dataset, DatasetError, open_dataset
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig
 from dalifeed.runtime import usable_cores
 
-from .detection import DETECTION_LOADERS, same_coco_data_problem
-from .loaders import IMAGEFOLDER_LOADERS, LOADERS, PEERS, skip_reason
-from .peers import missing_package
-from .same_data import same_data_problem
+from .names import DETECTION_LOADERS, IMAGEFOLDER_LOADERS, LOADERS, PEERS
+
+if TYPE_CHECKING:
+    from dalifeed.pipelines.dataset import Dataset
+    from dalifeed.pipelines.graphs import AugmentConfig
+
+# The modules behind the loaders import torch and DALI: they are imported by the checks that need them, so
+# that `dali-bench --help` shows its options without them.
 
 
 class BenchUsageError(Exception):
@@ -53,6 +57,8 @@ class BenchConfig:
 
     def augment(self) -> AugmentConfig | None:
         """The policy and erasing every loader applies (None: the plain RandomResizedCrop + flip)."""
+        from dalifeed.pipelines.graphs import AugmentConfig
+
         if not self.auto_augment and not self.random_erase:
             return None
         return AugmentConfig(image_size=self.image_size, auto_augment=self.auto_augment,
@@ -73,6 +79,8 @@ class BenchConfig:
         if unknown:
             raise BenchUsageError(f"--loaders: unknown {', '.join(unknown)} for --task {self.task} (choose from "
                                   f"{', '.join(known)})")
+        from .peers import missing_package
+
         missing = [missing_package(name) for name in self.loaders if name in PEERS and not self._skipped(name)]
         if any(missing):
             raise BenchUsageError(next(filter(None, missing)))
@@ -117,6 +125,9 @@ class BenchConfig:
                 raise BenchUsageError(f"--cache-limit: {e}") from None
         if self.task == "detection" and self.fp16:
             raise BenchUsageError("--fp16 applies to --task classify (the detection loaders hand out float32 lists)")
+        from .detection import same_coco_data_problem
+        from .same_data import same_data_problem
+
         dataset = self.open_shards()
         manifest = dataset.manifest
         if self.task == "detection":
@@ -133,6 +144,8 @@ class BenchConfig:
     def open_shards(self) -> Dataset:
         """--shards opened: the kind --task reads, --split present with samples, one --batch-size batch in it
         (every loader of the race drops partial batches: it would never yield one)."""
+        from dalifeed.pipelines.dataset import DatasetError, open_dataset
+
         try:
             dataset = open_dataset(self.shards, task=self.task, cache_dir=self.cache_dir, cache_limit=self.cache_limit)
         except ManifestError as e:
@@ -160,6 +173,8 @@ class BenchConfig:
 
     def _skipped(self, name: str) -> str | None:
         import torch
+
+        from .loaders import skip_reason
 
         return skip_reason(name, self.shards, "cuda" if torch.cuda.is_available() else "cpu")
 

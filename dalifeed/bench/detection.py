@@ -17,8 +17,7 @@ from dalifeed.pipelines.dataset import Dataset
 from dalifeed.convert.coco import SplitPlan, load_instances, plan_split, training_boxes
 
 from .loaders import DALI_DEVICES, dataloader_options, opened
-
-DETECTION_LOADERS = ("baseline", "dali-cpu", "dali-hybrid", "dali-gpu")
+from .names import DETECTION_LOADERS
 
 
 def coco_split(images: Path, annotations: Path, manifest: ShardManifest, split: str) -> SplitPlan:

@@ -25,11 +25,7 @@ from dalifeed.pipelines.dataset import Dataset, open_dataset
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, AugmentConfig
 from dalifeed.s3 import is_s3_url
 
-LOADERS = ("baseline", "webdataset", "dali-cpu", "dali-hybrid", "dali-gpu")
-GPU_LOADERS = ("dali-hybrid", "dali-gpu")  # skipped where there is no GPU
-DALI_DEVICES = {"dali-cpu": "cpu", "dali-hybrid": "hybrid", "dali-gpu": "gpu"}
-IMAGEFOLDER_LOADERS = ("baseline",)  # the loaders that read --imagefolder; the others read the shards
-PEERS = ("spdl", "streaming", "litdata")  # the loaders a team would pick instead: bench/peers (the `peers` extra)
+from .names import DALI_DEVICES, GPU_LOADERS, IMAGEFOLDER_LOADERS, LOADERS, PEERS
 
 
 def skip_reason(name: str, shards: Path | str, device_type: str) -> str | None:

@@ -34,9 +34,10 @@ from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 from nvidia.dali.pipeline import do_not_convert
 
+from .names import POLICIES
+
 # `cfg` is a graphs.AugmentConfig, named in annotations only: graphs imports this module.
 
-POLICIES = ("imagenet", "ra", "ta_wide")  # torchvision's reference names (--auto-augment)
 RANDOM_ERASE_SCALE = (0.02, 0.33)  # torchvision's RandomErasing defaults: the erased area as a fraction
 RANDOM_ERASE_RATIO = (0.3, 3.3)  # and its aspect ratio (h / w), drawn log-uniform
 RANDOM_ERASE_ATTEMPTS = 10  # torchvision's: an image whose 10 draws all fall outside it is left as it is

@@ -20,6 +20,7 @@ from dalifeed.decode import DEFAULT_HW_DECODER_LOAD, decoder_device, decoder_hin
 from dalifeed.format import CLASS_I64_MEMBER, COCO_LABELS_MEMBER, IMAGE_MEMBER
 
 from . import augment
+from .names import DEVICES
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -73,9 +74,6 @@ class AugmentConfig:
         if self.val_resize_size is not None:
             return self.val_resize_size
         return int(self.image_size / self.val_crop_fraction)
-
-
-DEVICES = ("cpu", "gpu", "hybrid")
 
 
 def uses_gpu(device: str) -> bool:
