@@ -186,11 +186,11 @@ class DaliDecoder:
         try:
             with stderr_caught(catch) as caught:
                 self._decode(items)
-            said = "".join(caught).strip()
+            said = libjpeg_warnings("".join(caught))
             if not said:
                 return [], []
             if len(items) == 1:
-                return [], [(0, said.splitlines()[0])]
+                return [], [(0, said[0])]
         except RuntimeError as e:
             self._pipe = None  # a pipeline that raised is rebuilt, not trusted
             if len(items) == 1:
@@ -199,6 +199,20 @@ class DaliDecoder:
         (failed_a, warned_a), (failed_b, warned_b) = self._bisect(items[:mid], catch), self._bisect(items[mid:], catch)
         return (failed_a + [(mid + i, why) for i, why in failed_b],
                 warned_a + [(mid + i, said) for i, said in warned_b])
+
+
+# libjpeg's warnings (jerror.h): "Corrupt JPEG data: ...", "Premature end of JPEG file", "Invalid SOS parameters
+# for sequential JPEG", "Unsupported marker type", ...
+LIBJPEG_WARNING = re.compile(r"\b(JPEG|JFIF|Huffman|marker|SOS|progression)\b", re.IGNORECASE)
+
+
+def libjpeg_warnings(text: str) -> list[str]:
+    """The lines of `text` that are libjpeg's warnings; the others go on to stderr, where they were going."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    other = [line for line in lines if not LIBJPEG_WARNING.search(line)]
+    if other:
+        print("\n".join(other), file=sys.stderr, flush=True)
+    return [line for line in lines if LIBJPEG_WARNING.search(line)]
 
 
 @contextmanager

@@ -38,8 +38,10 @@ def exit_without_dali(error: ImportError) -> None:
 
 
 def is_dali_missing(error: ImportError) -> bool:
-    """Whether an ImportError is DALI's (nvidia.dali, or a module of it) rather than another package's."""
-    return (error.name or "").split(".")[:2] == ["nvidia", "dali"] or "nvidia.dali" in str(error)
+    """Whether an ImportError is DALI's (nvidia.dali, a module of it, or no `nvidia` package at all, as with a
+    CPU-only torch) rather than another package's."""
+    name = error.name or ""
+    return name == "nvidia" or name.split(".")[:2] == ["nvidia", "dali"] or "nvidia.dali" in str(error)
 
 
 def _run(target: str) -> None:

@@ -133,7 +133,7 @@ def test_bench_races_at_each_size_given(bench_data, tmp_path):
 
 
 def test_help_shows_the_options_without_importing_torch_or_dali():
-    """`dali-bench --help` took 3 s when its option checks imported the loaders: the names they check are in
+    """`dali-bench --help` without the loaders' imports (torch, DALI): the names its checks need are in
     bench/names.py and pipelines/names.py, the loaders imported where a race starts."""
     probe = ("import sys; from click.testing import CliRunner; from dalifeed.bench.cli import main; "
              "result = CliRunner().invoke(main, ['--help']); "

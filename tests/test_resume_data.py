@@ -110,10 +110,12 @@ def test_an_epoch_end_checkpoint_continues_on_changed_shards_only_when_told(sour
     assert records[1]["data_changed"].startswith(f"split 'train' of {data}: 5 shards then, 5 now")
     # the next resume compares with the shards it now trained on, and the flag was for that one resume
     saved = torch.load(run / "last.pt", weights_only=False)
-    assert saved["config"]["allow_data_change"] is True
     assert saved["data"] == open_dataset(str(data)).contents(["train", "val"])
     again = CliRunner().invoke(train_cli, ["--resume", str(run), "--epochs", "3"])
     assert again.exit_code == 0 and "data_changed" not in metrics(run)[2], again.output
+    reconvert_in_place(source, data, seed=3)
+    refused = CliRunner().invoke(train_cli, ["--resume", str(run), "--epochs", "4"])
+    assert refused.exit_code == 2 and "--allow-data-change" in errors(refused.output)[0], refused.output
 
 
 def test_a_checkpoint_that_does_not_name_its_shards_resumes_with_a_warning(source, tmp_path):
@@ -135,6 +137,14 @@ def test_changes_are_found_in_each_mixed_dataset_and_split():
     a = {"location": "/data/a", "splits": {"train": [["t0.tar", "aa"], ["t1.tar", "bb"]], "val": [["v0.tar", "cc"]]}}
     b = {"location": "s3://bucket/b", "splits": {"train": [["t0.tar", "dd"]]}}
     assert data_changes([a, b], [a, b]) == []
+    reindexed = {"location": "/data/a", "splits": {"train": [["t0.tar", "aa", "i0"], ["t1.tar", "bb", "i9"]]}}
+    indexed = {"location": "/data/a", "splits": {"train": [["t0.tar", "aa", "i0"], ["t1.tar", "bb", "i1"]]}}
+    assert data_changes([indexed], [reindexed]) == [  # the same tars, indexed again: positions moved
+        "split 'train' of /data/a: 2 shards then, 2 now, 1 changed or gone, 0 added (e.g. t1.tar indexed again (its "
+        "index differs))"]
+    turned = {"location": "/data/a", "splits": {"train": list(reversed(indexed["splits"]["train"]))}}
+    assert data_changes([indexed], [turned]) == ["split 'train' of /data/a: 2 shards then, 2 now, the same shards in "
+                                                 "another order"]
     b_now = {"location": "s3://bucket/b", "splits": {"train": [["t0.tar", "ee"], ["t1.tar", "ff"]]}}
     a_now = {**a, "splits": {**a["splits"], "val": []}}
     assert data_changes([a, b], [a_now, b_now]) == [

@@ -230,17 +230,31 @@ DALI_LINE = (r"Error: NVIDIA DALI \(nvidia-dali-cuda1[23]0\) is installed but do
              r"nvidia\.dali halted; None in sys\.modules\): python -c \"import nvidia\.dali\" shows why\n")
 
 
+# no `nvidia` package at all (a CPU-only torch brings none): every nvidia.* import fails at `nvidia` itself
+NVIDIA_HIDDEN = ("import sys\nclass Gone:\n    def find_spec(self, name, path=None, target=None):\n"
+                 "        if name.split('.')[0] == 'nvidia':\n"
+                 "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+                 "sys.meta_path.insert(0, Gone())\n")
+
+
+@pytest.mark.parametrize("hidden", ["nvidia.dali", "nvidia"])
 @pytest.mark.parametrize("module, args", [
     ("dalifeed.train.cli", ["--data", "{shards}", "--out", "{tmp}/run", "--epochs", "1"]),  # torchrun -m's form
     ("dalifeed.convert.cli", ["verify", "--decode", "{shards}"]),
 ])
-def test_every_entry_point_names_the_missing_dali_install_in_one_line(make_shards, tmp_path, module, args):
+def test_every_entry_point_names_the_missing_dali_install_in_one_line(make_shards, tmp_path, module, args, hidden):
     shards = make_shards({"a": 5, "b": 4}, samples_per_shard=4)[1]
     args = [a.format(shards=shards, tmp=tmp_path) for a in args]
-    start = DALI_HIDDEN + f"import runpy; sys.argv = ['x', *{args!r}]; runpy.run_module({module!r}, run_name='__main__')"
+    start = (DALI_HIDDEN if hidden == "nvidia.dali" else NVIDIA_HIDDEN) + \
+        f"import runpy; sys.argv = ['x', *{args!r}]; runpy.run_module({module!r}, run_name='__main__')"
     run = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
-    assert re.fullmatch(DALI_LINE, run.stderr), run.stderr
+    if hidden == "nvidia.dali":
+        assert re.fullmatch(DALI_LINE, run.stderr), run.stderr
+    else:
+        assert re.fullmatch(r"Error: NVIDIA DALI \(nvidia-dali-cuda1[23]0\) is installed but does not import \(No "
+                            r"module named 'nvidia'\): python -c \"import nvidia\.dali\" shows why\n", run.stderr), \
+            run.stderr
     assert not (tmp_path / "run").exists()
 
 

@@ -189,15 +189,19 @@ def test_a_model_that_cannot_take_the_image_size_is_refused_before_the_run_folde
     (["--val-resize", "100000"], "--val-resize 100000"),
     (["--progressive-resize", "100000:100000"], "--progressive-resize 100000:100000:0:1 (size 100000)"),
 ])
-def test_a_size_no_memory_can_hold_is_refused_before_any_data_is_read(shards, tmp_path, option, label):
+def test_a_size_no_memory_can_hold_is_refused_before_any_data_is_read(shards, tmp_path, monkeypatch, option, label):
     """A batch of 8 images of 100,000 px a side is at least 240 GB of pixels: a usage error naming the option,
-    not DALI's bad_alloc blamed on the shards after they were read."""
+    not DALI's bad_alloc blamed on the shards after they were read (on a process that may use 64 GiB)."""
+    import dalifeed.runtime
+
+    monkeypatch.setattr(dalifeed.runtime, "usable_memory", lambda: 64 * 2**30)
     run = tmp_path / "run"
     args = ["--data", str(shards), "--out", str(run), *fast_args(epochs=2, width=8), *option]
     result = CliRunner().invoke(train_cli, args)
     assert result.exit_code == 2 and not run.exists(), result.output
     assert one_error_line(result).startswith(f"Error: {label}: a batch of 8 images of 100000 x 100000 px takes at "
-                                             f"least 223.5 GiB (8 x 100000² x 3 bytes), more than the "), result.output
+                                             f"least 223.5 GiB (8 x 100000² x 3 bytes), more than the 64.0 GiB of "
+                                             f"memory this process may use"), result.output
 
 
 @pytest.mark.parametrize("model, size, refused", [

@@ -153,6 +153,9 @@ def main(debug: bool, **options):
         from .run import run_bench
 
         dataset = cfg.validate()  # --shards opened once, for every loader and size
+        if dataset.sources[0].manifest.tar_root is not None:
+            click.echo(f"--shards {cfg.shards}: its manifest reads the tars from {dataset.sources[0].manifest.tar_root} "
+                       f"(indexed with --index-dir)", err=True)
         for race in races[1:]:
             if race.model:  # the model must take every size
                 race.check_model()
@@ -194,8 +197,11 @@ def main(debug: bool, **options):
 @contextmanager
 def own_temp_folder():
     """The race's temporary files (the DataLoader workers' pymp-*, torch's inductor cache, the peers' chunks and
-    file locks) in a folder of its own, removed when the race ends however it ends; $TMPDIR as it was."""
-    folder = tempfile.mkdtemp(prefix="db")  # short: sockets in it (pymp-*/listener-*) must fit AF_UNIX's 107 bytes
+    file locks) in a folder of its own, removed when the race ends, and those a killed race left (named by its
+    pid) when the next one starts; $TMPDIR as it was."""
+    remove_dead_races_folders(Path(tempfile.gettempdir()))
+    # short: sockets in it (pymp-*/listener-*) must fit AF_UNIX's 107 bytes
+    folder = tempfile.mkdtemp(prefix=f"db{os.getpid()}-")
     saved_env, saved_default = os.environ.get("TMPDIR"), tempfile.tempdir
     os.environ["TMPDIR"], tempfile.tempdir = folder, folder  # child processes inherit the variable
     try:
@@ -207,6 +213,16 @@ def own_temp_folder():
             os.environ["TMPDIR"] = saved_env
         tempfile.tempdir = saved_default
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_dead_races_folders(tmp: Path) -> None:
+    """The temporary folders of races whose process is gone (a kill -9: nothing of it removed its folder)."""
+    from dalifeed.runtime import pid_alive
+
+    for folder in tmp.glob("db*-*"):
+        pid = folder.name[2:].partition("-")[0]
+        if folder.is_dir() and pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def sizes_summary(sizes: list[int], reports: list[dict]) -> dict:

@@ -323,11 +323,17 @@ def stratified_split(items: list[Item], val_fraction: float, seed: int) -> dict[
         n_val = round(len(members) * val_fraction)
         val += members[:n_val]
         train += members[n_val:]
+    largest = max(len(members) for members in by_class.values())
     if not val:  # an empty val split, written without a word, would only be refused later by dali-train
-        largest = max(len(members) for members in by_class.values())
+        how = (f"raise it above {0.5 / largest:.2g}" if largest > 1 else
+               "a class needs 2 images or more to give one to val")
         raise UsageError(f"--val-fraction {val_fraction:g} holds out no image: round(n x {val_fraction:g}) is 0 for "
-                         f"every class (the largest has {largest}): raise it above {0.5 / largest:.2g}, or "
-                         f"drop it for no val split")
+                         f"every class (the largest has {largest}): {how}, or drop it for no val split")
+    emptied = sorted(label for label, members in by_class.items() if round(len(members) * val_fraction) >= len(members))
+    if emptied:
+        raise UsageError(f"--val-fraction {val_fraction:g} holds out every image of {len(emptied)} class(es) (class "
+                         f"index {emptied[0]} has {len(by_class[emptied[0]])}): training would never see them; "
+                         f"lower it")
     return {"train": train, "val": val}
 
 

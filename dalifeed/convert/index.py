@@ -346,7 +346,7 @@ def read_label(sample: Sample, cfg: IndexConfig) -> tuple[int | str | None, str 
         digits = text.rstrip()
         if not CLS_DIGITS.fullmatch(digits):
             named = (": a class name? .cls holds a class index; names go in a member such as .txt, indexed with "
-                     "--label-member txt") if digits and not digits.lstrip("-").isdigit() else ""
+                     "--label-member txt") if any(c.isalpha() for c in digits) else ""
             return None, (f"label unreadable: .cls is {text[:40]!r}, not a decimal integer (webdataset's "
                           f"convention){named}")
         sample.label_size = len(digits.encode())

@@ -142,9 +142,11 @@ class Dataset:
 
     def contents(self, splits: list[str]) -> list[dict]:
         """What each source holds of `splits`, as a checkpoint records it: its location and, per split, every
-        shard's path and sha256 (its manifest's): a resume compares them with what the folder holds then."""
+        shard's path, sha256 and its index's sha256 (its manifest's: an index names the positions a mid-epoch
+        checkpoint counts in): a resume compares them with what the folder holds then."""
         return [{"location": s.location,
-                 "splits": {split: [[shard.path, shard.sha256] for shard in s.manifest.split_info(split).shards]
+                 "splits": {split: [[shard.path, shard.sha256, shard.index_sha256]
+                                    for shard in s.manifest.split_info(split).shards]
                             for split in splits if split in s.manifest.splits}}
                 for s in self.sources]
 

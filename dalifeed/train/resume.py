@@ -55,6 +55,7 @@ def saved_config_with_typed_options(run: Path, saved: dict, asked: TrainConfig, 
     """--resume RUN: the saved config, plus the few options that may change on resume; any other typed option
     that differs from the saved run is an error rather than a silently different experiment."""
     cfg = TrainConfig.from_json(saved["config"])
+    cfg.allow_data_change = False  # for the resume it is typed with, not for every later one
     for name in typed:
         value = getattr(asked, name)
         if name in RESUMABLE_OVERRIDES or (name == "out" and Path(value) == run):
@@ -123,20 +124,29 @@ def check_world_size(cfg: TrainConfig, saved: dict, world_size: int) -> None:
 def data_changes(saved: list[dict], now: list[dict]) -> list[str]:
     """How the shards a run holds now (`Dataset.contents`) differ from those its checkpoint recorded: one
     phrase per split of each dataset that differs, naming it, the shard counts and the first shard that
-    differs."""
+    differs (its tar, or its index alone: indexed again, positions moved)."""
     changes = []
     for before, after in zip(saved, now):
         for split, shards in before["splits"].items():
             current = after["splits"].get(split, [])
             if [list(s) for s in shards] == [list(s) for s in current]:
                 continue
-            then, present = dict(map(tuple, shards)), dict(map(tuple, current))
+            then = {s[0]: list(s[1:]) for s in shards}
+            present = {s[0]: list(s[1:]) for s in current}
             differ = [path for path in then if present.get(path) != then[path]]
             added = [path for path in present if path not in then]
-            first = (f"{differ[0]} " + (f"sha256 {then[differ[0]][:12]}... now {present[differ[0]][:12]}..."
-                                        if differ[0] in present else "gone") if differ else f"{added[0]} added")
-            changes.append(f"split {split!r} of {after['location']}: {len(shards)} shards then, {len(current)} now, "
-                           f"{len(differ)} changed or gone, {len(added)} added (e.g. {first})")
+            where = f"split {split!r} of {after['location']}: {len(shards)} shards then, {len(current)} now"
+            if not differ and not added:
+                changes.append(f"{where}, the same shards in another order")
+                continue
+            if differ:
+                path = differ[0]
+                old, new = then[path], present.get(path)
+                first = f"{path} gone" if new is None else f"{path} sha256 {old[0][:12]}... now {new[0][:12]}..." \
+                    if old[0] != new[0] else f"{path} indexed again (its index differs)"
+            else:
+                first = f"{added[0]} added"
+            changes.append(f"{where}, {len(differ)} changed or gone, {len(added)} added (e.g. {first})")
     return changes
 
 

@@ -139,6 +139,7 @@ class Run:
             "ema": self.ema.state_dict() if self.ema is not None else None, "state": asdict(self.state),
             "rng": checkpoint.rng_state(), "config": self.cfg.to_json(), "classes": self.classes,
             "metrics": metrics, "world_size": self.dist.world_size, "data": self.data,
+            "data_changed": self.data_changed,
         }
 
     def save(self, path: Path, payload: dict) -> None:

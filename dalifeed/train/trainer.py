@@ -106,7 +106,7 @@ def fit(run: Run) -> TrainResult:
                       "bad_steps": stats.bad_steps}
             record.update(validation_record(run))
             record.update(gpu_stats(run.dist.device))
-            if run.data_changed is not None:  # the first epoch on shards other than the checkpoint's
+            if run.data_changed is not None:  # the log says which epoch first trained on other shards
                 record["data_changed"], run.data_changed = run.data_changed, None
             state.epoch = epoch + 1
             run.finish_epoch(record)
@@ -293,7 +293,8 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     if resume is not None:
         if resume["classes"] != data.classes:
             raise ConfigError(f"{cfg.out}: checkpoint was trained on other classes than {cfg.data} holds")
-        data_changed = check_same_data(cfg, resume, contents)
+        # a mid-epoch checkpoint of the epoch that began on changed shards carries the change to its metrics line
+        data_changed = check_same_data(cfg, resume, contents) or resume.get("data_changed")
     dtype = amp_dtype(cfg, dist.device)
     budget = thread_budget(loader_device(cfg, dist))
     options = loader_options(cfg, dist, threads=cfg.workers or budget.threads)
@@ -349,15 +350,15 @@ def log_start(cfg: TrainConfig, dist: Dist, data: Dataset, dtype: torch.dtype | 
     """The run's first lines (the config, the loaders' options, where it trains, on what), and
     RUN/config.json (both configs)."""
     loaders = loader_record(options)
+    for source in data.sources:  # first: the files it reads are not in the folder it was given
+        if source.manifest.tar_root is not None:
+            log(f"--data {source.location}: its manifest reads the tars from {source.manifest.tar_root} (a folder "
+                f"indexed with shard-convert index --index-dir)")
     log(f"dali-train config: {json.dumps(cfg.to_json())}")
     log(f"loaders (rank {dist.rank}): {json.dumps(loaders)}")
     log(f"world size {dist.world_size}, device {dist.device}, {describe_amp(cfg, dtype, dist.device)}, "
         f"{data.num_classes} classes, {data.num_samples(cfg.train_split)} train samples")
     log(f"--dali-threads {cfg.workers}: DALI threads per pipeline" if cfg.workers else budget.describe())
-    for source in data.sources:
-        if source.manifest.tar_root is not None:
-            log(f"--data {source.location}: its manifest reads the tars from {source.manifest.tar_root} (a folder "
-                f"indexed with shard-convert index --index-dir)")
     mixed = {}
     if isinstance(cfg.data, list):  # the union's classes, in order, and what each dataset brings
         plan = mix_plan(cfg, data, dist.world_size)
@@ -372,8 +373,9 @@ def log_start(cfg: TrainConfig, dist: Dist, data: Dataset, dtype: torch.dtype | 
     if cfg.val_split is None:
         log("--val-split none: no evaluation; best.pt keeps the epoch of lowest train loss")
     if cfg.warmup_epochs >= cfg.epochs:
+        peak = "rises to its peak" if cfg.warmup_epochs == cfg.epochs else "never reaches its peak"
         log(f"warning: --warmup-epochs {cfg.warmup_epochs:g} lasts the whole run (--epochs {cfg.epochs}): the learning "
-            f"rate rises to its peak and never decays")
+            f"rate {peak} and never decays")
     if dtype == torch.float16 and dist.device.type == "cpu":
         log("warning: --amp fp16 on the CPU runs about 10x slower than fp32 (PyTorch has few fp16 CPU kernels); "
             "use --amp off, or bf16 on a CPU with AVX-512 BF16 or AMX")
