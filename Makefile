@@ -81,9 +81,11 @@ test-gpu: $(GPU_CHECK_DEPS)
 gpu-lint: venv
 	$(PY) -m pytest -q tests/test_gpu_graphs.py $(PYTEST_ARGS)
 
-# The shell scripts and the Dockerfile, checked with the tools the dev extra installs (no Docker needed).
+# The Python code (ruff: pyflakes, pycodestyle, import order, bugbear, pyupgrade; pyproject.toml), the shell
+# scripts and the Dockerfile, checked with the tools the dev extra installs (no Docker needed).
 SHELL_SCRIPTS := $(wildcard examples/slurm/*.sbatch) .ci/run
 lint: venv
+	$(VENV)/bin/ruff check dalifeed tests examples
 	for f in $(SHELL_SCRIPTS); do bash -n "$$f" || exit 1; done
 	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)
 	$(VENV)/bin/hadolint docker/Dockerfile

@@ -24,8 +24,8 @@ DataLoader's alike.)
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from dalifeed.runtime import usable_cores
 

@@ -14,8 +14,9 @@ import os
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import click
 

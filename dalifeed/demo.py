@@ -21,6 +21,7 @@ import click
 from dalifeed.runtime import usable_cores
 from dalifeed.sample_data import make_digits_imagefolder, make_photos_imagefolder
 
+
 class Steps:
     """Runs the commands a user would type, and remembers how long each part of the demo took."""
 
@@ -135,7 +136,8 @@ def main(workdir: Path, seed: int, epochs: int) -> None:
                f"{final['val_samples']} images after {final['epoch'] + 1} epochs "
                f"({final['images_per_s']:.0f} train images/s, data wait {final['data_wait_share']:.0%} of step time)")
     for r in bench:
-        click.echo(f"loader {r['loader']:<10} {r['images_per_s']:7.0f} images/s  x{r['speedup_vs_baseline']:.2f} baseline")
+        click.echo(f"loader {r['loader']:<10} {r['images_per_s']:7.0f} images/s  "
+                   f"x{r['speedup_vs_baseline']:.2f} baseline")
     click.echo(f"outputs: {workdir}/run (metrics.jsonl, best.pt), {workdir}/bench (bench.json, bench.png)")
     click.echo(f"demo: seed {seed}, top-1 {final['top1']:.2%}, {time.time() - started:.0f} s ({steps.summary()})")
 

@@ -11,9 +11,9 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath
-from typing import Iterator
 
 from .atomic import write_json_atomic
 
@@ -94,7 +94,7 @@ class ShardInfo:
     index_sha256: str | None = None  # of the .idx; absent in manifests written before it was added
 
     @classmethod
-    def from_json(cls, doc: dict) -> "ShardInfo":
+    def from_json(cls, doc: dict) -> ShardInfo:
         """Keys this version does not know (added by a later one) are ignored, not refused."""
         return cls(**{k: v for k, v in doc.items() if k in _SHARD_FIELDS})
 
@@ -239,7 +239,7 @@ class ShardManifest:
                                             f"{base}: a manifest reads only files inside its folder")
 
     @classmethod
-    def load(cls, root: str | os.PathLike) -> "ShardManifest":
+    def load(cls, root: str | os.PathLike) -> ShardManifest:
         root = Path(root)
         path = root / MANIFEST_NAME
         if not root.is_dir():
@@ -255,7 +255,7 @@ class ShardManifest:
         return manifest
 
     @classmethod
-    def from_json(cls, root: str | os.PathLike, doc: dict, where: str | None = None) -> "ShardManifest":
+    def from_json(cls, root: str | os.PathLike, doc: dict, where: str | None = None) -> ShardManifest:
         """The manifest `doc` of the folder `root` (`where`: how messages name it, e.g. its s3:// URL). Every
         shard and index path it names is refused, in one line, unless it is relative and without `..`: a
         folder someone else made decides which files dalifeed reads, and only those inside it."""
@@ -268,7 +268,8 @@ class ShardManifest:
                                 f"reads format {FORMAT_VERSION}: convert the source again with shard-convert "
                                 f"(--overwrite to replace them)")
         if doc.get("version") != FORMAT_VERSION:
-            raise ManifestError(f"{path}: manifest version {doc.get('version')!r}, this dalifeed reads {FORMAT_VERSION}")
+            raise ManifestError(f"{path}: manifest version {doc.get('version')!r}, "
+                                f"this dalifeed reads {FORMAT_VERSION}")
         known = {"format", "version", "kind", "source", "options", "classes", "splits", "reencoded", "skipped", "found",
                  "warnings", "job", "summary", "tars"}
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from typing import Callable
+from collections.abc import Callable
 
 
 def lazy_names(package: str, where: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:

@@ -211,7 +211,7 @@ class ObjectStream:
     def close(self) -> None:
         self._body.close()
 
-    def __enter__(self) -> "ObjectStream":
+    def __enter__(self) -> ObjectStream:
         return self
 
     def __exit__(self, *exc) -> None:

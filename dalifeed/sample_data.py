@@ -216,9 +216,11 @@ def make_photos_coco(out: Path, per_class: int = 50, seed: int = 0) -> tuple[Pat
         for _ in range(int(rng.integers(0, 7))):
             w, h = rng.uniform(0.05, 0.6) * width, rng.uniform(0.05, 0.6) * height
             x, y = rng.uniform(0, width - w), rng.uniform(0, height - h)
-            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": int(rng.choice(category_ids)),
+            annotations.append({"id": len(annotations) + 1, "image_id": image_id,
+                                "category_id": int(rng.choice(category_ids)),
                                 "bbox": [round(x, 2), round(y, 2), round(w, 2), round(h, 2)], "area": round(w * h, 2),
-                                "iscrowd": int(rng.random() < 0.05), "segmentation": [[x, y, x + w, y, x + w, y + h, x, y + h]]})
+                                "iscrowd": int(rng.random() < 0.05),
+                                "segmentation": [[x, y, x + w, y, x + w, y + h, x, y + h]]})
     shutil.rmtree(out / "tree")
     doc = {"images": images, "annotations": annotations,
            "categories": [{"id": c, "name": f"category-{c}", "supercategory": "thing"} for c in category_ids]}

@@ -18,8 +18,9 @@ Sharing and bounds, all through file locks (flock) in the cache folder, so they 
 - `space.lock`: held while space is counted, made (evicting) and reserved (the temporary file allocated
   at its full size), so two ranks never both count the same free bytes.
 - A tar lands as `<name>.part` (allocated, written, hashed as it streams, its size and sha256 checked
-  against the manifest: a mismatch is refused and nothing stored) and is renamed to `<name>.tar`: a killed download leaves a `.part` that is never read, and that the next fetch
-  of that tar (or an eviction) replaces.
+  against the manifest: a mismatch is refused and nothing stored) and is renamed to `<name>.tar`: a killed
+  download leaves a `.part` that is never read, and that the next fetch of that tar (or an eviction)
+  replaces.
 - Eviction: unpinned tars, least recently used first (a tar's mtime is touched when pinned); shards read
   in earlier epochs are the unpinned ones.
 """
@@ -157,7 +158,7 @@ class ShardCache:
             self._start_prefetch(rank_shards(upcoming, rank_range))
         return paths
 
-    def prefetch(self, shards: list[ShardInfo], rank_range: tuple[int, int]) -> "ShardCache":
+    def prefetch(self, shards: list[ShardInfo], rank_range: tuple[int, int]) -> ShardCache:
         """Start fetching this rank's tars of an epoch in the background (the loader's first epoch, while the
         trainer builds its model): `epoch_files` then finds them there, or waits for them."""
         self._stop_prefetch()

@@ -20,14 +20,22 @@ import json
 import os
 import shutil
 import tarfile
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from . import s3
 from .atomic import write_atomic
-from .format import (MANIFEST_NAME, ManifestError, ShardInfo, ShardManifest, check_index, check_split_files,
-                     split_member_name)
+from .format import (
+    MANIFEST_NAME,
+    ManifestError,
+    ShardInfo,
+    ShardManifest,
+    check_index,
+    check_split_files,
+    split_member_name,
+)
 
 
 def open_shard_folder(location: str | os.PathLike | ShardManifest) -> ShardManifest:

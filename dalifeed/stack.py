@@ -400,7 +400,8 @@ def dali_stack() -> tuple[str | None, tuple[str, ...], int | None, int]:
 
 # -- what an install brings ------------------------------------------------------------------------------
 
-_TORCH_CUDA_REQUIREMENT = re.compile(r"^(?:nvidia-cuda-runtime-cu(?P<suffix>\d+)\b|nvidia-cuda-runtime\s*==\s*(?P<pin>\d+)"
+_TORCH_CUDA_REQUIREMENT = re.compile(r"^(?:nvidia-cuda-runtime-cu(?P<suffix>\d+)\b"
+                                     r"|nvidia-cuda-runtime\s*==\s*(?P<pin>\d+)"
                                      r"|cuda-toolkit\b[^=;]*==\s*(?P<toolkit>\d+))")
 
 

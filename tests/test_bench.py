@@ -20,7 +20,6 @@ from dalifeed.bench.run import environment
 from dalifeed.bench.sampler import ResourceSampler, gpu_probes
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
 from dalifeed.runtime import usable_cores
-
 from helpers import write_imagefolder
 
 MEAN_255, STD_255 = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))

@@ -16,7 +16,6 @@ from click.testing import CliRunner
 
 from dalifeed.bench.cli import main as bench_cli
 from dalifeed.bench.report import LOADER_COLOURS, figure
-
 from helpers import jpeg_bytes, write_imagefolder
 
 PY = sys.executable
@@ -147,7 +146,6 @@ def test_a_race_leaves_nothing_in_tmpdir(bench_data, tmp_path):
     """The race's temporary files (DataLoader workers' pymp-*, torch's inductor cache, the peers' chunks and
     locks) go to a folder of its own, removed at the end: $TMPDIR is as it was."""
     import os
-
     import shutil
     import tempfile
 

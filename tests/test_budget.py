@@ -16,7 +16,6 @@ import pytest
 
 from dalifeed.budget import CPU_DECODE_MAX_THREADS, MIXED_DECODE_MAX_THREADS, ranks_on_node, thread_budget
 from dalifeed.runtime import cgroup_cpu_quota, usable_cores
-
 from helpers import kill_run
 
 
@@ -196,7 +195,8 @@ def test_mixed_datasets_share_one_thread_budget(make_shards):
     from dalifeed.pipelines import make_loader
     from dalifeed.pipelines.mixing import share_threads
 
-    data = [make_shards({"train": {"red": n, "blue": n}, "val": {"red": 3, "blue": 3}}, seed=n)[1] for n in (24, 16, 12)]
+    data = [make_shards({"train": {"red": n, "blue": n}, "val": {"red": 3, "blue": 3}}, seed=n)[1]
+            for n in (24, 16, 12)]
     loader = make_loader(data, "train", 16, weights=[2, 1, 1], image_size=16, device="cpu", num_threads=6)
     assert [d.options.batch_size for d in loader.loaders] == [8, 4, 4]
     assert [d.options.num_threads for d in loader.loaders] == [3, 2, 1]  # 6 by 2:1:1, largest remainder first

@@ -20,9 +20,8 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from dalifeed.convert.coco import CocoConfig, convert_coco
-
 import helpers
+from dalifeed.convert.coco import CocoConfig, convert_coco
 from helpers import jpeg_bytes, random_image, write_coco, write_shapes_coco
 
 CATEGORY_IDS = [0, 3, 7, 90]  # sorted: the training index of category id c is CATEGORY_IDS.index(c)
@@ -215,7 +214,8 @@ def test_exif_rotated_image_stays_in_the_frame_its_record_describes(tmp_path):
     ("{not json", "not a JSON file"),
     ('{"images": [], "annotations": []}', "missing key 'categories'"),
     ('{"images": {}, "annotations": [], "categories": []}', "'images' must be a list, got an object"),
-    ('{"images": [{"id": 1, "file_name": "a.jpg", "width": 4}], "annotations": [], "categories": [{"id": 1, "name": "x"}]}',
+    ('{"images": [{"id": 1, "file_name": "a.jpg", "width": 4}], "annotations": [], '
+     '"categories": [{"id": 1, "name": "x"}]}',
      "images[0]: missing key 'height'"),
     ('{"images": [], "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [1, 2]}], '
      '"categories": [{"id": 1, "name": "x"}]}', "annotations[0].bbox: expected 4 numbers"),

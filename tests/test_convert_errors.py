@@ -25,9 +25,18 @@ from PIL import Image
 
 from dalifeed.convert import ConvertConfig, convert_imagefolder, verify_shards
 from dalifeed.convert.cli import main as cli
-
-from helpers import (assert_same_folder, convert, hold_lock, jpeg_bytes, limit_file_size, png_bytes, random_image,
-                     shard_convert, wait_for, write_imagefolder)
+from helpers import (
+    assert_same_folder,
+    convert,
+    hold_lock,
+    jpeg_bytes,
+    limit_file_size,
+    png_bytes,
+    random_image,
+    shard_convert,
+    wait_for,
+    write_imagefolder,
+)
 
 PY = sys.executable
 

@@ -8,7 +8,6 @@ import json
 from click.testing import CliRunner
 
 from dalifeed.convert.cli import main as convert_cli
-
 from helpers import convert, write_imagefolder
 
 

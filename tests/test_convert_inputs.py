@@ -17,11 +17,10 @@ import pytest
 import webdataset as wds
 from click.testing import CliRunner
 
-from dalifeed.cliutil import parse_size
-from dalifeed.format import ShardManifest
-from dalifeed.convert.cli import main as cli
-
 import helpers
+from dalifeed.cliutil import parse_size
+from dalifeed.convert.cli import main as cli
+from dalifeed.format import ShardManifest
 from helpers import write_coco, write_imagefolder
 
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, PR_CAPBSET_DROP = 1, 2, 24

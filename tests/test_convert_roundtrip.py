@@ -17,7 +17,6 @@ from click.testing import CliRunner
 
 from dalifeed.convert import ShardManifest
 from dalifeed.convert.cli import main as cli
-
 from helpers import convert, write_imagefolder
 
 
@@ -176,7 +175,8 @@ def test_both_shard_limits_hold_and_an_oversized_sample_is_reported(tmp_path):
     assert max(s.samples for s in shards) <= 8 and max(s.bytes for s in shards) <= 12_000 + 10240
     assert min(s.samples for s in shards) < 8  # the byte limit, not only the count, ended some shards
     tiny = convert(src, tmp_path / "tiny", max_shard_bytes=4096)
-    assert len(tiny.warnings) == 41 and "alone is" in tiny.warnings[0] and "over --max-shard-bytes 4096" in tiny.warnings[0]
+    assert (len(tiny.warnings) == 41 and "alone is" in tiny.warnings[0]
+            and "over --max-shard-bytes 4096" in tiny.warnings[0])
     result = CliRunner().invoke(cli, ["info", str(tmp_path / "tiny")])
     assert "warning: train-000000.tar: sample" in result.output
 
@@ -186,9 +186,9 @@ def test_a_folder_of_format_1_is_refused_in_one_line_and_not_resumed(small_image
     what to do, and a conversion into it neither resumes it nor calls it done."""
     from click.testing import CliRunner
 
-    from dalifeed.pipelines import make_loader
     from dalifeed.convert import ManifestError
     from dalifeed.convert.cli import main as cli
+    from dalifeed.pipelines import make_loader
 
     out = tmp_path / "old"
     convert(small_imagefolder, out)

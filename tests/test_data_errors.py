@@ -17,12 +17,12 @@ import torch
 import webdataset as wds
 from click.testing import CliRunner
 
+from dalifeed.convert.cli import main as convert_cli
 from dalifeed.format import file_sha256
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.checks import ShardDataError
-from dalifeed.convert.cli import main as convert_cli
-from dalifeed.train import TrainConfig, main as train
-
+from dalifeed.train import TrainConfig
+from dalifeed.train import main as train
 from helpers import gradient_image
 
 TRAIN = dict(model="resnet18", image_size=16, batch_size=8, optimizer="adamw", lr=0.032, warmup_epochs=0.0,

@@ -9,7 +9,6 @@ import torch
 from dalifeed.pipelines import AugmentConfig, LoaderOptions, build_loader, make_loader, open_dataset
 from dalifeed.pipelines.cursor import EpochCursor
 from dalifeed.pipelines.dataset import DatasetError, MixError
-
 from helpers import one_image_classes
 
 N = 29  # prime: no batch size or world size used here divides it
@@ -95,7 +94,8 @@ def test_an_epoch_defined_ahead_is_the_epoch_a_fresh_loader_reads(shards):
 
 def test_the_bench_warm_up_drains_each_loaders_read_ahead(shards, tmp_path):
     """A window that began with prefetched batches would count them as made inside it."""
-    from dalifeed.bench.loaders import DEFAULT_AHEAD, batches_ahead, build_loader as bench_loader
+    from dalifeed.bench.loaders import DEFAULT_AHEAD, batches_ahead
+    from dalifeed.bench.loaders import build_loader as bench_loader
     from dalifeed.bench.run import on_device
 
     cpu = torch.device("cpu")

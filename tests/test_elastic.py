@@ -24,7 +24,6 @@ import torch
 
 from dalifeed.runtime import Stopped
 from dalifeed.train.stop import Seen, StepChecks, Stop, agree_to_skip
-
 from helpers import kill_run
 
 PY = sys.executable
@@ -176,8 +175,8 @@ def test_sigterm_to_torchrun_stops_every_rank_with_a_checkpoint_and_the_same_com
 # Elastic resume: a global batch of 12, which 1, 2 and 3 processes share; 240 train samples, 20 steps an epoch
 # that train every sample once
 ELASTIC = ["--model", "resnet18", "--width", "8", "--image-size", "32", "--batch-size", "6", "--epochs", "2",
-           "--optimizer", "adamw", "--lr", "0.032", "--crop-scale", "0.5,1", "--workers", "1", "--checkpoint-every", "3",
-           "--log-samples"]
+           "--optimizer", "adamw", "--lr", "0.032", "--crop-scale", "0.5,1", "--workers", "1",
+           "--checkpoint-every", "3", "--log-samples"]
 ELASTIC_STEPS = 20
 
 

@@ -19,7 +19,6 @@ from PIL import Image, ImageOps
 from dalifeed.convert import verify_shards
 from dalifeed.convert.images import read_jpeg_frame
 from dalifeed.convert.verify import check_image
-
 from helpers import DATA, convert, gradient_image, jpeg_bytes, png_bytes
 
 RGB = gradient_image(40, 48)

@@ -64,8 +64,8 @@ def test_dali_gpu_loader_in_the_bench(shards):
 def test_gpu_detection_loader_matches_the_cpu_boxes(tmp_path, device):
     """The detection graph with `mixed` decoding (or CPU decoding, `hybrid`): validation boxes and labels
     equal the CPU graph's (the boxes do not depend on the decoder), images close, everything on the GPU."""
-    from dalifeed.pipelines import make_detection_loader
     from dalifeed.convert.coco import CocoConfig, convert_coco
+    from dalifeed.pipelines import make_detection_loader
     from helpers import write_coco
 
     images, annotations = write_coco(tmp_path / "coco")
@@ -209,7 +209,6 @@ def test_a_training_slice_syncs_only_at_the_checks(shards, tmp_path, monkeypatch
     last line; a synchronize inside a step fails tests/test_train_sync.py, which counts every call)."""
     from dalifeed.train import progress, stop, trainer
     from dalifeed.train.distributed import Dist
-
     from fast_recipe import fast_config
 
     def allowed(function):

@@ -13,11 +13,24 @@ import torch
 from click.testing import CliRunner
 
 from dalifeed.bench import gpu_recipes
-from dalifeed.bench.gpu_check import (STEPS, CheckRun, GpuCheckConfig, checkpoint_round_trip, collectives,
-                                      decoder_budget, decoder_memory_line, failed, hw_decoder_config,
-                                      main as gpu_check_cli, render_markdown, run_check, train_command, train_slice)
-from dalifeed.pipelines import make_loader
+from dalifeed.bench.gpu_check import (
+    STEPS,
+    CheckRun,
+    GpuCheckConfig,
+    checkpoint_round_trip,
+    collectives,
+    decoder_budget,
+    decoder_memory_line,
+    failed,
+    hw_decoder_config,
+    render_markdown,
+    run_check,
+    train_command,
+    train_slice,
+)
+from dalifeed.bench.gpu_check import main as gpu_check_cli
 from dalifeed.budget import thread_budget
+from dalifeed.pipelines import make_loader
 from dalifeed.stack import StackMismatch
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.data import SyntheticLoader
@@ -68,7 +81,8 @@ def test_gpu_check_runs_its_steps_on_the_cpu_and_merges_calls(tmp_path):
     assert json.loads(Path(train["dali"]["profile_trace"]).read_text())["traceEvents"]
     assert train["dali"]["images_per_s"] > 0 and train["synthetic"]["images_per_s"] > 0
     assert train["synthetic"]["data_wait_share"] < 0.05  # its batches are ready-made
-    assert train["dali_vs_synthetic"] == pytest.approx(train["dali"]["images_per_s"] / train["synthetic"]["images_per_s"])
+    assert train["dali_vs_synthetic"] == pytest.approx(train["dali"]["images_per_s"]
+                                                        / train["synthetic"]["images_per_s"])
     assert report["checkpoint"]["bit_identical"] and report["checkpoint"]["device"] == "cpu"
     assert report["environment"]["gpu"] is None and report["environment"]["dali"]
     assert [g["goal"].split()[0] for g in report["goals"]] == ["resnet18"]  # no dali-gpu: no speed-up goal
@@ -127,7 +141,8 @@ def test_report_states_what_the_mixed_decoder_of_a_dali_train_rank_reserves(tmp_
     budget = report["decoder_memory"]
     gpus = torch.cuda.device_count()
     threads = thread_budget("gpu", visible_gpus=gpus, environ={**os.environ, "LOCAL_WORLD_SIZE": str(max(1, gpus))})
-    assert budget["threads"] == threads.threads != 64 and budget["gpu_mib"] == threads.threads * budget["device_padding_mib"]
+    assert (budget["threads"] == threads.threads != 64
+            and budget["gpu_mib"] == threads.threads * budget["device_padding_mib"])
     assert budget["pinned_mib"] == threads.threads * 2 * budget["host_padding_mib"]
     text = (tmp_path / "gpu-check.md").read_text()
     assert f"dali-train's default with one rank per GPU here, {threads.describe()}" in text

@@ -144,5 +144,6 @@ def test_a_gpu_test_run_without_a_gpu_fails_in_one_line():
     assert run.returncode == 3, run.stdout + run.stderr
     said = [line for line in run.stdout.splitlines() if "Exit" in line]
     assert len(said) == 1 and re.fullmatch(r"! _pytest\.outcomes\.Exit: no CUDA GPU visible to torch, so none of the "
-                                           r"\d+ gpu tests can run: OK: .*--device auto runs on the CPU.* !", said[0]), \
+                                           r"\d+ gpu tests can run: OK: .*--device auto runs on the CPU.* !",
+                                           said[0]), \
         run.stdout

@@ -23,7 +23,6 @@ import webdataset as wds
 from PIL import Image, ImageOps
 
 from dalifeed.format import COCO_META, IMAGEFOLDER_META
-
 from helpers import convert, gradient_image, jpeg_bytes, png_bytes, random_image, write_coco
 
 HF_TYPES = {int: datasets.Value("int64"), str: datasets.Value("string")}

@@ -17,9 +17,9 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from dalifeed.format import ShardManifest, file_sha256, split_member_name
 from dalifeed.convert.index import IndexConfig, IndexDataError, IndexUsageError, index_folder, split_of
 from dalifeed.convert.verify import verify_shards
+from dalifeed.format import ShardManifest, file_sha256, split_member_name
 from helpers import convert, jpeg_bytes, png_bytes, write_imagefolder
 
 VENV_BIN = Path(sys.executable).parent
@@ -269,7 +269,7 @@ def test_compressed_tars_are_named_with_their_command_and_fail_the_run(tmp_path)
                             env=ENV)
     assert result.returncode == 1
     assert "Indexed 5 of 5 samples in 1 tars" in result.stdout
-    assert f"2 compressed tar(s) not indexed (train-000001.tar.gz, train-000002.tar.zst)" in result.stderr
+    assert "2 compressed tar(s) not indexed (train-000001.tar.gz, train-000002.tar.zst)" in result.stderr
     assert f"gunzip -k {root / 'train-000001.tar.gz'}" in result.stderr
     assert f"zstd -d {root / 'train-000002.tar.zst'} -o {root / 'train-000002.tar'}" in result.stderr
     manifest = ShardManifest.load(root)
@@ -581,8 +581,8 @@ def test_index_tars_in_object_storage_in_place(tmp_path, s3_bucket):
 def test_one_member_name_rule_matches_webdataset_and_wds2idx(name):
     """format.split_member_name against the two tools it follows: webdataset's base_plus_ext (which skips a
     name without a dot) and DALI's wds2idx (which skips a hidden file)."""
-    from webdataset.tariterators import base_plus_ext
     from wds2idx import IndexCreator
+    from webdataset.tariterators import base_plus_ext
 
     got = split_member_name(name)
     hidden = name.rsplit("/", 1)[-1].startswith(".")

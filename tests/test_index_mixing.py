@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
+from dalifeed.convert.index import IndexConfig, index_folder
 from dalifeed.pipelines import MixError, make_loader
 from dalifeed.pipelines.dataset import batch_shares, union_classes
-from dalifeed.convert.index import IndexConfig, index_folder
 from test_index import add_member, solid, write_shardwriter
 
 ARGS = dict(device="cpu", image_size=16, num_threads=1, initial_fill=8)

@@ -248,8 +248,10 @@ def test_jobs_run_with_other_options_are_refused_naming_the_option(tree, tmp_pat
     # a job started after others finished is refused at once
     late = convert(tree, out, "--samples-per-shard", "4", "--seed", "1", job=2)
     assert late.returncode == 2
-    assert "--seed was 0, now 1" in error_line(late.stderr) and "every job of a conversion must run the same" in late.stderr
-    other = convert(tree, out, "--samples-per-shard", "4", "--jpeg-quality", "80", "--num-jobs", "2", "--job-index", "1")
+    assert ("--seed was 0, now 1" in error_line(late.stderr)
+            and "every job of a conversion must run the same" in late.stderr)
+    other = convert(tree, out, "--samples-per-shard", "4", "--jpeg-quality", "80", "--num-jobs", "2",
+                    "--job-index", "1")
     assert other.returncode == 2 and "num_jobs was 3, now 2" in error_line(other.stderr)
     # jobs that ran at the same time saw no record of each other: merge finds the difference. Job 2 ran with
     # other options into another folder; its record is put beside the others, as if it had run here at once.

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
+from dalifeed.pipelines import loader as loader_module
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.elastic import merge_rank_states
 from dalifeed.pipelines.lanes import join_rows, lane_sizes, next_lane
-from dalifeed.pipelines import loader as loader_module
 from dalifeed.pipelines.loader import LANES_MIN_BATCHES, LoaderOptions, default_lanes
 from helpers import one_image_classes
 

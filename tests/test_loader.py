@@ -12,7 +12,6 @@ import torch
 from dalifeed.pipelines import make_detection_loader, make_loader
 from dalifeed.pipelines.dataset import Source
 from dalifeed.pipelines.loader import trains
-
 from helpers import one_image_classes
 
 N = 37  # prime: divisible by no batch size or world size used here
@@ -53,7 +52,7 @@ def test_training_gives_every_rank_the_same_number_of_full_batches(unique_shards
         loader = make_loader(unique_shards, "train", batch, rank=rank, world_size=world_size, image_size=16,
                              device="cpu", seed=5)
         assert len(loader) == expected
-        for epoch in range(3):
+        for _epoch in range(3):
             batches = labels_of(loader)
             assert len(batches) == expected and all(len(b) == batch for b in batches)
             flat = [label for b in batches for label in b]
@@ -139,7 +138,7 @@ def test_a_consumer_that_stops_mid_epoch_frees_the_pipeline_and_keeps_its_place(
 
     straight = [labels.tolist() for _, labels in loader()]
     train, val = loader(), make_loader(unique_shards, "train", 5, train=False, image_size=16, device="cpu")
-    for i, (_, labels) in enumerate(train):
+    for i, (_, _labels) in enumerate(train):
         if i == 2:
             break
     state = train.state_dict()
@@ -186,7 +185,7 @@ def test_an_epoch_runs_its_pipeline_no_further_than_its_last_batch(unique_shards
     for), and training still decodes its dropped partial batch."""
     loader = make_loader(unique_shards, "train", batch, train=train, rank=world_size - 1, world_size=world_size,
                          image_size=16, device="cpu", seed=2, num_threads=2, lanes=lanes)
-    for epoch in range(2):
+    for _epoch in range(2):
         pipes = []
         handed_out = 0
         for _ in loader:

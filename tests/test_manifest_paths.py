@@ -15,7 +15,6 @@ from dalifeed.convert.cli import main as convert_cli
 from dalifeed.convert.index import IndexConfig, index_folder
 from dalifeed.format import ManifestError, ShardManifest
 from dalifeed.train.cli import main as train_cli
-
 from fast_recipe import fast_args
 
 
@@ -87,7 +86,8 @@ def test_an_index_dir_manifest_reads_the_tars_it_names_and_says_so(folder, tmp_p
     assert info.exit_code == 0 and f"tars: in {tars}" in info.output, info.output
     verify = CliRunner().invoke(convert_cli, ["verify", str(index)])
     assert verify.exit_code == 0, verify.output
-    assert verify.output.splitlines()[0] == f"{index}: its manifest reads the tars from {tars} (indexed with --index-dir)"
+    assert verify.output.splitlines()[0] == (f"{index}: its manifest reads the tars from {tars} "
+                                             f"(indexed with --index-dir)")
     train = CliRunner().invoke(train_cli, ["--data", str(index), "--out", str(tmp_path / "run"), "--val-split", "none",
                                            *fast_args(epochs=1, width=8)])
     assert train.exit_code == 0, train.output

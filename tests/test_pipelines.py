@@ -13,7 +13,6 @@ from PIL import Image
 
 from dalifeed.format import ManifestError
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD, DatasetError, make_loader
-
 from helpers import convert
 
 
@@ -41,7 +40,8 @@ def photo_shards(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("photos")
     rng = np.random.default_rng(0)
     sizes = [(48, 64), (64, 48), (50, 50), (61, 83)]
-    src = write_jpegs(tmp / "src", {f"c{k}": [photo_like(rng, *sizes[(k + i) % 4]) for i in range(3)] for k in range(4)})
+    src = write_jpegs(tmp / "src", {f"c{k}": [photo_like(rng, *sizes[(k + i) % 4]) for i in range(3)]
+                                    for k in range(4)})
     convert(src, tmp / "shards", samples_per_shard=5)
     return tmp / "shards"
 

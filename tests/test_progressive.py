@@ -16,7 +16,6 @@ from dalifeed.pipelines.graphs import IMAGENET_MEAN, IMAGENET_STD
 from dalifeed.pipelines.resolution import ProgressiveResize
 from dalifeed.train import checkpoint
 from dalifeed.train.cli import main as train_cli
-
 from test_pipelines import VAL_PHOTO_SHAPES, read_source, real_photo_shards  # noqa: F401 (a fixture)
 from test_train import Killed, deterministic, fast_cli_args, metrics
 

@@ -24,7 +24,6 @@ from dalifeed.pipelines.graphs import AugmentConfig
 from dalifeed.train import config as train_config
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.mixup import BatchMixer, soft_cross_entropy
-
 from test_train import deterministic, fast_cli_args, kill_9_after_first_checkpoint, metrics
 
 TORCHVISION = {"imagenet": v2.AutoAugment, "ra": v2.RandAugment, "ta_wide": v2.TrivialAugmentWide}
@@ -213,7 +212,7 @@ def test_one_warp_gives_every_geometric_operations_images_bit_for_bit(photos, po
         aug = augment.dali_op(name, *space[name])
 
         @pipeline_def(batch_size=len(photos), num_threads=1, device_id=None, seed=0)
-        def pipe():
+        def pipe(aug=aug, g=g):
             data = fn.external_source(source=lambda: photos, batch=True, layout="HWC")
             outs = []
             for signed_index in range(2 * augment.DEFAULT_BINS):

@@ -18,7 +18,6 @@ from dalifeed.pipelines import open_dataset
 from dalifeed.train import checkpoint
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.resume import data_changes
-
 from fast_recipe import fast_args
 from helpers import write_imagefolder
 
@@ -159,5 +158,6 @@ def test_a_folder_in_a_store_names_its_shards_as_its_manifest_does(s3_bucket, so
     url = f"{s3_bucket}/data"
     assert convert_to(source, url, "--samples-per-shard", "10").exit_code == 0
     local = convert(source, tmp_path / "local", seed=0)
-    assert open_dataset(url).contents(["train"])[0]["splits"] == open_dataset(str(local)).contents(["train"])[0]["splits"]
+    assert (open_dataset(url).contents(["train"])[0]["splits"]
+            == open_dataset(str(local)).contents(["train"])[0]["splits"])
     assert open_dataset(url).contents(["train"])[0]["location"] == url

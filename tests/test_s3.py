@@ -24,12 +24,12 @@ from click.testing import CliRunner
 from PIL import Image
 
 from dalifeed import s3
-from dalifeed.shardfolder import cache_dir, open_shard_folder
-from dalifeed.pipelines import ShardDataError, make_loader
 from dalifeed.convert import ConvertConfig, convert_imagefolder
 from dalifeed.convert.cli import main as convert_cli
 from dalifeed.convert.options import default_staging
 from dalifeed.convert.remote import MAX_PENDING
+from dalifeed.pipelines import ShardDataError, make_loader
+from dalifeed.shardfolder import cache_dir, open_shard_folder
 from dalifeed.train.cli import main as train_cli
 from helpers import start_s3_server, stop_s3_server, wait_for, write_coco, write_imagefolder
 

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from dalifeed import s3
+from dalifeed.convert import ConvertConfig, convert_imagefolder
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.pipelines.elastic import merge_rank_states
 from dalifeed.shardcache import CacheConfig, CacheFull, ShardCache, cache_config, rank_shards
 from dalifeed.shardfolder import open_shard_folder
-from dalifeed.convert import ConvertConfig, convert_imagefolder
 from fast_recipe import fast_args
 from helpers import start_s3_server, stop_s3_server, write_imagefolder
 
@@ -98,7 +98,7 @@ def test_one_get_per_tar_then_none_and_the_batches_of_the_local_folder(store, tm
     for rank in (0, 1):
         from_s3 = make_loader(store.url, "train", 4, rank=rank, world_size=2, cache_dir=tmp_path / "cache", **OPTIONS)
         from_disk = make_loader(store.local, "train", 4, rank=rank, world_size=2, **OPTIONS)
-        for epoch in range(3):
+        for _epoch in range(3):
             assert_same(list(from_s3), list(from_disk))
     fetched = store.gets(store.url) - before
     assert set(fetched) == set(tar_names(store.url)) and set(fetched.values()) == {1}, fetched
@@ -157,7 +157,7 @@ def test_the_limit_evicts_shards_already_read(store, tmp_path):
     folder = tmp_path / "cache"
     from_s3 = make_loader(store.url, "train", 4, rank=0, world_size=2, cache_dir=folder, cache_limit=limit, **OPTIONS)
     before = store.gets(store.url)
-    for epoch in range(4):
+    for _epoch in range(4):
         assert_same(list(from_s3), list(probe))
         assert cached_bytes(folder) <= limit
     fetched = store.gets(store.url) - before
@@ -358,7 +358,8 @@ def test_the_store_lost_mid_epoch(s3_endpoint, store, tmp_path):
     assert lines[0] == "epoch 1: 3 of 3 batches"
     assert re.fullmatch(rf"StorageError: s3://mid/p/train-\d+\.tar: object store {endpoint} unreachable "
                         rf"\(EndpointConnectionError\); check AWS_ENDPOINT_URL and the network \(fetching "
-                        rf"train-\d+\.tar into the shard cache: gave up after 5 attempts in \d+ s\)", lines[1]), lines[1]
+                        rf"train-\d+\.tar into the shard cache: gave up after 5 attempts in \d+ s\)",
+                        lines[1]), lines[1]
     assert seconds < 120
 
 
@@ -480,9 +481,9 @@ def test_dali_train_refuses_a_tampered_tar_in_one_line(store, tmp_path):
     client.put_object(Bucket=bucket, Key=prefix, Body=shifted_labels(good))
     env = dict(os.environ, PYTHONPATH=str(HERE.parent), AWS_ENDPOINT_URL=store.endpoint)
     try:
-        run = subprocess.run([sys.executable, "-m", "dalifeed.train.cli", "--data", store.url, "--epochs", "1", "--val-split", "none",
-                              *fast_args(width=8, batch_size=4), "--cache-dir", str(tmp_path / "cache"),
-                              "--out", str(tmp_path / "run")],
+        run = subprocess.run([sys.executable, "-m", "dalifeed.train.cli", "--data", store.url, "--epochs", "1",
+                              "--val-split", "none", *fast_args(width=8, batch_size=4), "--cache-dir",
+                              str(tmp_path / "cache"), "--out", str(tmp_path / "run")],
                              capture_output=True, text=True, env=env, timeout=600)
     finally:
         client.put_object(Bucket=bucket, Key=prefix, Body=good)

@@ -73,4 +73,5 @@ def test_sklearns_files_read_without_it_are_what_its_loaders_give(monkeypatch):
     monkeypatch.setattr(sample_data, "sklearn_file", lambda *parts: None)
     images_again, target_again = sample_data.sklearn_digits()
     assert np.array_equal(images_again, images) and np.array_equal(target_again, target)
-    assert {k: v.shape for k, v in sample_data.sklearn_sample_images().items()} == {k: v.shape for k, v in photos.items()}
+    assert ({k: v.shape for k, v in sample_data.sklearn_sample_images().items()}
+            == {k: v.shape for k, v in photos.items()})

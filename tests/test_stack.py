@@ -8,17 +8,29 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from click.testing import CliRunner
 
 from dalifeed.cli import main as dalifeed_cli
 from dalifeed.pipelines import resolve_device
-from dalifeed.stack import (INSTALL, Stack, StackMismatch, check, choose_device, dali_distributions, install_majors,
-                            host_gpu_entries, installed_packages, nvidia_device_files, pip_report_packages, probe,
-                            torch_build_major)
+from dalifeed.stack import (
+    INSTALL,
+    Stack,
+    StackMismatch,
+    check,
+    choose_device,
+    dali_distributions,
+    host_gpu_entries,
+    install_majors,
+    installed_packages,
+    nvidia_device_files,
+    pip_report_packages,
+    probe,
+    torch_build_major,
+)
 from dalifeed.train.distributed import setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,7 +107,8 @@ def test_no_driver_runs_on_the_cpu_and_a_gpu_device_is_refused():
     report = check(Stack(**TORCH_CU130, **DALI_130))
     assert report.ok and report.warnings == [] and choose_device("auto", report) == "cpu"
     with pytest.raises(StackMismatch, match=r"^--device gpu needs a CUDA GPU and this node has none \(no NVIDIA "
-                                            r"driver answers and there is no /dev/nvidia<N>\): use --device cpu, or auto$"):
+                                            r"driver answers and there is no /dev/nvidia<N>\): use --device cpu, "
+                                            r"or auto$"):
         choose_device("gpu", report)
 
 
@@ -276,7 +289,8 @@ def test_this_machine_has_no_nvidia_driver_and_auto_runs_on_the_cpu():
     import torch
 
     stack = probe()
-    assert (stack.driver, stack.nvml_gpus, stack.device_files, stack.torch_gpus, stack.dali_gpus) == (None, (), (), 0, 0)
+    assert ((stack.driver, stack.nvml_gpus, stack.device_files, stack.torch_gpus, stack.dali_gpus)
+            == (None, (), (), 0, 0))
     assert stack.torch == torch.__version__ and stack.dali == nvidia.dali.__version__ and stack.dali_packages
     assert resolve_device("auto") == "cpu" and setup("auto").device.type == "cpu"
 

@@ -17,15 +17,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dalifeed.pipelines import make_loader
 from dalifeed.convert import ConvertConfig, convert_imagefolder
-from dalifeed.train import TrainConfig, checkpoint, main as train, train_one_epoch
+from dalifeed.pipelines import make_loader
+from dalifeed.train import TrainConfig, checkpoint, train_one_epoch
+from dalifeed.train import main as train
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.distributed import Dist
 from dalifeed.train.models import build_model
 from dalifeed.train.run import Run, RunLog, epoch_score
 from dalifeed.train.trainer import amp_dtype, build_optimizer, make_model, param_groups, skips_on_device, warmup_cosine
-
 from fast_recipe import fast_args, fast_config
 from helpers import write_imagefolder
 
@@ -303,7 +303,8 @@ def test_an_optimizer_saved_unfused_resumes_fused_and_skips_on_the_device(optimi
     cfg = TrainConfig(data=".", out=".", optimizer=optimizer, momentum=0.9, weight_decay=0.0)
     old_model, new_model = Linear(), Linear()
     kind = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
-    old = kind(param_groups(old_model, 0.0), lr=0.1, **({"momentum": 0.9, "nesterov": True} if optimizer == "sgd" else {}))
+    old = kind(param_groups(old_model, 0.0), lr=0.1,
+               **({"momentum": 0.9, "nesterov": True} if optimizer == "sgd" else {}))
     if optimizer == "adamw":  # AdamW: one step taken, its count on the CPU
         old_model.fc.weight.grad = torch.ones_like(old_model.fc.weight)
         old_model.fc.bias.grad = torch.ones_like(old_model.fc.bias)
@@ -426,7 +427,8 @@ def test_pretrained_takes_dali_trains_own_last_and_best_checkpoints(shards, tmp_
     for path in (run / "last.pt", run / "best.pt", old):
         model, _ = make_model(fast_config(shards, tmp_path / "ft", pretrained=str(path)), CPU, 3)
         weights = torch.load(path, weights_only=False)["model"]
-        assert "re-initialised" not in capsys.readouterr().out and all(torch.equal(model.state_dict()[k], v) for k, v in weights.items()), path
+        assert ("re-initialised" not in capsys.readouterr().out
+                and all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())), path
     result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(tmp_path / "ft"),
                                             *fast_args(epochs=1), "--pretrained", str(run / "best.pt")])
     assert result.exit_code == 0, result.output

@@ -16,9 +16,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dalifeed.train import TrainConfig, main as train
+from dalifeed.train import TrainConfig
+from dalifeed.train import main as train
 from dalifeed.train.cli import main as train_cli
-
 from fast_recipe import fast_args
 from helpers import hold_lock, limit_file_size, wait_for
 

@@ -16,7 +16,6 @@ from dalifeed.train import TrainConfig
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.config import ConfigError
 from dalifeed.train.models import ModelError, build_model, check_input_size
-
 from fast_recipe import fast_args
 
 FAST = fast_args(epochs=1)  # the training tests' recipe, one epoch
@@ -141,7 +140,8 @@ def test_make_loader_refuses_classification_on_coco_shards_in_one_line(mini_coco
     and fails while building the pipeline ("Underful sample detected ... please report it")."""
     from dalifeed.pipelines import make_loader
 
-    with pytest.raises(ValueError, match=r"holds COCO shards .*make_loader\(\.\.\., multilabel=True\).*make_detection_loader"):
+    with pytest.raises(ValueError, match=r"holds COCO shards .*make_loader\(\.\.\., multilabel=True\)"
+                                         r".*make_detection_loader"):
         make_loader(mini_coco_shards, "mini", 2, device="cpu", image_size=16, num_threads=1)
 
 
@@ -150,8 +150,8 @@ def test_a_pipeline_that_fails_while_it_is_built_is_one_shard_data_error(mini_co
     "... in pipeline"): the loader turns it into the same one-line ShardDataError. Made here by a loader
     built past make_loader's check, reading COCO shards for a one-class label member they lack."""
     from dalifeed.pipelines.checks import ShardDataError
-    from dalifeed.pipelines.graphs import AugmentConfig
     from dalifeed.pipelines.dataset import Source
+    from dalifeed.pipelines.graphs import AugmentConfig
     from dalifeed.pipelines.loader import LoaderOptions, classification_loader
     from dalifeed.shardfolder import open_shard_folder
 

@@ -19,7 +19,6 @@ from click.testing import CliRunner
 
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.run import RunLog
-
 from fast_recipe import fast_args
 
 FAST = fast_args(width=8)  # the training tests' recipe at width 8: 45 train images in 5 steps of 8
@@ -73,7 +72,7 @@ def test_a_log_gets_progress_lines_between_epoch_lines_and_tensorboard_per_step_
     assert [(e, s) for e, s, _ in seen] == [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, "end"),
                                             (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, "end")], log.read_text()
     lines = {(e, s): m for e, s, m in seen if m}
-    for (epoch, step), m in lines.items():
+    for (_epoch, _step), m in lines.items():
         assert int(m["steps"]) == 5 and 0 <= int(m["wait"]) <= 100
         assert seconds(m["run"]) >= seconds(m["left"])
     # the running mean loss at an epoch's last step is the epoch's train_loss; the time left then is none
@@ -109,8 +108,8 @@ def test_rates_are_images_over_the_seconds_given(tmp_path):
     over the epoch so far, a TensorBoard point over the steps since the point before."""
     from dalifeed.train.config import TrainConfig
     from dalifeed.train.distributed import Dist
-    from dalifeed.train.run import EpochStats, TrainState
     from dalifeed.train.progress import EpochProgress
+    from dalifeed.train.run import EpochStats, TrainState
 
     cfg = TrainConfig(data=str(tmp_path), out=str(tmp_path / "run"), epochs=1, tensorboard_every=1)
     state, run_log = TrainState(), RunLog(tmp_path / "run", enabled=True, resume_epoch=None)

@@ -30,7 +30,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dalifeed.train import stop
 from dalifeed.train.distributed import Dist
 from dalifeed.train.trainer import build_run, train_one_epoch, update_ema
-
 from fast_recipe import fast_config
 
 TENSOR_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")

@@ -106,7 +106,8 @@ def parse_image_sizes(ctx, param, value: str) -> list[int]:
               help="--shards s3://...: the shard cache the DALI loaders fetch whole tars into [default: shards/ in "
                    "dalifeed's cache folder].")
 @click.option("--cache-limit", default=None, metavar="SIZE",
-              help="--shards s3://...: bound of the shard cache, e.g. 20GB (20*10^9 bytes) or 20GiB (20*2^30) [default: 90% of the free space].")
+              help="--shards s3://...: bound of the shard cache, e.g. 20GB (20*10^9 bytes) or 20GiB (20*2^30) "
+                   "[default: 90% of the free space].")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def main(debug: bool, **options):
     """Race the DALI pipelines against the torch DataLoader baseline on the same images and augmentation
@@ -134,10 +135,10 @@ def main(debug: bool, **options):
     split was made from (shard-convert records their names and sizes), that the split holds at least one
     batch, that at least one loader can run here and that --model takes --image-size (built on the meta
     device, as dali-train builds it); any failing is one line and exit 2, as is a node whose NVIDIA GPUs the
-    installed torch or DALI cannot use (`dalifeed doctor`). Reports images/s (median of --repeats), speed-up over baseline measured in the same run, CPU
-    use, peak memory and the epoch start (the wait for an epoch's first batch, in batch times), and with --model the training steps/s each loader sustains against synthetic
-    data (with a time estimate after the first step); writes OUT/bench.json, OUT/bench.png and
-    OUT/config.json.
+    installed torch or DALI cannot use (`dalifeed doctor`). Reports images/s (median of --repeats), speed-up
+    over baseline measured in the same run, CPU use, peak memory and the epoch start (the wait for an epoch's
+    first batch, in batch times), and with --model the training steps/s each loader sustains against synthetic
+    data (with a time estimate after the first step); writes OUT/bench.json, OUT/bench.png and OUT/config.json.
     """
     options["loaders"] = [name.strip() for name in options["loaders"].split(",") if name.strip()]
     if options["epochs"] is not None:
@@ -154,8 +155,8 @@ def main(debug: bool, **options):
 
         dataset = cfg.validate()  # --shards opened once, for every loader and size
         if dataset.sources[0].manifest.tar_root is not None:
-            click.echo(f"--shards {cfg.shards}: its manifest reads the tars from {dataset.sources[0].manifest.tar_root} "
-                       f"(indexed with --index-dir)", err=True)
+            click.echo(f"--shards {cfg.shards}: its manifest reads the tars from "
+                       f"{dataset.sources[0].manifest.tar_root} (indexed with --index-dir)", err=True)
         for race in races[1:]:
             if race.model:  # the model must take every size
                 race.check_model()

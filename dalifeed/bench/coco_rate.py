@@ -16,8 +16,8 @@ from pathlib import Path
 
 import click
 
-from dalifeed.runtime import usable_cores
 from dalifeed.convert.coco import CocoConfig, convert_coco
+from dalifeed.runtime import usable_cores
 from dalifeed.sample_data import make_photos_coco
 
 from .convert_rate import pure_decode_seconds

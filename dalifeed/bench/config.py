@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from dalifeed.cliutil import output_folder_problem, parse_size

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import click
 
-from dalifeed.runtime import usable_cores
 from dalifeed.convert import ConvertConfig, convert_imagefolder
 from dalifeed.convert.images import decode_check
+from dalifeed.runtime import usable_cores
 
 
 def _decode_file(path: str) -> int:

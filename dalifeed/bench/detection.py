@@ -5,19 +5,19 @@ SSD-style IoU crop, a horizontal flip and a resize to S x S."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
+from dalifeed.convert.coco import SplitPlan, load_instances, plan_split, training_boxes
+from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 from dalifeed.format import ShardManifest, listing_digest
 from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
-from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 from dalifeed.pipelines.dataset import Dataset
-from dalifeed.convert.coco import SplitPlan, load_instances, plan_split, training_boxes
 
-from .loaders import DALI_DEVICES, dataloader_options, opened
-from .names import DETECTION_LOADERS
+from .loaders import dataloader_options, opened
+from .names import DALI_DEVICES, DETECTION_LOADERS
 
 
 def coco_split(images: Path, annotations: Path, manifest: ShardManifest, split: str) -> SplitPlan:
@@ -106,6 +106,6 @@ def build_detection_loader(name: str, *, images: Path, annotations: Path, shards
     if name in DALI_DEVICES:
         from dalifeed.pipelines import make_detection_loader
 
-        return make_detection_loader(opened(shards, task="detection"), split, batch_size, train=True, size=image_size, num_threads=workers,
-                                     device=DALI_DEVICES[name], hw_decoder_load=hw_decoder_load)
+        return make_detection_loader(opened(shards, task="detection"), split, batch_size, train=True, size=image_size,
+                                     num_threads=workers, device=DALI_DEVICES[name], hw_decoder_load=hw_decoder_load)
     raise ValueError(f"unknown detection loader {name!r} (choose from {', '.join(DETECTION_LOADERS)})")

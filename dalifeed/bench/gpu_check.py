@@ -32,7 +32,6 @@ the CPU: that is how the check itself is tested).
 
 from __future__ import annotations
 
-
 import json
 import os
 import shlex
@@ -42,10 +41,10 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Callable
 
 import click
 import torch
@@ -56,14 +55,15 @@ from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 from dalifeed.runtime import usable_cores
 
 from . import gpu_recipes
-from .gpu_node import decoder_budget
-from .gpu_defaults import defaults_step
 from .config import BenchConfig
+from .gpu_defaults import defaults_step
+from .gpu_node import decoder_budget
 from .gpu_report import decoder_memory_line, goals, render_markdown
-from .loaders import LOADERS
+from .names import LOADERS
 from .photos import build_data
 from .report import write_report
-from .run import environment as bench_environment, run_bench
+from .run import environment as bench_environment
+from .run import run_bench
 from .sampler import ResourceSampler, gpu_probes
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the source checkout holding dalifeed/ and tests/
@@ -103,7 +103,8 @@ class GpuCheckConfig:
                                   "(or pass --allow-cpu to exercise the check itself on the CPU)")
         for name, value in (("--per-class", self.per_class), ("--batch-size", self.batch_size),
                             ("--repeats", self.repeats), ("--workers", self.workers),
-                            ("--train-epochs", self.train_epochs), ("--train-ranks", 1 if self.train_ranks is None else self.train_ranks),
+                            ("--train-epochs", self.train_epochs),
+                            ("--train-ranks", 1 if self.train_ranks is None else self.train_ranks),
                             ("--recipe-batches", self.recipe_batches), ("--coco-batch-size", self.coco_batch_size)):
             if value < 1:
                 raise CheckUsageError(f"{name} must be >= 1, got {value}")
@@ -274,7 +275,8 @@ def hw_decoder_step(run: CheckRun) -> dict:
     engine = [r["jpeg_engine_util_percent"] for r in runs if r["hw_decoder_load"] > 0]
     used = None if not engine or None in engine else any(u > 0 for u in engine)
     return {"runs": runs, "best_hw_decoder_load": best["hw_decoder_load"], "hardware_decoder_used": used,
-            "default_hw_decoder_load": DEFAULT_HW_DECODER_LOAD, "threads": budget["threads"], "budget": budget["budget"]}
+            "default_hw_decoder_load": DEFAULT_HW_DECODER_LOAD, "threads": budget["threads"],
+            "budget": budget["budget"]}
 
 
 def train_command(cfg: GpuCheckConfig, shards: Path, out: Path, has_gpu: bool, synthetic: bool, ranks: int = 1,
@@ -377,9 +379,10 @@ def checkpoint_round_trip(shards: Path, device: str, batch_size: int, image_size
     got += [on_host(next(resumed)) for _ in range(after - 1)]
     identical = all(torch.equal(a, b) for pair in zip(expected, got) for a, b in zip(*pair))
     difference = max(float((a.float() - b.float()).abs().max()) for (a, _), (b, _) in zip(expected, got))
-    return {"device": device, "hw_decoder_load": hw_decoder_load, "first_batch_seconds": first_batch_s, "save_seconds": save_s,
-            "restore_to_first_batch_seconds": restore_s, "state_bytes": len(state["dali"] or ""),
-            "batches_compared": after, "bit_identical": identical, "max_abs_difference": difference}
+    return {"device": device, "hw_decoder_load": hw_decoder_load, "first_batch_seconds": first_batch_s,
+            "save_seconds": save_s, "restore_to_first_batch_seconds": restore_s,
+            "state_bytes": len(state["dali"] or ""), "batches_compared": after, "bit_identical": identical,
+            "max_abs_difference": difference}
 
 
 def checkpoint_step(run: CheckRun) -> dict:

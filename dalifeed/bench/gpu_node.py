@@ -18,7 +18,8 @@ def decoder_budget(cores: int | None = None, gpus: int | None = None, environ=os
     memory they add up to. `cores` and `gpus` default to this process's (usable_cores, torch)."""
 
     gpus = torch.cuda.device_count() if gpus is None else gpus
-    budget = thread_budget("gpu", cores=cores, visible_gpus=gpus, environ={**environ, "LOCAL_WORLD_SIZE": str(max(1, gpus))})
+    budget = thread_budget("gpu", cores=cores, visible_gpus=gpus,
+                           environ={**environ, "LOCAL_WORLD_SIZE": str(max(1, gpus))})
     memory, mib = decoder_memory(budget.threads), 2**20
     return {"threads": budget.threads, "ranks_on_node": budget.ranks_on_node, "cores": budget.cores,
             "budget": budget.describe(),

@@ -41,9 +41,10 @@ def percent(value: float | None) -> str:
 
 def decoder_memory_line(budget: dict) -> str:
     return (f"dali-train's default with one rank per GPU here, {budget['budget']}. At that budget each rank's "
-            f"`mixed` decoder reserves {budget['gpu_mib']:.0f} MiB of GPU and {budget['pinned_mib']:.0f} MiB of pinned "
-            f"host memory when built ({budget['device_padding_mib']:.0f} MiB + 2 x {budget['host_padding_mib']:.0f} MiB "
-            f"per thread; twice that at an epoch's boundary, with the next epoch's started: docs/gpu.md).")
+            f"`mixed` decoder reserves {budget['gpu_mib']:.0f} MiB of GPU and {budget['pinned_mib']:.0f} MiB of "
+            f"pinned host memory when built ({budget['device_padding_mib']:.0f} MiB + 2 x "
+            f"{budget['host_padding_mib']:.0f} MiB per thread; twice that at an epoch's boundary, with the next "
+            f"epoch's started: docs/gpu.md).")
 
 
 # -- the sections, in order: each is given its part of the report and gives its lines -------------------
@@ -96,7 +97,7 @@ def hw_decoder_section(hw: dict) -> list[str]:
 def defaults_section(found: dict) -> list[str]:
     rows = [[str(r["threads"]), str(r["prefetch_queue_depth"]), f"{r['images_per_s']:.0f}"] for r in found["runs"]]
     best, default = found["best"], found["default"]
-    return ["### Loader defaults (training graph, `%s`)" % found["device"], "",
+    return [f"### Loader defaults (training graph, `{found['device']}`)", "",
             *markdown_table(["DALI threads", "prefetch queue", "images/s"], rows), "",
             f"Best here: {best['threads']} threads, prefetch queue {best['prefetch_queue_depth']}; dalifeed's default "
             f"here: {default['threads']} threads, prefetch queue {default['prefetch_queue_depth']} "
@@ -111,7 +112,8 @@ def train_section(train: dict) -> list[str]:
     trace = train["dali"].get("profile_trace")
     where = f", a torch profiler trace of 5 steps of the {train['loader']} run in `{trace}`" if trace else ""
     ranks = f", {train['ranks']} rank(s)" if "ranks" in train else ""
-    return [f"### {train['model']} training slice (amp {train['amp']}, channels-last, batch {train['batch_size']}{ranks})",
+    return [f"### {train['model']} training slice (amp {train['amp']}, channels-last, "
+            f"batch {train['batch_size']}{ranks})",
             "", *markdown_table(["data", "images/s (median of epochs)", "data wait", "GPU %"], rows), "",
             f"{train['loader']} / synthetic: {train['dali_vs_synthetic']:.1%}; the commands are in gpu-check.json"
             f"{where}."]

@@ -13,19 +13,20 @@ augmentation goes into both, next to each other below.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
-from dalifeed.pipelines import LoaderOptions, build_loader as build_dali_loader
+from dalifeed.pipelines import LoaderOptions
+from dalifeed.pipelines import build_loader as build_dali_loader
 from dalifeed.pipelines.augment import torchvision_policy
 from dalifeed.pipelines.dataset import Dataset, open_dataset
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, AugmentConfig
 from dalifeed.s3 import is_s3_url
 
-from .names import DALI_DEVICES, GPU_LOADERS, IMAGEFOLDER_LOADERS, LOADERS, PEERS
+from .names import DALI_DEVICES, GPU_LOADERS, LOADERS, PEERS
 
 
 def skip_reason(name: str, shards: Path | str, device_type: str) -> str | None:

@@ -16,7 +16,7 @@ import click
 
 from . import convert_rate, stages
 from .config import BenchConfig
-from .loaders import LOADERS, PEERS
+from .names import LOADERS, PEERS
 from .peers import missing_package
 from .photos import build_data
 from .report import render_table, write_report
@@ -106,8 +106,8 @@ def main(workdir: Path, doc: Path, per_class: int, seconds: float, repeats: int,
     (workdir / "convert_rate.json").write_text(json.dumps(convert, indent=2) + "\n")
     click.echo(render_table(bench))
     click.echo("measuring the DALI pipeline stage by stage ...", err=True)
-    stage = stages.stage_rates(dataset.manifest, batch_size=cfg.batch_size, threads=cfg.workers, image_size=cfg.image_size,
-                               device="gpu" if bench["environment"]["gpu"] else "cpu")
+    stage = stages.stage_rates(dataset.manifest, batch_size=cfg.batch_size, threads=cfg.workers,
+                               image_size=cfg.image_size, device="gpu" if bench["environment"]["gpu"] else "cpu")
     (workdir / "stages.json").write_text(json.dumps(stage, indent=2) + "\n")
     command = "make bench" if os.environ.get("MAKELEVEL") else "python -m dalifeed.bench.make_bench"
     update_doc(doc, render(convert, bench, stage, command))

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 

@@ -11,15 +11,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dalifeed.runtime import usable_cores
 from dalifeed.pipelines.dataset import Dataset
+from dalifeed.runtime import usable_cores
 from dalifeed.stack import choose_device, stack_report
 
 from .config import BenchConfig
 from .detection import build_detection_loader
-from .loaders import PEERS, batches_ahead, build_loader, skip_reason
-from .peers import peer_loader
+from .loaders import batches_ahead, build_loader, skip_reason
 from .measure import forever, synthetic_batches, time_loader, train_steps_per_s
+from .names import PEERS
+from .peers import peer_loader
 
 
 def environment() -> dict:
@@ -155,6 +156,7 @@ class StepProgress:
         self.bar.update(1)
         if done == 1:
             per_step = time.perf_counter() - self.started
-            self.log(f"{self.what}: {total} steps, about {per_step * (total - 1):.0f} s more at {per_step:.1f} s a step")
+            self.log(f"{self.what}: {total} steps, about {per_step * (total - 1):.0f} s more "
+                     f"at {per_step:.1f} s a step")
         if done == total:
             self.bar.close()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dalifeed.convert.imagefolder import find_classes, list_class_files
 from dalifeed.format import ShardManifest, listing_digest
 from dalifeed.runtime import mib
-from dalifeed.convert.imagefolder import find_classes, list_class_files
 
 
 def imagefolder_listing(folder: Path) -> tuple[list[str], dict]:

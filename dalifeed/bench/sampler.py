@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import psutil
 
@@ -89,7 +89,7 @@ class ResourceSampler:
                     self.samples[name].append(value)
             self._stop.wait(self.period)
 
-    def __enter__(self) -> "ResourceSampler":
+    def __enter__(self) -> ResourceSampler:
         self._cpu0, self._t0 = tree_cpu_seconds(), time.perf_counter()
         self._thread.start()
         return self

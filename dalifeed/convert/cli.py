@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from ..cliutil import LOCATION, default, run_command, size_option
 from ..atomic import temp_name, write_json_atomic
+from ..cliutil import LOCATION, default, run_command, size_option
 from ..entry import dali_import_error, exit_without_dali
 from ..format import ManifestError, ShardManifest
 from ..runtime import DiskFull, FolderInUse
@@ -67,8 +67,9 @@ def shard_options(command):
                      help="At most this many samples per shard."),
         click.option("--jpeg-quality", type=int, default=d("jpeg_quality"), show_default=True,
                      help="Quality for images that must be re-encoded: non-JPEG, JPEG encodings that not every decoder "
-                          "reads alike (CMYK, YCCK, lossless, arithmetic, 12-bit), EXIF-rotated, or shrunk by --max-side. "
-                          "Baseline/progressive 8-bit RGB and greyscale JPEGs pass through byte for byte (docs/format.md)."),
+                          "reads alike (CMYK, YCCK, lossless, arithmetic, 12-bit), EXIF-rotated, or shrunk by "
+                          "--max-side. Baseline/progressive 8-bit RGB and greyscale JPEGs pass through byte for byte "
+                          "(docs/format.md)."),
         click.option("--max-side", type=int, default=d("max_side"),
                      help="Re-encode images whose long side exceeds N pixels down to N (less decode work later)."),
         click.option("--max-pixels", type=int, default=d("max_pixels"), show_default=True,

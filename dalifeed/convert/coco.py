@@ -33,9 +33,21 @@ from pathlib import Path
 
 import numpy as np
 
-from ..format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
-                      COCO_LABELS_MEMBER, COCO_MEMBERS, COCO_META, IMAGE_MEMBER, META_MEMBER, ShardManifest,
-                      check_split_name, listing_digest, meta_problems)
+from ..format import (
+    COCO_BOXES_MEMBER,
+    COCO_CROWD_BOXES_MEMBER,
+    COCO_CROWD_LABELS_MEMBER,
+    COCO_ID_MEMBER,
+    COCO_LABELS_MEMBER,
+    COCO_MEMBERS,
+    COCO_META,
+    IMAGE_MEMBER,
+    META_MEMBER,
+    ShardManifest,
+    check_split_name,
+    listing_digest,
+    meta_problems,
+)
 from ..shardfolder import open_shard_folder, read_samples
 from .core import Plan, convert, stat_source
 from .images import ImageError, to_jpeg
@@ -121,7 +133,8 @@ def load_instances(path: Path) -> dict:
     for i, image in enumerate(doc["images"]):
         _check_record(path, f"images[{i}]", image, {"id": int, "file_name": str, "width": int, "height": int})
         if image["width"] < 1 or image["height"] < 1:
-            raise UsageError(f"{path}: images[{i}]: width and height must be >= 1, got {image['width']}x{image['height']}")
+            raise UsageError(f"{path}: images[{i}]: width and height must be >= 1, "
+                             f"got {image['width']}x{image['height']}")
     for i, ann in enumerate(doc["annotations"]):
         _check_record(path, f"annotations[{i}]", ann, {"id": int, "image_id": int, "category_id": int, "bbox": list})
         bbox = ann["bbox"]

@@ -20,19 +20,26 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
-
 
 from ..atomic import write_json_atomic
 from ..format import FORMAT_VERSION, MANIFEST_NAME, ShardManifest, SplitInfo
 from ..runtime import LOCK_NAME, DiskFull, FolderInUse, folder_lock, free_bytes, mib, write_remedy
 from ..s3 import is_s3_url
 from . import remote
-from .jobs import (MergeError, Part, add_up, add_up_records, job_positions, job_record_path, shard_prefix,
-                   write_job_record)
+from .jobs import (
+    MergeError,
+    Part,
+    add_up,
+    add_up_records,
+    job_positions,
+    job_record_path,
+    shard_prefix,
+    write_job_record,
+)
 from .lease import Lease, LeaseHeld
 from .options import ShardOptions, UsageError, is_conversion_state
 from .shards import JOBS_DIR, PROGRESS_DIR, ProgressStore, Totals, describe_difference, remove_outputs, write_split
@@ -193,8 +200,8 @@ def make_output_folder(opts: ShardOptions) -> None:
     try:
         opts.folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"{opts.folder}: cannot create the output folder ({e.strerror or e}"
-                         f"{f': {e.filename}' if e.filename and str(e.filename) != str(opts.folder) else ''})") from None
+        shown = f": {e.filename}" if e.filename and str(e.filename) != str(opts.folder) else ""
+        raise UsageError(f"{opts.folder}: cannot create the output folder ({e.strerror or e}{shown})") from None
 
 
 def prepare_remote_output(opts: ShardOptions, fingerprint: dict) -> str:

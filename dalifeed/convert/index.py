@@ -34,8 +34,16 @@ from pathlib import Path
 
 from .. import s3
 from ..atomic import temp_name, write_atomic
-from ..format import (MANIFEST_NAME, IndexEntry, ShardInfo, ShardManifest, SplitInfo, check_split_name, index_text,
-                      split_member_name)
+from ..format import (
+    MANIFEST_NAME,
+    IndexEntry,
+    ShardInfo,
+    ShardManifest,
+    SplitInfo,
+    check_split_name,
+    index_text,
+    split_member_name,
+)
 from ..runtime import usable_cores
 from .images import DEFAULT_MAX_PIXELS, ImageError, JpegFrame, decode_check, read_jpeg_frame, sniff_format
 from .shards import ordered_map
@@ -48,7 +56,7 @@ IMAGE_EXTS = ("jpg", "jpeg")  # the first of these a sample has is its image; DA
 IMAGE_FILE_EXTS = {"jpg", "jpeg", "png", "webp", "gif", "bmp", "tif", "tiff"}
 NAME_LABEL_EXT = "dalifeed.label"  # the empty index component whose name carries the label (module docstring)
 LABEL_DIGITS = 10  # width of the decimal label in that name, and the longest `.cls` text the graph parses
-CLS_DIGITS = re.compile(r"[0-9]{1,%d}" % LABEL_DIGITS)  # a `.cls` label DALI's graph reads, whitespace cut off
+CLS_DIGITS = re.compile(rf"[0-9]{{1,{LABEL_DIGITS}}}")  # a `.cls` label DALI's graph reads, whitespace cut off
 # `train-000000.tar`, `val_00012.tar`: split prefix, separator, shard number. `00000.tar` (img2dataset) has none.
 SHARD_NAME = re.compile(r"^(?P<split>.*?)[-_]?(?P<number>\d+)\.tar$")
 SPLIT_NAMES = {"train": "train", "training": "train",
@@ -151,7 +159,7 @@ class ImageHead:
     format: str | None  # when frame is None: `images.sniff_format` (None: no image format)
 
     @classmethod
-    def read(cls, data: bytes | memoryview) -> "ImageHead":
+    def read(cls, data: bytes | memoryview) -> ImageHead:
         frame = read_jpeg_frame(data)
         return cls(frame, None if frame is not None else sniff_format(bytes(data[:SNIFF_BYTES])))
 
@@ -417,7 +425,7 @@ class CompressedTars:
     copies: list[str]
 
     @classmethod
-    def find(cls, names: list[str]) -> "CompressedTars":
+    def find(cls, names: list[str]) -> CompressedTars:
         present = set(names)
         compressed = [n for n in names if compressed_suffix(n)]
         copies = [n for n in compressed if n[:-len(compressed_suffix(n))] + ".tar" in present]
@@ -456,7 +464,8 @@ def mark_keys_across_tars(tars: list[ScannedTar]) -> None:
             if split_across:
                 reason = f"key split across tars: its members are in {names[0]} and {names[1]}"
             elif members_apart(samples) and len(set(names)) == 1:
-                reason = (f"members not adjacent: {key}'s files ({', '.join(m.name for s in samples for m in s.members)}"
+                reason = (f"members not adjacent: {key}'s files "
+                          f"({', '.join(m.name for s in samples for m in s.members)}"
                           f") are apart in {names[0]}, which webdataset reads as {len(places)} samples: the tar was "
                           f"written in directory order (a plain `tar cf DIR`); write it again with the files of each "
                           f"key together: tar --sort=name -cf TAR -C DIR .")
@@ -782,7 +791,8 @@ def verify_indexed_folder(manifest: ShardManifest, on_shard=lambda: None, decode
                     if sample.reason is None:
                         sample.reason = undecoded.get(f"{tar.name}:{sample.key}")
                 if decoder is not None:  # one tar's images at a time
-                    undecodable.update(decode_problems(tar, decoder, cfg.max_pixels, manifest.index_command(decode=True)))
+                    undecodable.update(decode_problems(tar, decoder, cfg.max_pixels,
+                                                       manifest.index_command(decode=True)))
                 tars.append(tar)
             mark_keys_across_tars(tars)
         except IndexDataError as e:

@@ -71,7 +71,8 @@ def add_up(template: ShardManifest, parts: list[Part]) -> ShardManifest:
         del extra["counts"]
     return replace(
         template, extra=extra, skipped=whole.skipped, warnings=whole.warnings,
-        splits={name: SplitInfo(totals.shards, totals.class_counts(len(template.classes)), template.splits[name].listing)
+        splits={name: SplitInfo(totals.shards, totals.class_counts(len(template.classes)),
+                                template.splits[name].listing)
                 for name, totals in splits.items()},
         reencoded={"count": sum(whole.reencoded.values()), "by_reason": dict(sorted(whole.reencoded.items()))},
     )
@@ -134,7 +135,8 @@ def finished_jobs(out: Path) -> list[dict]:
     if missing:
         running = [i for i in missing if (out / PROGRESS_DIR / f"job-{i:04d}").is_dir()]
         state = f" ({len(running)} of them started: still running or interrupted)" if running else ""
-        raise MergeError(f"{out}: job {missing[0]} of {count} has not finished (no {job_record_path(out, missing[0], count).name})"
+        raise MergeError(f"{out}: job {missing[0]} of {count} has not finished "
+                         f"(no {job_record_path(out, missing[0], count).name})"
                          + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") + state)
     reference = found[0]["fingerprint"]
     for index in range(count):

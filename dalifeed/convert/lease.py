@@ -168,7 +168,8 @@ class Lease:
 
 def describe(holder: dict) -> str:
     started = holder.get("started")
-    since = time.strftime(" since %Y-%m-%d %H:%M:%S UTC", time.gmtime(started)) if isinstance(started, (int, float)) else ""
+    since = (time.strftime(" since %Y-%m-%d %H:%M:%S UTC", time.gmtime(started))
+             if isinstance(started, (int, float)) else "")
     return f"held by {holder.get('host', '?')} pid {holder.get('pid', '?')}{since}"
 
 

@@ -90,10 +90,11 @@ class ShardOptions:
                 parse_s3_url(self.remote)
             except StorageError as e:
                 raise UsageError(str(e)) from None
-            stray = [p.name for p in self.folder.iterdir() if not (is_conversion_state(p.name) or is_output_file(p.name))] \
-                if self.folder.is_dir() else []
+            stray = [p.name for p in self.folder.iterdir()
+                     if not (is_conversion_state(p.name) or is_output_file(p.name))] if self.folder.is_dir() else []
             if stray:
-                raise UsageError(f"--staging {self.folder}: holds other files ({stray[0]}); give an empty or new folder")
+                raise UsageError(f"--staging {self.folder}: holds other files ({stray[0]}); "
+                                 f"give an empty or new folder")
         if self.folder.exists() and not self.folder.is_dir():
             raise UsageError(f"{self.folder}: output exists and is not a folder")
 

@@ -19,12 +19,12 @@ import shutil
 import sys
 import tarfile
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
 
 from ..atomic import temp_name, write_atomic, write_json_atomic
 from ..format import TAR_BLOCK, IndexEntry, ShardInfo, file_sha256, index_text
@@ -96,18 +96,19 @@ class Totals:
     warnings: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # converter-specific tallies (COCO: boxes, ...)
 
-    def add(self, more: "Totals") -> "Totals":
+    def add(self, more: Totals) -> Totals:
         """Add `more` to these totals (its lists after these ones) and return them."""
         self.shards += more.shards
         self.skipped += more.skipped
         self.warnings += more.warnings
-        for mine, theirs in ((self.reencoded, more.reencoded), (self.classes, more.classes), (self.counts, more.counts)):
+        for mine, theirs in ((self.reencoded, more.reencoded), (self.classes, more.classes),
+                             (self.counts, more.counts)):
             for key, n in theirs.items():
                 mine[key] = mine.get(key, 0) + n
         return self
 
     @classmethod
-    def sum(cls, parts: Iterable["Totals"]) -> "Totals":
+    def sum(cls, parts: Iterable[Totals]) -> Totals:
         """The parts added up, in order, into new totals (none of the parts changes)."""
         total = cls()
         for part in parts:
@@ -141,7 +142,7 @@ class ShardRecord:
         return {"shard": asdict(self.shard), "next_position": self.next_position, **totals}
 
     @classmethod
-    def from_json(cls, doc: dict) -> "ShardRecord":
+    def from_json(cls, doc: dict) -> ShardRecord:
         totals = Totals([ShardInfo.from_json(doc["shard"])], doc["skipped"], doc["reencoded"], doc.get("classes", {}),
                         doc.get("warnings", []), doc.get("counts", {}))
         return cls(totals, doc["next_position"])
@@ -444,7 +445,7 @@ class ShardWriter:
         self.current: ShardFile | None = None
         self.pending = Totals()  # what the open shard will record
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Iterator
+from collections.abc import Iterator
 
 BLOCK = 512
 ZERO_BLOCK = bytes(BLOCK)

@@ -18,9 +18,21 @@ from pathlib import Path
 
 from .. import s3
 from ..decode import DaliDecoder, dali_sees_gpu
-from ..format import (CLASS_I64_MEMBER, CLASS_MEMBER, IMAGE_MEMBER, IMAGEFOLDER_MEMBERS, IMAGEFOLDER_META,
-                      META_MEMBER, IndexEntry, ManifestError, ShardInfo, ShardManifest, index_text, meta_problems,
-                      split_member_name)
+from ..format import (
+    CLASS_I64_MEMBER,
+    CLASS_MEMBER,
+    IMAGE_MEMBER,
+    IMAGEFOLDER_MEMBERS,
+    IMAGEFOLDER_META,
+    META_MEMBER,
+    IndexEntry,
+    ManifestError,
+    ShardInfo,
+    ShardManifest,
+    index_text,
+    meta_problems,
+    split_member_name,
+)
 from ..shardfolder import fetch_index, open_shard_folder
 from .images import DEFAULT_MAX_PIXELS, EXIF_ORIENTATION, ImageError, decode_check, read_jpeg_frame
 
@@ -57,7 +69,7 @@ def verify_shards(root: Path, decode: bool = False, on_shard=lambda: None) -> Ve
     problems: list[str] = []
     n_shards = n_samples = 0
     check_labels = label_check(manifest)
-    for split, info in manifest.splits.items():
+    for _split, info in manifest.splits.items():
         for shard in info.shards:
             problems += verify_shard(root, shard, manifest.num_classes, decoder, max_pixels, check_labels, remote)
             n_shards += 1

@@ -9,9 +9,9 @@ the normalisation); every policy draws its signed magnitudes with random sign, s
 distribution of images.
 
 The operations are DALI's (`nvidia.dali.auto_aug.augmentations`, which run on the CPU and the GPU; five written
-again for speed or current operators: `_current_ops`); what each
-policy does with them is torchvision's, not DALI's own suites: DALI's `auto_augment_image_net` is the paper's
-(TensorFlow's) ImageNet policy with `solarize_add`, torchvision's is a different list of 25 sub-policies (no translations, no solarize_add);
+again for speed or current operators: `_current_ops`); what each policy does with them is torchvision's, not
+DALI's own suites: DALI's `auto_augment_image_net` is the paper's (TensorFlow's) ImageNet policy with
+`solarize_add`, torchvision's is a different list of 25 sub-policies (no translations, no solarize_add);
 DALI's suites translate by fixed pixel counts (RandAugment: 100 px, torchvision: 150/331 of the image side),
 start the enhance ranges of TrivialAugmentWide at 0.01 (torchvision: 0) and fill with grey 128 (torchvision:
 0). `torchvision_space` below writes torchvision's magnitude bins out (tests/test_recipes.py compares them with
@@ -27,7 +27,7 @@ gives DALI's images bit for bit.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from nvidia.dali import fn, types
@@ -37,6 +37,8 @@ from nvidia.dali.pipeline import do_not_convert
 from .names import POLICIES
 
 # `cfg` is a graphs.AugmentConfig, named in annotations only: graphs imports this module.
+if TYPE_CHECKING:
+    from .graphs import AugmentConfig
 
 RANDOM_ERASE_SCALE = (0.02, 0.33)  # torchvision's RandomErasing defaults: the erased area as a fraction
 RANDOM_ERASE_RATIO = (0.3, 3.3)  # and its aspect ratio (h / w), drawn log-uniform
@@ -360,7 +362,7 @@ def dali_imagenet_policy(size: int):
 POLICY_WARP_ARGS = {"fill_value": 0, "interp_type": types.INTERP_NN}
 
 
-def apply_policy(images, cfg: "AugmentConfig"):
+def apply_policy(images, cfg: AugmentConfig):
     """`cfg.auto_augment` on uint8 HWC images of cfg.image_size squared (needs enable_conditionals)."""
     from nvidia.dali.auto_aug.auto_augment import apply_auto_augment
 
@@ -463,7 +465,7 @@ class _OneWarpSuite(NamedTuple):
     bins: int
 
     @classmethod
-    def of(cls, policy: str, size: int, bins: int) -> "_OneWarpSuite":
+    def of(cls, policy: str, size: int, bins: int) -> _OneWarpSuite:
         names = list(torchvision_space(policy, size, bins))
         first = names.index(GEOMETRIC[0])
         if names[first:first + len(GEOMETRIC)] != list(GEOMETRIC):
@@ -564,13 +566,13 @@ def random_erase_box(side: int, probability: float):
 ERASE_DTYPE = types.FLOAT
 
 
-def random_erase(images, cfg: "AugmentConfig"):
+def random_erase(images, cfg: AugmentConfig):
     """torchvision's RandomErasing(p=cfg.random_erase, value=0) on normalised ERASE_DTYPE images (CHW or HWC)."""
     anchor, shape = random_erase_box(cfg.image_size, cfg.random_erase)
     return fn.erase(images, anchor=anchor, shape=shape, axis_names="HW", fill_value=0.0)
 
 
-def torchvision_policy(augment: "AugmentConfig"):
+def torchvision_policy(augment: AugmentConfig):
     """torchvision's transform for augment.auto_augment (nearest-neighbour sampling, fill 0: its defaults)."""
     import torchvision.transforms.v2 as v2
 

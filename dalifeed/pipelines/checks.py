@@ -12,9 +12,9 @@ line, `DaliDecoder` and `summarize_dali_error`, live in `dalifeed/decode.py`, be
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 from dalifeed.decode import DaliDecoder, summarize_dali_error
 from dalifeed.format import index_samples, split_member_name

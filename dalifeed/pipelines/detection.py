@@ -22,12 +22,17 @@ import torch
 from nvidia.dali import fn, pipeline_def, types
 
 from dalifeed.decode import DEFAULT_HW_DECODER_LOAD, decoder_device, decoder_hints
-from dalifeed.format import (COCO_BOXES_MEMBER, COCO_CROWD_BOXES_MEMBER, COCO_CROWD_LABELS_MEMBER, COCO_ID_MEMBER,
-                             COCO_LABELS_MEMBER, IMAGE_MEMBER)
+from dalifeed.format import (
+    COCO_BOXES_MEMBER,
+    COCO_CROWD_BOXES_MEMBER,
+    COCO_CROWD_LABELS_MEMBER,
+    COCO_ID_MEMBER,
+    COCO_LABELS_MEMBER,
+    IMAGE_MEMBER,
+)
 
 from .dataset import Dataset, DatasetError, open_dataset
-from .graphs import (ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER, after_decode, read_members,
-                     uses_gpu)
+from .graphs import ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER, after_decode, read_members, uses_gpu
 from .loader import DaliLoader, LoaderOptions, ready
 
 # SSD's sampler (Liu et al. 2016, as DALI's SSD example and torchvision's RandomIoUCrop): minimum IoU of a
@@ -88,11 +93,13 @@ def random_crop_and_flip(jpegs, boxes, labels, cfg: DetectionConfig, device: str
             boxes, labels, device="cpu", aspect_ratio=list(CROP_ASPECT_RATIO), thresholds=list(IOU_THRESHOLDS),
             scaling=list(CROP_SCALING), bbox_layout="xyXY", allow_no_crop=True, num_attempts=50)
         images = fn.decoders.image_slice(jpegs, anchor, shape, device=decoder_device(device), output_type=types.RGB,
-                                         adjust_orientation=ADJUST_ORIENTATION, **decoder_hints(device, cfg.hw_decoder_load, roi=True))
+                                         adjust_orientation=ADJUST_ORIENTATION,
+                                         **decoder_hints(device, cfg.hw_decoder_load, roi=True))
     else:
         anchor, shape = fn.constant(fdata=[0.0, 0.0]), fn.constant(fdata=[1.0, 1.0])
         images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
-                                   adjust_orientation=ADJUST_ORIENTATION, **decoder_hints(device, cfg.hw_decoder_load, roi=False))
+                                   adjust_orientation=ADJUST_ORIENTATION,
+                                   **decoder_hints(device, cfg.hw_decoder_load, roi=False))
     images = after_decode(images, device)
     flip = fn.random.coin_flip(probability=0.5) if cfg.flip else fn.constant(idata=0)
     if cfg.flip:

@@ -51,7 +51,7 @@ class SampleSet:
             marks = self.bits[shard] = np.zeros(size, dtype=bool)
         marks[positions] = True
 
-    def update(self, other: "SampleSet") -> None:
+    def update(self, other: SampleSet) -> None:
         for shard, marks in other.bits.items():
             self.add(shard, len(marks), np.flatnonzero(marks))
 
@@ -67,7 +67,7 @@ class SampleSet:
         return {shard: (len(marks), np.packbits(marks).tobytes()) for shard, marks in self.bits.items()}
 
     @classmethod
-    def from_state(cls, state: dict | None) -> "SampleSet":
+    def from_state(cls, state: dict | None) -> SampleSet:
         out = cls()
         for shard, (size, packed) in (state or {}).items():
             out.bits[shard] = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), count=size).astype(bool)

@@ -51,7 +51,8 @@ def make_loader(shards_dir: str | os.PathLike | list | Dataset, split: str, batc
                 checkpointing: bool = False, check: str = "size", multilabel: bool = False,
                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, weights: list[float] | None = None,
                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None,
-                augment: AugmentConfig | None = None, lanes: int | None = None) -> DaliLoader | MixedLoader | ConcatLoader:
+                augment: AugmentConfig | None = None,
+                lanes: int | None = None) -> DaliLoader | MixedLoader | ConcatLoader:
     """`build_loader` in keywords: batches of split `split` of the shard folder `shards_dir` (a path, or
     s3://bucket/prefix: the tars are then fetched whole into the node's shard cache and DALI reads them there,
     docs/storage.md), of a list of them (mixed), or of a `Dataset` already opened, for this rank; see

@@ -20,7 +20,6 @@ from dalifeed.decode import DEFAULT_HW_DECODER_LOAD, decoder_device, decoder_hin
 from dalifeed.format import CLASS_I64_MEMBER, COCO_LABELS_MEMBER, IMAGE_MEMBER
 
 from . import augment
-from .names import DEVICES
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

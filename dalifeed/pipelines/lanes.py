@@ -21,7 +21,7 @@ checkpoint and batch count) continues exactly.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -67,11 +67,12 @@ import os
 import random
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from nvidia.dali.plugin.pytorch import LastBatchPolicy
@@ -88,8 +89,9 @@ from .cursor import EpochCursor, FollowsCursor
 from .dataset import Dataset, Source
 from .elastic import ElasticError, SampleKeys, SampleSet, batches_left, remaining_index
 from .epoch_iterator import EpochIterator
-from .graphs import DEVICES, AugmentConfig, shard_pipeline, uses_gpu
+from .graphs import AugmentConfig, shard_pipeline, uses_gpu
 from .lanes import LaneBatches, lane_sizes
+from .names import DEVICES
 from .serialized import NotEditable, SerializedPipeline, with_reader_arguments, without_origins
 
 CLASSIFICATION_OUTPUTS = ("images", "labels")

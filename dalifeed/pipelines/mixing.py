@@ -198,7 +198,9 @@ def mixed_loader(dataset: Dataset, options, make_one, image_size=None) -> MixedL
         size = None
         if image_size is not None:  # a DaliLoader's training epoch: (total // world) // batch (loader.py)
             reserved = own_epochs(batches, (total // options.world_size) // share)
-            size = (lambda epoch, reserved=reserved: image_size(epoch // reserved))
+
+            def size(epoch, reserved=reserved):
+                return image_size(epoch // reserved)
         loaders.append(make_one(source, replace(options, batch_size=share, num_threads=threads), size))
     return MixedLoader(loaders, shares, [source.remap for source in dataset.sources],
                        sum(loader.total_samples for loader in loaders), options.batch_size, options.world_size,

@@ -169,7 +169,7 @@ def write_preview(shards: str | Path | ShardManifest, out: str | Path, n: int, c
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from .augment import POLICIES
+    from .names import POLICIES
 
     parser = argparse.ArgumentParser(prog="python -m dalifeed.pipelines.preview", description=__doc__.split("\n\n")[0])
     parser.add_argument("shards")

@@ -9,15 +9,14 @@ import click
 from click.core import ParameterSource
 
 from dalifeed.cliutil import default, run_command
+from dalifeed.pipelines.names import DEVICES, POLICIES
 from dalifeed.runtime import DiskFull, FolderInUse
 from dalifeed.s3 import StorageError
 from dalifeed.stack import StackMismatch
 
 try:
-    from dalifeed.pipelines.augment import POLICIES
     from dalifeed.pipelines.checks import ShardDataError
     from dalifeed.pipelines.dataset import MixError
-    from dalifeed.pipelines.graphs import DEVICES
 
     from .config import NO_SPLIT, RECIPE_GAPS, RECIPES, ConfigError, TrainConfig
 except ImportError as e:  # `python -m` (torchrun -m) runs this module without the console script's check
@@ -92,8 +91,8 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
 @click.option("--resume", default="auto", show_default=True, metavar="RUN|auto",
               help="RUN: continue the run in this folder from its last.pt with its saved config (options given "
                    "must agree with it, except --epochs, --dali-threads, --profile, --compile, --checkpoint-every, "
-                   "--check-shards, --progress-every, --tensorboard-every, --allow-data-change). auto: continue --out's run if it has "
-                   "one and the options are the same.")
+                   "--check-shards, --progress-every, --tensorboard-every, --allow-data-change). auto: continue "
+                   "--out's run if it has one and the options are the same.")
 @click.option("--task", type=click.Choice(["classify", "multilabel"]), default=d("task"), show_default=True,
               help="classify: one class per image (cross-entropy; top-1/top-5). multilabel: COCO shards, predict "
                    "which categories an image holds (multi-hot targets built in the DALI graph from .labels.i32, "
@@ -179,8 +178,9 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
                    "a resume continues mid-epoch (0: at epoch ends, and when a signal stops the run).")
 @click.option("--device", type=click.Choice(["auto", *DEVICES]), default=d("device"), show_default=True,
               help="auto: the GPU when there is one (on a node whose GPUs the installed torch or DALI cannot use, a "
-                   "one-line refusal naming the fix, never the CPU: `dalifeed doctor`). hybrid: train on the GPU but decode JPEGs on the CPU (crop, "
-                   "resize and normalise stay on the GPU): for when the GPU's JPEG decoder is the bottleneck.")
+                   "one-line refusal naming the fix, never the CPU: `dalifeed doctor`). hybrid: train on the GPU but "
+                   "decode JPEGs on the CPU (crop, resize and normalise stay on the GPU): for when the GPU's JPEG "
+                   "decoder is the bottleneck.")
 @click.option("--hw-decoder-load", type=float, default=d("hw_decoder_load"), show_default=True,
               help="On the GPU: share of the JPEGs given to the hardware JPEG decoder of A100/H100-class GPUs "
                    "(the rest decode on CUDA cores). make gpu-check measures which value is best.")
@@ -194,8 +194,9 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
               help="s3:// data: the node's shard cache, shared by its ranks, where each tar is fetched whole "
                    "(one GET) before DALI reads it [default: shards/ in $DALIFEED_CACHE or ~/.cache/dalifeed].")
 @click.option("--cache-limit", default=None, metavar="SIZE",
-              help="s3:// data: bound of the shard cache (e.g. 200GB = 200*10^9 bytes, 200GiB = 200*2^30; tars read earliest are evicted first); must "
-                   "hold what the node's ranks read in one epoch [default: 90% of the free space].")
+              help="s3:// data: bound of the shard cache (e.g. 200GB = 200*10^9 bytes, 200GiB = 200*2^30; tars read "
+                   "earliest are evicted first); must hold what the node's ranks read in one epoch [default: 90% of "
+                   "the free space].")
 @click.option("--progress-every", type=float, default=d("progress_every"), show_default=True, metavar="SECONDS",
               help="When stdout is not a terminal (Slurm, nohup, > log): a progress line every SECONDS with the "
                    "step, images/s, mean loss, data-wait share and the time left (0: none). A terminal gets a bar.")
@@ -246,8 +247,8 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
     RUN/metrics.jsonl, save RUN/last.pt (and RUN/best.pt on a new best top-1). In between: a bar on a
     terminal, a progress line every --progress-every seconds in a log. Resuming continues where the last
     checkpoint was taken (an epoch's end, mid-epoch with --checkpoint-every, or where Ctrl-C / SIGTERM
-    stopped it: within about 2 s every rank stops after the same step and a checkpoint is saved) and replays exactly what an
-    uninterrupted run would have done. One run at a time per --out. See docs/training.md.
+    stopped it: within about 2 s every rank stops after the same step and a checkpoint is saved) and replays
+    exactly what an uninterrupted run would have done. One run at a time per --out. See docs/training.md.
 
     Exit codes: 0 done; 2 usage (bad option, unusable --out or checkpoint, --out in use, a node whose NVIDIA
     GPUs the installed torch or DALI cannot use: the line names the fix, `dalifeed doctor` all of it); 1 a runtime
@@ -266,7 +267,8 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
     from .distributed import GpuAssignmentError, launched
     from .resume import resolve_run
     from .stop import TrainingStopped
-    from .trainer import TrainingDiverged, main as train
+    from .trainer import TrainingDiverged
+    from .trainer import main as train
 
     launch = launched()
 
@@ -278,7 +280,8 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
                 runtime_errors=(ShardDataError, TrainingDiverged, DiskFull, StorageError), prefix=rank_prefix(launch),
                 log=lambda: error_log(run_folder, launch) if run_folder else None,
                 stopped=lambda e: (e.detail if isinstance(e, TrainingStopped) else
-                                   "stopped before training began; run the same command again") if launch.is_main else None)
+                                   "stopped before training began; run the same command again")
+                                  if launch.is_main else None)
 
 
 def apply_recipe(ctx: click.Context, options: dict) -> None:

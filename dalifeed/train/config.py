@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from dalifeed.cliutil import output_folder_problem
-from dalifeed.pipelines.augment import POLICIES
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, DEVICES, AugmentConfig, uses_gpu
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig, uses_gpu
+from dalifeed.pipelines.names import DEVICES, POLICIES
 from dalifeed.pipelines.resolution import ProgressiveResize
 from dalifeed.s3 import is_s3_url
 
@@ -178,7 +178,8 @@ class TrainConfig:
              f"--dali-threads / --workers must be >= 1 (DALI threads), got {self.workers}"),
             (self.lanes is None or self.lanes >= 1, f"--lanes must be >= 1, got {self.lanes}"),
             (self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}"),
-            (self.check_shards in ("size", "sha256"), f"--check-shards must be size or sha256, got {self.check_shards!r}"),
+            (self.check_shards in ("size", "sha256"),
+             f"--check-shards must be size or sha256, got {self.check_shards!r}"),
             (self.progress_every >= 0, f"--progress-every must be >= 0 seconds, got {self.progress_every}"),
             (self.tensorboard_every >= 0, f"--tensorboard-every must be >= 0 steps, got {self.tensorboard_every}"),
             (self.auto_augment in (None, *POLICIES),
@@ -299,7 +300,7 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, doc: dict) -> "TrainConfig":
+    def from_json(cls, doc: dict) -> TrainConfig:
         known = {f.name for f in fields(cls)}
         cfg = cls(**{k: v for k, v in doc.items() if k in known})
         cfg.crop_scale = tuple(cfg.crop_scale)

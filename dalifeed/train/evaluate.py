@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .distributed import Dist, all_reduce_sum, gather_objects
 from .data import evaluate_each
+from .distributed import Dist, all_reduce_sum, gather_objects
 from .run import Run
 
 

@@ -13,12 +13,11 @@ from pathlib import Path
 import torch
 
 from dalifeed.atomic import write_atomic
+from dalifeed.pipelines.elastic import merge_rank_states
 from dalifeed.runtime import DiskFull, free_bytes, is_disk_full, mib, write_remedy
 
 from . import checkpoint
 from .config import TrainConfig
-from dalifeed.pipelines.elastic import merge_rank_states
-
 from .distributed import Dist, gather_objects, log
 from .stop import StepChecks, Stop
 

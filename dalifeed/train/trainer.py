@@ -37,9 +37,17 @@ from dalifeed.s3 import is_s3_url
 
 from . import checkpoint, models
 from .config import ConfigError, TrainConfig
+from .data import (
+    describe_lanes,
+    describe_plan,
+    loader_device,
+    loader_options,
+    loader_record,
+    make_loaders,
+    mix_plan,
+    open_data,
+)
 from .distributed import Dist, log, setup, teardown
-from .data import (describe_lanes, describe_plan, loader_device, loader_options, loader_record, make_loaders,
-                   mix_plan, open_data)
 from .evaluate import autocast, validation_record
 from .mixup import BatchMixer, soft_cross_entropy
 from .progress import EpochProgress

@@ -30,9 +30,9 @@ from __future__ import annotations
 import hashlib
 import io
 import shutil
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
@@ -40,7 +40,8 @@ from dalifeed.format import CLASS_MEMBER, IMAGE_MEMBER, ShardManifest
 from dalifeed.pipelines.graphs import AugmentConfig
 from dalifeed.shardfolder import open_shard_folder, read_samples
 
-from ..loaders import PEERS, train_transform
+from ..loaders import train_transform
+from ..names import PEERS
 
 MODULES = {"spdl": ("spdl.io", "spdl.pipeline"), "streaming": ("streaming",), "litdata": ("litdata",)}
 INSTALL = "pip install 'dalifeed[peers]'"
