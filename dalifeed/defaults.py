@@ -63,18 +63,3 @@ def prefetch_queue_depth(device: str) -> int:
     """Batches a pipeline on `device` ('cpu', 'gpu' or 'hybrid') prepares ahead by default: the DGX
     configurations' 5 with `mixed` decoding, DALI's 2 where the CPU decodes."""
     return GPU_PREFETCH_QUEUE_DEPTH if device == "gpu" else DALI_PREFETCH_QUEUE_DEPTH
-
-
-def defaults_table() -> list[list[str]]:
-    """docs/gpu.md's table, default | value | source file (tests/test_budget.py compares them)."""
-    h100, a100 = PUBLISHED[0], PUBLISHED[2]
-    return [
-        ["DALI threads per rank (`mixed` decoding)", f"{MIXED_DECODE_THREADS}, at most the rank's share of the CPUs",
-         f'{h100.source}: `DALI_THREADS="{h100.threads}"` (DGX-A100, {a100.source}: the same)'],
-        ["`hw_decoder_load`", f"{HW_DECODER_LOAD:g}",
-         f'{h100.source}: `DALI_HW_DECODER_LOAD="{h100.hw_decoder_load:g}"` (DGX-A100: "{a100.hw_decoder_load:g}")'],
-        ["prefetch queue depth (`mixed` decoding)", f"{GPU_PREFETCH_QUEUE_DEPTH}",
-         f'{h100.source}: `DALI_PREFETCH_QUEUE="{h100.prefetch_queue_depth}"` (DGX-A100: the same)'],
-        ["prefetch queue depth (`cpu`, `hybrid`)", f"{DALI_PREFETCH_QUEUE_DEPTH}",
-         "DALI 2.4's `Pipeline(prefetch_queue_depth=2)` default"],
-    ]

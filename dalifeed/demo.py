@@ -18,8 +18,8 @@ from pathlib import Path
 
 import click
 
+from dalifeed.bench.sample_data import make_digits_imagefolder, make_photos_imagefolder
 from dalifeed.runtime import usable_cores
-from dalifeed.sample_data import make_digits_imagefolder, make_photos_imagefolder
 
 
 class Steps:

@@ -9,39 +9,13 @@ import sys
 
 import click
 
-
-def dali_missing(error: ImportError) -> str:
-    """The line for a DALI that does not import: the install `stack.check` names for this node, or, where a DALI
-    package is installed but fails to import, how to see why."""
-    from .stack import check, probe
-
-    stack = probe()
-    if not stack.dali_packages:
-        return check(stack).problems[0]
-    return (f"NVIDIA DALI ({', '.join(stack.dali_packages)}) is installed but does not import ({error}): "
-            f"python -c \"import nvidia.dali\" shows why")
-
-
-def dali_import_error() -> ImportError | None:
-    """Why DALI does not import here, or None when it does."""
-    try:
-        import nvidia.dali  # noqa: F401  (the command imports it anyway)
-    except ImportError as e:
-        return e
-    return None
+from .stack import dali_import_error, dali_missing
 
 
 def exit_without_dali(error: ImportError) -> None:
     """The one line (exit 2) every entry point gives where DALI does not import."""
     click.echo(f"Error: {dali_missing(error)}", err=True)
     sys.exit(2)
-
-
-def is_dali_missing(error: ImportError) -> bool:
-    """Whether an ImportError is DALI's (nvidia.dali, a module of it, or no `nvidia` package at all, as with a
-    CPU-only torch) rather than another package's."""
-    name = error.name or ""
-    return name == "nvidia" or name.split(".")[:2] == ["nvidia", "dali"] or "nvidia.dali" in str(error)
 
 
 def _run(target: str) -> None:

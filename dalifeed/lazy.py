@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import importlib
 import sys
-import types
 from collections.abc import Callable
 
 
 def lazy_names(package: str, where: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
     """`__getattr__` and `__dir__` for `package`, whose name N is `where[N]` (a module relative to the package,
-    e.g. ".loader" or "..format") imported when N is first used; once imported, N is a plain attribute. A
-    submodule named N, once imported, does not take N's place."""
+    e.g. ".loader" or "..format") imported when N is first used; once imported, N is a plain attribute. A name
+    lent is never also a submodule's name: importing that submodule would bind the module in its place."""
 
     def __getattr__(name: str):
         if name not in where:
@@ -24,14 +23,4 @@ def lazy_names(package: str, where: dict[str, str]) -> tuple[Callable[[str], obj
     def __dir__() -> list[str]:
         return sorted(set(vars(sys.modules[package])) | set(where))
 
-    class Package(types.ModuleType):
-        def __setattr__(self, name: str, value: object) -> None:
-            # Importing a submodule binds it to the package attribute of its own name. A name lent here keeps
-            # what it is lent (dalifeed.train's `evaluate` stays the function when the trainer imports the
-            # module .evaluate), as a `from .evaluate import evaluate` run in __init__ would have left it.
-            if name in where and isinstance(value, types.ModuleType) and value.__name__ == f"{package}.{name}":
-                return
-            super().__setattr__(name, value)
-
-    sys.modules[package].__class__ = Package
     return __getattr__, __dir__

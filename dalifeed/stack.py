@@ -284,6 +284,34 @@ def choose_device(requested: str, report: StackReport) -> str:
                         f"use --device cpu, or auto")
 
 
+# -- DALI that does not import -------------------------------------------------------------------------
+
+def dali_missing(error: ImportError) -> str:
+    """The line for a DALI that does not import: the install `stack.check` names for this node, or, where a DALI
+    package is installed but fails to import, how to see why."""
+    stack = probe()
+    if not stack.dali_packages:
+        return check(stack).problems[0]
+    return (f"NVIDIA DALI ({', '.join(stack.dali_packages)}) is installed but does not import ({error}): "
+            f"python -c \"import nvidia.dali\" shows why")
+
+
+def dali_import_error() -> ImportError | None:
+    """Why DALI does not import here, or None when it does."""
+    try:
+        import nvidia.dali  # noqa: F401  (the command imports it anyway)
+    except ImportError as e:
+        return e
+    return None
+
+
+def is_dali_missing(error: ImportError) -> bool:
+    """Whether an ImportError is DALI's (nvidia.dali, a module of it, or no `nvidia` package at all, as with a
+    CPU-only torch) rather than another package's."""
+    name = error.name or ""
+    return name == "nvidia" or name.split(".")[:2] == ["nvidia", "dali"] or "nvidia.dali" in str(error)
+
+
 # -- what this process has -------------------------------------------------------------------------------
 
 def probe(environ=os.environ, root: Path = Path("/")) -> Stack:

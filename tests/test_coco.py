@@ -435,7 +435,7 @@ def test_multilabel_training_learns_held_out_images_and_reports_map(tmp_path, se
 
 
 def test_average_precision_matches_its_definition():
-    from dalifeed.train.evaluate import average_precision
+    from dalifeed.train.evaluation import average_precision
 
     scores = torch.tensor([[0.9, 0.1], [0.8, 0.7], [0.3, 0.2], [0.1, 0.9]])
     targets = torch.tensor([[1, 0], [0, 0], [1, 0], [0, 1]])

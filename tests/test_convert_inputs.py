@@ -18,9 +18,9 @@ import webdataset as wds
 from click.testing import CliRunner
 
 import helpers
-from dalifeed.cliutil import parse_size
 from dalifeed.convert.cli import main as cli
 from dalifeed.format import ShardManifest
+from dalifeed.usage import parse_size
 from helpers import write_coco, write_imagefolder
 
 CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, PR_CAPBSET_DROP = 1, 2, 24

@@ -16,7 +16,7 @@ the verify decoder, dali-bench's stage cuts, gpu-check's checkpoint loader), on 
 (d) every operator on the GPU has a kernel for the dtype (and layout) it receives: the `cpu` twin of the graph
     is run once with every operator's input added as an output, which gives the dtype and layout on each edge
     (the same edges as the GPU graph's, by (c)), and each GPU operator is held to DALI 2.4's GPU type list for it
-    (dalifeed/pipelines/gpu_kernels.py, itself checked against the kernels the installed wheel instantiates).
+    (tests/gpu_kernels.py, itself checked against the kernels the installed wheel instantiates).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import torch
 from nvidia.dali import backend, fn, ops, pipeline_def, types
 
 from dalifeed.decode import DaliDecoder, dali_sees_gpu, decoder_memory
-from dalifeed.pipelines.gpu_kernels import GPU_KERNELS, input_problem
 from dalifeed.pipelines.graphs import AugmentConfig
 from dalifeed.pipelines.serialized import wire_fields, with_reader_arguments, without_origins
+from gpu_kernels import GPU_KERNELS, input_problem
 
 # Arguments only the mixed decoders get, each a no-op on the CPU backend (its schema doc says it applies only
 # to `mixed`, or makes `mixed` do what `cpu` already does). docs/gpu.md gives the evidence for each.
@@ -470,7 +470,7 @@ def test_the_dtype_check_fails_the_float16_erasing_graph_of_before(shards):
 def test_an_operator_missing_from_the_kernel_table_is_named():
     cpu_only_op_on_the_gpu, _ = _broken_graphs()
     ops_, _ = parse_graph(cpu_only_op_on_the_gpu().serialize())
-    assert dtype_problems(ops_, {}) == [f"{ops_[-1]}: RandomBBoxCrop is not in dalifeed/pipelines/gpu_kernels.py: "
+    assert dtype_problems(ops_, {}) == [f"{ops_[-1]}: RandomBBoxCrop is not in tests/gpu_kernels.py: "
                                         "read its GPU type list in DALI 2.4's source and add it"]
 
 

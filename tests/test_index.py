@@ -463,7 +463,7 @@ def damaged_photo(seed: int) -> bytes:
     """A 300 x 200 photo (scikit-learn's) with 2,000 random bytes written into its entropy-coded data: seed 0
     gives one PIL refuses ("broken data stream") and DALI's libjpeg decodes with a warning; seed 1 one both
     decode, libjpeg warning."""
-    from dalifeed.sample_data import sklearn_sample_images
+    from dalifeed.bench.sample_data import sklearn_sample_images
     from helpers import jpeg_bytes
 
     good = jpeg_bytes(next(iter(sklearn_sample_images().values()))[:200, :300], quality=90)

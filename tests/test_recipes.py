@@ -351,8 +351,8 @@ def test_random_erase_probability():
 
 @pytest.fixture(scope="module")
 def photo_shards(tmp_path_factory) -> Path:
+    from dalifeed.bench.sample_data import make_photos_imagefolder
     from dalifeed.convert import ConvertConfig, convert_imagefolder
-    from dalifeed.sample_data import make_photos_imagefolder
 
     tmp = tmp_path_factory.mktemp("recipes")
     make_photos_imagefolder(tmp / "src", per_class=4, val_fraction=0.25)

@@ -1,4 +1,4 @@
-"""The node's shard cache (dalifeed/shardcache.py) against a real local S3 server (moto, its own process with
+"""The node's shard cache (dalifeed/pipelines/shardcache.py) against a real local S3 server (moto, its own process with
 its own request log, from which GETs are counted): one GET per tar, batches equal to the local folder's,
 the limit and eviction, two ranks (processes) sharing one download, a killed download never read, a wrong
 cache entry re-fetched, the store lost mid-epoch and a full disk, each failure one line."""
@@ -23,7 +23,7 @@ from dalifeed.convert import ConvertConfig, convert_imagefolder
 from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.pipelines.elastic import merge_rank_states
-from dalifeed.shardcache import CacheConfig, CacheFull, ShardCache, cache_config, rank_shards
+from dalifeed.pipelines.shardcache import CacheConfig, CacheFull, ShardCache, cache_config, rank_shards
 from dalifeed.shardfolder import open_shard_folder
 from fast_recipe import fast_args
 from helpers import start_s3_server, stop_s3_server, write_imagefolder
@@ -270,7 +270,7 @@ def test_two_ranks_of_a_node_fetch_each_tar_once(store, tmp_path):
 FETCH_ONE = """
 import sys
 from pathlib import Path
-from dalifeed.shardcache import CacheConfig, ShardCache
+from dalifeed.pipelines.shardcache import CacheConfig, ShardCache
 from dalifeed.shardfolder import open_shard_folder
 manifest = open_shard_folder(sys.argv[1])
 ShardCache(manifest, CacheConfig(Path(sys.argv[2]))).pin(manifest.split_info("train").shards[0])
@@ -310,7 +310,7 @@ def test_a_killed_download_is_never_read(store, tmp_path):
 READ_THEN_LOSE_THE_STORE = """
 import os, signal, sys
 from dalifeed.pipelines import make_loader
-from dalifeed.shardcache import rank_shards
+from dalifeed.pipelines.shardcache import rank_shards
 url, local, folder, server = sys.argv[1:5]
 def on_disk(shards):
     return sum(-(-s.bytes // 4096) * 4096 for s in shards)
@@ -366,7 +366,7 @@ def test_the_store_lost_mid_epoch(s3_endpoint, store, tmp_path):
 DISK_FULL = """
 import resource, signal, sys
 from pathlib import Path
-from dalifeed.shardcache import CacheConfig, ShardCache
+from dalifeed.pipelines.shardcache import CacheConfig, ShardCache
 from dalifeed.shardfolder import open_shard_folder
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write beyond the limit fails with EFBIG instead
 manifest = open_shard_folder(sys.argv[1])

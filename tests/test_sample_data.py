@@ -7,8 +7,8 @@ from collections import Counter
 import numpy as np
 from PIL import Image
 
-from dalifeed import sample_data
-from dalifeed.sample_data import make_digits_imagefolder, make_photos_imagefolder
+from dalifeed.bench import sample_data
+from dalifeed.bench.sample_data import make_digits_imagefolder, make_photos_imagefolder
 
 
 def test_digits_imagefolder_has_every_digit_once(tmp_path):

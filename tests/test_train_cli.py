@@ -128,10 +128,19 @@ def test_help_shows_the_options_without_importing_torch():
 
 
 def test_the_names_dalifeed_train_lends_stay_after_their_modules_are_imported():
-    """dalifeed.train lends its names on first use (for --help above); importing the module `.evaluate` (the
-    trainer does) must not put that module where the function `evaluate` was, as eager imports in __init__ had
-    it."""
+    """dalifeed.train lends its names on first use (for --help above); importing the trainer's modules must not
+    put a module where a lent name was: no lent name is a submodule's name (the function `evaluate` lives in
+    `.evaluation`), in any of the packages that lend names."""
     probe = ("import dalifeed.train as t, dalifeed.train.trainer; from dalifeed.train import evaluate, main; "
              "print(callable(t.evaluate), type(t.evaluate).__name__, evaluate is t.evaluate, main.__module__)")
     out = subprocess.run([PY, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["True", "function", "True", "dalifeed.train.trainer"]
+    import importlib.util
+
+    import dalifeed.convert
+    import dalifeed.pipelines
+    import dalifeed.train
+
+    for package in (dalifeed.convert, dalifeed.pipelines, dalifeed.train):
+        clashes = [name for name in package.__all__ if importlib.util.find_spec(f"{package.__name__}.{name}")]
+        assert clashes == [], f"{package.__name__} lends names its submodules have: {clashes}"

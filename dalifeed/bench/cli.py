@@ -17,11 +17,12 @@ from pathlib import Path
 import click
 
 from dalifeed.atomic import write_json_atomic
-from dalifeed.cliutil import LOCATION, default, folder_not_created, run_command
+from dalifeed.cliutil import LOCATION, default, run_command
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.pipelines.names import POLICIES
 from dalifeed.s3 import StorageError
 from dalifeed.stack import StackMismatch
+from dalifeed.usage import folder_not_created
 
 from .config import BenchConfig, BenchUsageError
 from .report import render_table, write_report

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import click
 
+from dalifeed.bench.sample_data import make_photos_coco
 from dalifeed.convert.coco import CocoConfig, convert_coco
 from dalifeed.runtime import usable_cores
-from dalifeed.sample_data import make_photos_coco
 
 from .convert_rate import pure_decode_seconds
 

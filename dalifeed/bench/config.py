@@ -6,10 +6,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dalifeed.cliutil import output_folder_problem, parse_size
 from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 from dalifeed.format import ManifestError
 from dalifeed.runtime import usable_cores
+from dalifeed.usage import output_folder_problem, parse_size
 
 from .names import DETECTION_LOADERS, IMAGEFOLDER_LOADERS, LOADERS, PEERS
 
@@ -48,7 +48,7 @@ class BenchConfig:
     fp16: bool = False  # every loader hands out float16 batches (what an AMP model consumes)
     hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # dali-gpu (both tasks): share of JPEGs for the hardware decoder
     allow_different_data: bool = False
-    cache_dir: Path | None = None  # s3:// shards: the shard cache (dalifeed/shardcache.py)
+    cache_dir: Path | None = None  # s3:// shards: the shard cache (dalifeed/pipelines/shardcache.py)
     cache_limit: str | None = None
     auto_augment: str | None = None  # a policy for every loader (torchvision's transforms.v2 in the torch ones)
     random_erase: float = 0.0  # RandomErasing's probability, every loader

@@ -102,8 +102,8 @@ def output_name(dtype: torch.dtype, channels_last: bool) -> str:
 def coco_shards(cfg: GpuCheckConfig, log) -> Path:
     """COCO-format photos with boxes (sample_data.make_photos_coco, about 12 x --per-class / 10 images) as
     shards with one split, "train", built once per --per-class and reused."""
+    from dalifeed.bench.sample_data import make_photos_coco
     from dalifeed.convert.coco import CocoConfig, convert_coco
-    from dalifeed.sample_data import make_photos_coco
 
     per_class = coco_per_class(cfg.per_class)
     stamp, shards = cfg.workdir / "coco.json", cfg.workdir / "coco-shards"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from dalifeed.bench.sample_data import make_photos_imagefolder
 from dalifeed.convert import ConvertConfig, convert_imagefolder
-from dalifeed.sample_data import make_photos_imagefolder
 
 
 def build_data(workdir: Path, per_class: int, workers: int | None = None) -> tuple[Path, Path]:

@@ -53,8 +53,8 @@ def per_image_difference(shards: Path, split: str, image_size: int = 224, batch_
 
 
 def measure(workdir: Path, per_class: int, image_size: int = 224) -> dict:
+    from dalifeed.bench.sample_data import make_photos_imagefolder
     from dalifeed.convert import ConvertConfig, convert_imagefolder
-    from dalifeed.sample_data import make_photos_imagefolder
 
     photos = make_photos_imagefolder(workdir / "photos", per_class=per_class)  # rewritten on every run
     convert_imagefolder(ConvertConfig(src=photos, out=workdir / "shards", overwrite=True, progress=False))

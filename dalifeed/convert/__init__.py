@@ -6,6 +6,8 @@ The names below are imported from their modules when first used, so that `import
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dalifeed.lazy import lazy_names
 
 _WHERE = {
@@ -18,6 +20,24 @@ _WHERE = {
 }
 
 __all__ = list(_WHERE)
+
+if TYPE_CHECKING:  # what IDEs and type checkers resolve the lent names to (the same modules as _WHERE)
+    from dalifeed.format import ManifestError as ManifestError
+    from dalifeed.format import ShardInfo as ShardInfo
+    from dalifeed.format import ShardManifest as ShardManifest
+    from dalifeed.format import SplitInfo as SplitInfo
+
+    from .coco import CocoConfig as CocoConfig
+    from .coco import convert_coco as convert_coco
+    from .coco import export_coco as export_coco
+    from .imagefolder import ConvertConfig as ConvertConfig
+    from .imagefolder import ConvertSummary as ConvertSummary
+    from .imagefolder import UsageError as UsageError
+    from .imagefolder import convert_imagefolder as convert_imagefolder
+    from .shards import ConversionFailed as ConversionFailed
+    from .shards import WorkerCrashed as WorkerCrashed
+    from .verify import VerifyReport as VerifyReport
+    from .verify import verify_shards as verify_shards
 
 
 __getattr__, __dir__ = lazy_names(__name__, _WHERE)

@@ -85,7 +85,7 @@ def verify_shards(root: Path, decode: bool = False, on_shard=lambda: None) -> Ve
 def dali_decoder():
     """DALI's decoder on the GPU when DALI sees one (nvJPEG, as training would use), else on the CPU; an
     ImportError naming the install where DALI does not import."""
-    from ..entry import dali_import_error, dali_missing
+    from ..stack import dali_import_error, dali_missing
 
     if (error := dali_import_error()) is not None:
         raise ImportError(dali_missing(error)) from error

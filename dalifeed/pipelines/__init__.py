@@ -38,7 +38,7 @@ def __getattr__(name: str):
     try:
         return _lent(name)
     except ImportError as e:  # the API's first use of DALI where it does not import: the install, named
-        from dalifeed.entry import dali_missing, is_dali_missing
+        from dalifeed.stack import dali_missing, is_dali_missing
 
         if not is_dali_missing(e):
             raise

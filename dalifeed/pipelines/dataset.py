@@ -7,7 +7,7 @@ samples, that a training batch fits every rank) and returns a `Dataset`. The loa
 manifest twice.
 
 A `Dataset` is one or several `Source`s: a shard folder's location, its manifest and, for a folder in a
-store, the node's shard cache its tars are fetched into before DALI reads them (dalifeed/shardcache.py), a
+store, the node's shard cache its tars are fetched into before DALI reads them (dalifeed/pipelines/shardcache.py), a
 constructor argument: the loaders read where the dataset says. Several sources are mixed in proportions
 (`weights`; dalifeed/pipelines/mixing.py says how) over the union of their classes, which `remap` maps each
 source's own class indices into.
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dalifeed.format import ShardManifest
+from dalifeed.pipelines.shardcache import CacheConfig, cache_config
 from dalifeed.s3 import is_s3_url
-from dalifeed.shardcache import CacheConfig, cache_config
 from dalifeed.shardfolder import check_split, open_shard_folder
 
 from .checks import VERIFY_HINT, ShardDataError
@@ -158,7 +158,7 @@ def open_dataset(data: str | os.PathLike | list, *, task: str = "classify", spli
     default equal), for `task` (classify: ImageFolder shards; multilabel and detection: COCO shards), and
     check that each of `splits` exists and holds samples. `check` is what the loaders compare with the
     manifests before reading a split: 'size' (sizes and indexes) or 'sha256' (every byte too). `cache_dir`,
-    `cache_limit` (s3:// folders only): the node's shard cache (dalifeed/shardcache.py; limit in bytes or a
+    `cache_limit` (s3:// folders only): the node's shard cache (dalifeed/pipelines/shardcache.py; limit in bytes or a
     size as every size flag reads it: '20GB' = 20 * 10**9, '20GiB' = 20 * 2**30).
     ManifestError when a folder holds no finished shards, DatasetError (a ValueError) for the rest."""
     if task not in TASKS:

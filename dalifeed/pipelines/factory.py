@@ -85,7 +85,7 @@ def make_loader(shards_dir: str | os.PathLike | list | Dataset, split: str, batc
     epochs, classes and resume work then). `cache_dir`, `cache_limit` (s3:// only): the node's shard cache
     the tars are fetched into, whole, before DALI reads them (default: `shards/` in dalifeed's cache folder;
     limit in bytes or a size such as '20GB' (20 * 10^9) or '20GiB' (20 * 2^30), default 90% of the free
-    space; see dalifeed/shardcache.py and docs/storage.md).
+    space; see dalifeed/pipelines/shardcache.py and docs/storage.md).
     """
     if augment is not None:
         refuse_shadowed_options(image_size=image_size, crop_scale=tuple(crop_scale), flip=flip,

@@ -81,7 +81,7 @@ from dalifeed import defaults
 from dalifeed.budget import thread_budget
 from dalifeed.decode import DaliDecoder
 from dalifeed.format import ShardInfo, ShardManifest, trains
-from dalifeed.shardcache import ShardCache
+from dalifeed.pipelines.shardcache import ShardCache
 from dalifeed.stack import StackReport, choose_device, stack_report
 
 from .checks import SampleRef, explain_dali_error, indexed_samples, is_pipeline_failure
@@ -409,7 +409,7 @@ class DaliLoader(FollowsCursor):
 
     def _epoch_files(self, shards: list[ShardInfo], epoch: int | None = None) -> tuple[list[str], list[str]]:
         """`files` of this epoch's shards; from a store with a shard cache, the local copies of this rank's
-        tars, fetched whole first (and the next epoch's started in the background: dalifeed/shardcache.py)."""
+        tars, fetched whole first (and the next epoch's started in the background: dalifeed/pipelines/shardcache.py)."""
         if self.shard_cache is None:
             return self.files(self.manifest, shards)
         epoch = self.cursor.epoch if epoch is None else epoch

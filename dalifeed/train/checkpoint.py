@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from dalifeed.atomic import atomic_path
-from dalifeed.cliutil import first_line
+from dalifeed.usage import first_line
 
 from .config import ConfigError
 

@@ -20,7 +20,8 @@ try:
 
     from .config import NO_SPLIT, RECIPE_GAPS, RECIPES, ConfigError, TrainConfig
 except ImportError as e:  # `python -m` (torchrun -m) runs this module without the console script's check
-    from dalifeed.entry import exit_without_dali, is_dali_missing
+    from dalifeed.entry import exit_without_dali
+    from dalifeed.stack import is_dali_missing
 
     if __name__ != "__main__" or not is_dali_missing(e):
         raise

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from dalifeed.cliutil import output_folder_problem
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig, uses_gpu
 from dalifeed.pipelines.names import DEVICES, POLICIES
 from dalifeed.pipelines.resolution import ProgressiveResize
 from dalifeed.s3 import is_s3_url
+from dalifeed.usage import output_folder_problem
 
 NO_SPLIT = ("none", "")  # --val-split values that mean: train without evaluation
 
@@ -197,7 +197,7 @@ class TrainConfig:
                 raise ConfigError(message)
         self.resize_schedule()  # a schedule that is not one: its one line
         if self.cache_limit is not None:
-            from dalifeed.cliutil import parse_size
+            from dalifeed.usage import parse_size
 
             try:
                 parse_size(self.cache_limit)

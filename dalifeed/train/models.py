@@ -9,7 +9,7 @@ import torchvision
 from torch import nn
 from torchvision.models.resnet import BasicBlock, ResNet
 
-from dalifeed.cliutil import first_line
+from dalifeed.usage import first_line
 
 
 class WidthResNet(ResNet):

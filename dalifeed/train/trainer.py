@@ -1,5 +1,5 @@
 """dali-train's run, top to bottom in the order it happens: `main(cfg)` locks the run folder, builds the run and
-fits it. `fit` drives the epochs (train; evaluate, evaluate.py; a metrics line and a checkpoint,
+fits it. `fit` drives the epochs (train; evaluate, evaluation.py; a metrics line and a checkpoint,
 `Run.finish_epoch` in run.py), `train_one_epoch` the steps of one, each a forward pass and loss
 (`forward_loss`), backward and `optimizer_step`, with `check`, the host's look every few seconds. Below them,
 `build_run` and what it assembles: data, model, optimiser, schedule, precision, restored from a checkpoint
@@ -28,12 +28,12 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dalifeed.atomic import write_json_atomic
-from dalifeed.cliutil import folder_not_created
 from dalifeed.nvml import gpu_stats
 from dalifeed.pipelines import ThreadBudget, thread_budget
 from dalifeed.pipelines.dataset import Dataset
 from dalifeed.runtime import DiskFull, folder_lock, is_disk_full
 from dalifeed.s3 import is_s3_url
+from dalifeed.usage import folder_not_created
 
 from . import checkpoint, models
 from .config import ConfigError, TrainConfig
@@ -48,7 +48,7 @@ from .data import (
     open_data,
 )
 from .distributed import Dist, log, setup, teardown
-from .evaluate import autocast, validation_record
+from .evaluation import autocast, validation_record
 from .mixup import BatchMixer, soft_cross_entropy
 from .progress import EpochProgress
 from .resume import check_same_data

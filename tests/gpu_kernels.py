@@ -115,7 +115,7 @@ def input_problem(schema: str, dtype: str | None, layout: str | None) -> str | N
     observed), or None when it can."""
     kernel = GPU_KERNELS.get(schema)
     if kernel is None:
-        return (f"{schema} is not in dalifeed/pipelines/gpu_kernels.py: read its GPU type list in DALI 2.4's source "
+        return (f"{schema} is not in tests/gpu_kernels.py: read its GPU type list in DALI 2.4's source "
                 f"and add it")
     if dtype is None:
         needs = kernel.types is not None or kernel.layouts is not None

@@ -39,9 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import s3
-from .cliutil import parse_size
-from .format import ShardInfo, ShardManifest, file_sha256
+from dalifeed import s3
+from dalifeed.format import ShardInfo, ShardManifest, file_sha256
+from dalifeed.usage import parse_size
 
 CHUNK = 2**20  # bytes per read of a GET's body
 
@@ -59,7 +59,7 @@ def human(size: int) -> str:
 
 
 def default_folder() -> Path:
-    from .shardfolder import cache_dir
+    from dalifeed.shardfolder import cache_dir
 
     return cache_dir() / "shards"
 

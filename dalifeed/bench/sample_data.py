@@ -8,7 +8,7 @@
 - `make_photos_coco`: the same photos as COCO-format data (images + instances JSON with random boxes), for
   the COCO conversion and detection benchmarks (docs/coco.md).
 
-Run `python -m dalifeed.sample_data digits OUT` or `... photos OUT --per-class 50`.
+Run `python -m dalifeed.bench.sample_data digits OUT` or `... photos OUT --per-class 50`.
 """
 
 from __future__ import annotations
