@@ -14,11 +14,11 @@ from click.testing import CliRunner
 
 from dalifeed.bench.cli import main as bench_cli
 from dalifeed.bench.convert_rate import measure, render_markdown
-from dalifeed.bench.loaders import build_loader
+from dalifeed.bench.loaders import race_loader
 from dalifeed.bench.make_bench import BEGIN, END, update_doc
 from dalifeed.bench.run import environment
 from dalifeed.bench.sampler import ResourceSampler, gpu_probes
-from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
+from dalifeed.pipelines.graphs import IMAGENET_MEAN, IMAGENET_STD
 from dalifeed.runtime import usable_cores
 from helpers import write_imagefolder
 
@@ -63,7 +63,7 @@ def test_the_pause_before_an_epochs_first_batch_is_measured_in_batch_times():
 @pytest.mark.parametrize("name", ["baseline", "webdataset", "dali-cpu"])
 def test_every_loader_yields_the_same_kind_of_batch(bench_data, name, fp16):
     src, shards = bench_data
-    loader = build_loader(name, imagefolder=src, shards=shards, split="train", batch_size=4, image_size=24, workers=0,
+    loader = race_loader(name, imagefolder=src, shards=shards, split="train", batch_size=4, image_size=24, workers=0,
                           device=torch.device("cpu"), fp16=fp16)
     images, labels = next(iter(loader))
     assert images.shape == (4, 3, 24, 24) and images.dtype == (torch.float16 if fp16 else torch.float32)

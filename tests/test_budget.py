@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from dalifeed.budget import CPU_DECODE_MAX_THREADS, MIXED_DECODE_MAX_THREADS, ranks_on_node, thread_budget
+from dalifeed.pipelines import AugmentConfig, open_dataset
 from dalifeed.runtime import cgroup_cpu_quota, usable_cores
 from helpers import kill_run
 
@@ -197,12 +198,13 @@ def test_mixed_datasets_share_one_thread_budget(make_shards):
 
     data = [make_shards({"train": {"red": n, "blue": n}, "val": {"red": 3, "blue": 3}}, seed=n)[1]
             for n in (24, 16, 12)]
-    loader = make_loader(data, "train", 16, weights=[2, 1, 1], image_size=16, device="cpu", num_threads=6)
+    loader = make_loader(open_dataset(data, weights=[2, 1, 1]), "train", 16, augment=AugmentConfig(image_size=16),
+                         device="cpu", num_threads=6)
     assert [d.options.batch_size for d in loader.loaders] == [8, 4, 4]
     assert [d.options.num_threads for d in loader.loaders] == [3, 2, 1]  # 6 by 2:1:1, largest remainder first
     images, labels = next(iter(loader))
     assert images.shape[0] == labels.shape[0] == 16
-    val = make_loader(data, "val", 4, image_size=16, device="cpu", num_threads=6)
+    val = make_loader(data, "val", 4, augment=AugmentConfig(image_size=16), device="cpu", num_threads=6)
     assert [d.loader.options.num_threads for d in val.per_dataset.values()] == [6, 6, 6]
     assert share_threads(6, [192, 64]) == [5, 1] and share_threads(2, [1, 1, 1]) == [1, 1, 1]
     assert share_threads(16, [128, 64, 64]) == [8, 4, 4] and share_threads(7, [10, 1]) == [6, 1]

@@ -22,6 +22,7 @@ from PIL import Image
 
 import helpers
 from dalifeed.convert.coco import CocoConfig, convert_coco
+from dalifeed.pipelines import DetectionConfig
 from helpers import jpeg_bytes, random_image, write_coco, write_shapes_coco
 
 CATEGORY_IDS = [0, 3, 7, 90]  # sorted: the training index of category id c is CATEGORY_IDS.index(c)
@@ -292,8 +293,8 @@ def test_detection_loader_gives_torchvision_targets_in_pixels(coco, tmp_path):
     convert(images, annotations, out)
     doc = source_doc(annotations)
     records, by_image = {r["id"]: r for r in doc["images"]}, kept_annotations(doc)
-    loader = make_detection_loader(out, "mini", 3, train=False, min_size=48, max_size=80, num_threads=1,
-                                   device="cpu")
+    loader = make_detection_loader(out, "mini", 3, detection=DetectionConfig(min_size=48, max_size=80), train=False,
+                                   num_threads=1, device="cpu")
     seen = []
     for batch_images, targets in loader:
         for image, target in zip(batch_images, targets):
@@ -391,8 +392,8 @@ def test_torchvision_detector_trains_on_the_loader(coco, tmp_path, seed):
                                               min_size=96, max_size=128, image_mean=[0.0] * 3, image_std=[1.0] * 3)
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loader = make_detection_loader(out, "mini", 4, train=True, min_size=96, max_size=128, num_threads=1,
-                                   device="cpu", seed=seed)
+    loader = make_detection_loader(out, "mini", 4, detection=DetectionConfig(min_size=96, max_size=128), train=True,
+                                   num_threads=1, device="cpu", seed=seed)
     batch_images, targets = next(iter(loader))
     for t in targets:
         t["labels"] = t["labels"] + 1  # torchvision's class 0 is background
@@ -484,8 +485,8 @@ def test_detection_loader_resumes_mid_epoch_exactly(coco, tmp_path):
     convert(images, annotations, out)
 
     def loader():
-        return make_detection_loader(out, "mini", 2, train=True, size=48, num_threads=1, device="cpu", seed=3,
-                                     checkpointing=True)
+        return make_detection_loader(out, "mini", 2, detection=DetectionConfig(size=48), train=True, num_threads=1,
+                                     device="cpu", seed=3, checkpointing=True)
 
     straight = [targets for _, targets in loader()]
     first = loader()

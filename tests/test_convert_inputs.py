@@ -20,6 +20,7 @@ from click.testing import CliRunner
 import helpers
 from dalifeed.convert.cli import main as cli
 from dalifeed.format import ShardManifest
+from dalifeed.pipelines import AugmentConfig
 from dalifeed.usage import parse_size
 from helpers import write_coco, write_imagefolder
 
@@ -257,8 +258,9 @@ def test_dali_train_default_val_split_finds_a_validation_folder(tmp_path):
     src = make_tree(tmp_path / "src", {"train": {"a": 6, "b": 5}, "validation": {"a": 3, "b": 2}})
     assert run_cli("imagefolder", src, tmp_path / "out").exit_code == 0
     val_split = default(TrainConfig, "val_split")  # what dali-train evaluates on unless told otherwise
-    labels = [int(y) for _, batch in zip(range(3), make_loader(tmp_path / "out", val_split, 5, device="cpu",
-                                                                image_size=16, train=False)) for y in batch[1]]
+    labels = [int(y) for _, batch in zip(range(3), make_loader(tmp_path / "out", val_split, 5,
+                                                               augment=AugmentConfig(image_size=16), device="cpu",
+                                                               train=False)) for y in batch[1]]
     assert sorted(labels) == [0, 0, 0, 1, 1]
 
 

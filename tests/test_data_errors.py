@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from dalifeed.convert.cli import main as convert_cli
 from dalifeed.format import file_sha256
-from dalifeed.pipelines import make_loader
+from dalifeed.pipelines import AugmentConfig, make_loader
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.train import TrainConfig
 from dalifeed.train import main as train
@@ -119,7 +119,8 @@ def test_damaged_shards_stop_training_with_one_line(pristine, tmp_path, damage, 
 def test_without_sha256_the_silent_flip_trains_and_verify_still_catches_it(pristine, tmp_path):
     shards, _ = copy_of(pristine, tmp_path)
     flip_bits_silently(shards)
-    loader = make_loader(shards, "train", 8, device="cpu", image_size=16)  # sizes and indexes all agree
+    # sizes and indexes all agree
+    loader = make_loader(shards, "train", 8, augment=AugmentConfig(image_size=16), device="cpu")
     assert sum(len(labels) for _, labels in loader) == 40
     result = CliRunner().invoke(convert_cli, ["verify", str(shards)])
     assert result.exit_code == 1 and "train-000000.tar: sha256 differs from the manifest" in result.output
@@ -160,7 +161,7 @@ def test_verify_decode_uses_dalis_decoder_and_names_shard_key_and_source(pristin
     assert len([line for line in decoded.output.splitlines() if line.startswith(where)]) == 2
 
     with pytest.raises(ShardDataError, match=rf"train-000002\.tar: sample {key}: DALI cannot decode its \.jpg"):
-        for _ in make_loader(shards, "train", 8, device="cpu", image_size=16, train=False):
+        for _ in make_loader(shards, "train", 8, augment=AugmentConfig(image_size=16), device="cpu", train=False):
             pass
 
 
@@ -170,7 +171,7 @@ def test_a_loader_names_the_broken_sample_whichever_batch_it_lands_in(pristine, 
     shards, _ = copy_of(pristine, tmp_path)
     expected = break_a_jpeg(shards)
     for seed in (0, 1, 2):
-        loader = make_loader(shards, "train", 4, device="cpu", image_size=16, seed=seed)
+        loader = make_loader(shards, "train", 4, augment=AugmentConfig(image_size=16), device="cpu", seed=seed)
         with pytest.raises(ShardDataError) as raised:
             for _ in loader:
                 pass

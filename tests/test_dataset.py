@@ -3,10 +3,12 @@ graph defined ahead (loader.py), and dali-bench's warm-up draining each loader's
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import pytest
 import torch
 
-from dalifeed.pipelines import AugmentConfig, LoaderOptions, build_loader, make_loader, open_dataset
+from dalifeed.pipelines import AugmentConfig, LoaderOptions, make_loader, open_dataset
 from dalifeed.pipelines.cursor import EpochCursor
 from dalifeed.pipelines.dataset import DatasetError, MixError
 from helpers import one_image_classes
@@ -40,18 +42,18 @@ def test_the_batch_fit_is_one_rule_with_the_numbers_in_its_line(shards):
                                            rf"process\(es\) gets \({N} in all\)"):
         dataset.check_batch_fits("train", 15, world_size=2)
     with pytest.raises(DatasetError, match="batch 15 is more than"):  # the loader asks the same rule
-        build_loader(dataset, LoaderOptions("train", 15, rank=0, world_size=2, device="cpu"), AugmentConfig(16))
+        make_loader(dataset, "train", 15, rank=0, world_size=2, device="cpu")
 
 
-def test_a_loader_built_from_a_dataset_reads_what_make_loader_reads(shards):
+def test_a_loader_from_a_loaderoptions_record_reads_what_keywords_read(shards):
+    """The config route (a run's LoaderOptions, printed and saved) is the same door: make_loader(**asdict())."""
     dataset = open_dataset(shards)
     options = LoaderOptions("train", 4, train=False, device="cpu", num_threads=1)
-    by_config = [labels.tolist() for _, labels in build_loader(dataset, options, AugmentConfig(image_size=16))]
-    by_keywords = [labels.tolist() for _, labels in make_loader(dataset, "train", 4, train=False, image_size=16,
+    augment = AugmentConfig(image_size=16)
+    by_config = [labels.tolist() for _, labels in make_loader(dataset, **asdict(options), augment=augment)]
+    by_keywords = [labels.tolist() for _, labels in make_loader(str(shards), "train", 4, augment=augment, train=False,
                                                                 device="cpu", num_threads=1)]
     assert by_config == by_keywords and sorted(sum(by_config, [])) == list(range(N))
-    with pytest.raises(ValueError, match=r"check='sha256' with an opened Dataset: open_dataset took these"):
-        make_loader(dataset, "train", 4, check="sha256")
 
 
 def test_the_cursor_counts_what_every_rank_consumed_and_reads_old_checkpoints():
@@ -72,12 +74,13 @@ def test_an_epoch_defined_ahead_is_the_epoch_a_fresh_loader_reads(shards):
     exactly what a loader that defines that epoch on the spot yields (same order, same crops), and a jump
     elsewhere (set_epoch) must not read the graph defined ahead for another epoch."""
     def loader():
-        return make_loader(shards, "train", 4, seed=7, image_size=16, device="cpu", num_threads=1)
+        return make_loader(shards, "train", 4, augment=AugmentConfig(image_size=16), seed=7, device="cpu",
+                           num_threads=1)
 
     running = loader()
-    assert running._ahead is not None and running._ahead[0] == 0  # the first epoch, at construction
+    assert running.definitions.ahead == 0  # the first epoch, at construction
     list(running)
-    assert running._ahead is None and running._next[0] == 1  # defined, then started, while epoch 0 ran
+    assert running.definitions.ahead is None and running._next[0] == 1  # defined, then started, while epoch 0 ran
     ahead = [(images.clone(), labels.clone()) for images, labels in running]  # epoch 1, from the graph ahead
 
     fresh = loader()
@@ -95,7 +98,7 @@ def test_an_epoch_defined_ahead_is_the_epoch_a_fresh_loader_reads(shards):
 def test_the_bench_warm_up_drains_each_loaders_read_ahead(shards, tmp_path):
     """A window that began with prefetched batches would count them as made inside it."""
     from dalifeed.bench.loaders import DEFAULT_AHEAD, batches_ahead
-    from dalifeed.bench.loaders import build_loader as bench_loader
+    from dalifeed.bench.loaders import race_loader as bench_loader
     from dalifeed.bench.run import on_device
 
     cpu = torch.device("cpu")

@@ -11,12 +11,13 @@ from collections import Counter
 import pytest
 import torch
 
-from dalifeed.pipelines import make_loader
+from dalifeed.pipelines import AugmentConfig, make_loader
 from dalifeed.pipelines.elastic import ElasticError, SampleSet, merge_rank_states
 from helpers import one_image_classes
 
 GLOBAL_BATCH = 12  # shared by 1, 2, 3 and 4 ranks
-OPTIONS = dict(device="cpu", image_size=16, seed=5, initial_fill=16, num_threads=1, checkpointing=True)
+OPTIONS = dict(device="cpu", augment=AugmentConfig(image_size=16), seed=5, initial_fill=16, num_threads=1,
+               checkpointing=True)
 
 
 @pytest.fixture(scope="module")

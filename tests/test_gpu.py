@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dalifeed.pipelines import make_loader, resolve_device
+from dalifeed.pipelines import AugmentConfig, DetectionConfig, make_loader, resolve_device
 
 pytestmark = pytest.mark.gpu
 
@@ -35,7 +35,8 @@ def test_the_stack_fits_this_gpu_node():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_training_batches_live_on_the_gpu(shards, dtype):
-    loader = make_loader(shards, "train", 16, image_size=64, dtype=dtype, device="gpu")
+    loader = make_loader(shards, "train", 16, augment=AugmentConfig(image_size=64), device="gpu",
+                         fp16=dtype == torch.float16)
     images, labels = next(iter(loader))
     assert images.is_cuda and labels.is_cuda
     assert images.shape == (16, 3, 64, 64) and images.dtype == dtype and labels.dtype == torch.int64
@@ -44,17 +45,18 @@ def test_gpu_training_batches_live_on_the_gpu(shards, dtype):
 
 def test_gpu_validation_matches_the_cpu_pipeline(shards):
     """nvJPEG and libjpeg-turbo round differently; the images must still agree closely, labels exactly."""
-    gpu = [(x.cpu(), y.cpu()) for x, y in make_loader(shards, "train", 25, train=False, image_size=64, device="gpu")]
-    cpu = list(make_loader(shards, "train", 25, train=False, image_size=64, device="cpu"))
+    gpu = [(x.cpu(), y.cpu()) for x, y in make_loader(shards, "train", 25, augment=AugmentConfig(image_size=64),
+                                                      train=False, device="gpu")]
+    cpu = list(make_loader(shards, "train", 25, augment=AugmentConfig(image_size=64), train=False, device="cpu"))
     for (xg, yg), (xc, yc) in zip(gpu, cpu):
         assert torch.equal(yg, yc)
         assert (xg - xc).abs().mean() < 0.02
 
 
 def test_dali_gpu_loader_in_the_bench(shards):
-    from dalifeed.bench.loaders import build_loader
+    from dalifeed.bench.loaders import race_loader
 
-    loader = build_loader("dali-gpu", imagefolder=shards, shards=shards, split="train", batch_size=8, image_size=32,
+    loader = race_loader("dali-gpu", imagefolder=shards, shards=shards, split="train", batch_size=8, image_size=32,
                           workers=2, device=torch.device("cuda"))
     images, _ = next(iter(loader))
     assert images.is_cuda and images.shape == (8, 3, 32, 32)
@@ -71,8 +73,8 @@ def test_gpu_detection_loader_matches_the_cpu_boxes(tmp_path, device):
     images, annotations = write_coco(tmp_path / "coco")
     out = tmp_path / "out"
     convert_coco(CocoConfig(images=[images], annotations=[annotations], out=out, progress=False, workers=1))
-    gpu = list(make_detection_loader(out, "mini", 4, train=False, size=64, device=device))
-    cpu = list(make_detection_loader(out, "mini", 4, train=False, size=64, device="cpu"))
+    gpu = list(make_detection_loader(out, "mini", 4, detection=DetectionConfig(size=64), train=False, device=device))
+    cpu = list(make_detection_loader(out, "mini", 4, detection=DetectionConfig(size=64), train=False, device="cpu"))
     for (gi, gt), (ci, ct) in zip(gpu, cpu):
         assert all(x.is_cuda for x in gi) and all(t["boxes"].is_cuda for t in gt)
         for a, b in zip(gt, ct):
@@ -80,7 +82,7 @@ def test_gpu_detection_loader_matches_the_cpu_boxes(tmp_path, device):
             torch.testing.assert_close(a["boxes"].cpu(), b["boxes"])
         for a, b in zip(gi, ci):
             assert (a.cpu() - b).abs().mean() < 0.05
-    train = make_detection_loader(out, "mini", 4, train=True, size=64, device=device)
+    train = make_detection_loader(out, "mini", 4, detection=DetectionConfig(size=64), train=True, device=device)
     batch_images, targets = next(iter(train))
     assert len(batch_images) == 4 and batch_images[0].shape == (3, 64, 64)
 
@@ -89,12 +91,14 @@ def test_gpu_detection_loader_matches_the_cpu_boxes(tmp_path, device):
 def test_hybrid_decodes_on_the_cpu_and_hands_out_gpu_batches(shards, train):
     """dali-hybrid: the CPU decoder, then crop/resize/normalise on the GPU. Validation (no randomness) agrees
     closely with the all-CPU graph: the same decoder, resize kernels on another device."""
-    loader = make_loader(shards, "train", 25, train=train, image_size=64, device="hybrid", dtype=torch.float16)
+    loader = make_loader(shards, "train", 25, augment=AugmentConfig(image_size=64), train=train, device="hybrid",
+                         fp16=True)
     batches = [(x.cpu(), y.cpu()) for x, y in loader]
     assert all(x.dtype == torch.float16 and x.shape[1:] == (3, 64, 64) for x, _ in batches)
     assert len(batches) == len(loader)
     if not train:
-        cpu = list(make_loader(shards, "train", 25, train=False, image_size=64, device="cpu", dtype=torch.float16))
+        cpu = list(make_loader(shards, "train", 25, augment=AugmentConfig(image_size=64), train=False, device="cpu",
+                               fp16=True))
         for (xh, yh), (xc, yc) in zip(batches, cpu):
             assert torch.equal(yh, yc)
             assert (xh.float() - xc.float()).abs().mean() < 0.01
@@ -102,9 +106,9 @@ def test_hybrid_decodes_on_the_cpu_and_hands_out_gpu_batches(shards, train):
 
 @pytest.mark.parametrize("name", ["dali-hybrid", "dali-gpu"])
 def test_bench_gpu_loaders_hand_out_fp16_on_the_gpu(shards, name):
-    from dalifeed.bench.loaders import build_loader
+    from dalifeed.bench.loaders import race_loader
 
-    loader = build_loader(name, imagefolder=shards, shards=shards, split="train", batch_size=8, image_size=32,
+    loader = race_loader(name, imagefolder=shards, shards=shards, split="train", batch_size=8, image_size=32,
                           workers=2, device=torch.device("cuda"), fp16=True, hw_decoder_load=0.99)
     images, labels = next(iter(loader))
     assert images.is_cuda and labels.is_cuda and images.dtype == torch.float16 and images.shape == (8, 3, 32, 32)

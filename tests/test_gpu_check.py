@@ -30,7 +30,7 @@ from dalifeed.bench.gpu_check import (
 )
 from dalifeed.bench.gpu_check import main as gpu_check_cli
 from dalifeed.budget import thread_budget
-from dalifeed.pipelines import make_loader
+from dalifeed.pipelines import AugmentConfig, make_loader
 from dalifeed.stack import StackMismatch
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.data import SyntheticLoader
@@ -158,8 +158,10 @@ def test_docs_quote_gpu_checks_decoder_line_for_8_gpus_on_64_cpus():
 
 
 def test_synthetic_loader_repeats_one_batch_and_resumes_mid_epoch(shards):
-    real = make_loader(shards, "train", 4, device="cpu", image_size=24, num_threads=2, train=True)
-    synthetic = SyntheticLoader(make_loader(shards, "train", 4, device="cpu", image_size=24, num_threads=2, train=True))
+    real = make_loader(shards, "train", 4, augment=AugmentConfig(image_size=24), device="cpu", num_threads=2,
+                       train=True)
+    synthetic = SyntheticLoader(make_loader(shards, "train", 4, augment=AugmentConfig(image_size=24), device="cpu",
+                                            num_threads=2, train=True))
     batches = list(synthetic)
     assert len(batches) == len(synthetic) == len(real) == 52 // 4
     first_images, first_labels = batches[0]
@@ -170,7 +172,8 @@ def test_synthetic_loader_repeats_one_batch_and_resumes_mid_epoch(shards):
         next(partway)
     state = synthetic.state_dict()
     assert state == {"epoch": 1, "samples_done": 5 * 4, "dali": None}
-    resumed = SyntheticLoader(make_loader(shards, "train", 4, device="cpu", image_size=24, num_threads=2, train=True))
+    resumed = SyntheticLoader(make_loader(shards, "train", 4, augment=AugmentConfig(image_size=24), device="cpu",
+                                          num_threads=2, train=True))
     resumed.load_state_dict(state)
     assert len(list(resumed)) == len(real) - 5 and resumed.epoch == 2
 

@@ -33,7 +33,7 @@ import pytest
 import torch
 from nvidia.dali import backend, fn, ops, pipeline_def, types
 
-from dalifeed.decode import DaliDecoder, dali_sees_gpu, decoder_memory
+from dalifeed.decode import DEFAULT_HW_DECODER_LOAD, DaliDecoder, dali_sees_gpu, decoder_memory
 from dalifeed.pipelines.graphs import AugmentConfig
 from dalifeed.pipelines.serialized import wire_fields, with_reader_arguments, without_origins
 from gpu_kernels import GPU_KERNELS, input_problem
@@ -197,18 +197,29 @@ def shards(make_shards) -> Path:
     return make_shards({"a": 9, "b": 8}, samples_per_shard=6)[1]
 
 
-def classification(shards_dir, train: bool, split: str = "train", **options):
-    from dalifeed.pipelines import make_loader
+def classification(shards_dir, train: bool, split: str = "train", *, augment=None, flip: bool = True,
+                   dtype=torch.float32, multilabel: bool = False, **options):
+    """The loader's graph for these options: `augment` (default 32 px, `flip`), float16 for `dtype`, COCO's
+    multi-hot targets with `multilabel`; `options`: the other loader options."""
+    from dalifeed.pipelines import AugmentConfig, make_loader, open_dataset
 
-    size = {} if "augment" in options else {"image_size": 32}  # an AugmentConfig carries its own size
-    loader = make_loader(shards_dir, split, 2, train=train, device="cpu", num_threads=2, **size, **options)
+    data = open_dataset(shards_dir, task="multilabel" if multilabel else "classify")
+    augment = augment or AugmentConfig(image_size=32, flip=flip)
+    loader = make_loader(data, split, 2, augment=augment, train=train, device="cpu", num_threads=2,
+                         fp16=dtype == torch.float16, **options)
     return lambda device: on_device(loader, device).pipeline()
 
 
-def detection(coco_dir, train: bool, **options):
-    from dalifeed.pipelines import make_detection_loader
+DETECTION_FIELDS = ("size", "min_size", "max_size", "crop", "flip", "include_crowd")
 
-    loader = make_detection_loader(coco_dir, "mini", 2, train=train, device="cpu", num_threads=2, **options)
+
+def detection(coco_dir, train: bool, **options):
+    """The detection loader's graph: its DetectionConfig's fields and loader options, as keywords."""
+    from dalifeed.pipelines import DetectionConfig, make_detection_loader
+
+    config = DetectionConfig(**{k: options.pop(k) for k in DETECTION_FIELDS if k in options})
+    loader = make_detection_loader(coco_dir, "mini", 2, detection=config, train=train, device="cpu", num_threads=2,
+                                   **options)
     return lambda device: on_device(loader, device).pipeline()
 
 
@@ -224,9 +235,9 @@ def bench_stage(shards_dir, stage: int):
 
 
 def bench_loader(shards_dir):
-    from dalifeed.bench.loaders import build_loader
+    from dalifeed.bench.loaders import race_loader
 
-    loader = build_loader("dali-cpu", imagefolder=shards_dir, shards=shards_dir, split="train", batch_size=4,
+    loader = race_loader("dali-cpu", imagefolder=shards_dir, shards=shards_dir, split="train", batch_size=4,
                           image_size=32, workers=2, device=torch.device("cpu"), fp16=True, hw_decoder_load=0.3)
     return lambda device: on_device(loader, device).pipeline()
 
@@ -451,13 +462,13 @@ def test_the_dtype_check_fails_the_float16_erasing_graph_of_before(shards):
 
     manifest = ShardManifest.load(shards)
     paths, indexes = [str(p) for p in manifest.shard_paths("train")], [str(p) for p in manifest.index_paths("train")]
-    cfg = AugmentConfig(image_size=32, random_erase=0.5, fp16=True)
+    cfg, out = AugmentConfig(image_size=32, random_erase=0.5), graphs.Output(fp16=True)
 
     @pipeline_def(batch_size=4, num_threads=1, device_id=None, seed=0)
     def before(device):
         jpegs, _ = graphs.read_shards(paths, indexes, shard_id=0, num_shards=1, shuffle=False, initial_fill=4)
         images = graphs.resize_square(graphs.after_decode(graphs.decode_random_crop(jpegs, cfg, device), device), cfg)
-        return augment.random_erase(graphs.normalize(images, cfg), cfg)
+        return augment.random_erase(graphs.normalize(images, cfg, out), cfg)
 
     gpu = parse_graph(before("gpu").serialize())[0]
     assert backend_problems(gpu) == [] and schema_problems(gpu) == []  # the old checks let it through
@@ -544,7 +555,7 @@ def test_every_mixed_decoder_gets_the_hints(graph, name, device):
     decoder, not only the training one (issue 19, findings 1 and 5)."""
     expected_load = 0.99 if name.endswith("hw_decoder_load_0.99") else {
         "gpu-check-checkpoint-loader": 0.99, "dali-bench-loader": 0.3, "dali-bench-detection-loader": 0.2,
-    }.get(name, AugmentConfig().hw_decoder_load)
+    }.get(name, DEFAULT_HW_DECODER_LOAD)
     memory = decoder_memory(threads=2)
     decoders = [op for op in graph(name, device)[0] if op.device == "mixed"]
     assert decoders

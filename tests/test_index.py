@@ -20,6 +20,7 @@ from PIL import Image
 from dalifeed.convert.index import IndexConfig, IndexDataError, IndexUsageError, index_folder, split_of
 from dalifeed.convert.verify import verify_shards
 from dalifeed.format import ShardManifest, file_sha256, split_member_name
+from dalifeed.pipelines import AugmentConfig
 from helpers import convert, jpeg_bytes, png_bytes, write_imagefolder
 
 VENV_BIN = Path(sys.executable).parent
@@ -60,8 +61,8 @@ def wds2idx(tar: Path, out: Path) -> str:
 def loader_labels_and_red(root: Path, split: str, batch: int, train: bool = False) -> tuple[list[int], list[int]]:
     from dalifeed.pipelines import make_loader
 
-    loader = make_loader(root, split, batch, device="cpu", image_size=16, train=train, num_threads=1,
-                         initial_fill=8)
+    loader = make_loader(root, split, batch, augment=AugmentConfig(image_size=16), device="cpu", train=train,
+                         num_threads=1, initial_fill=8)
     labels, reds = [], []
     for images, target in loader:
         labels += target.tolist()

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from dalifeed.convert.index import IndexConfig, index_folder
-from dalifeed.pipelines import MixError, make_loader
-from dalifeed.pipelines.dataset import batch_shares, union_classes
+from dalifeed.pipelines import AugmentConfig, make_loader, open_dataset
+from dalifeed.pipelines.dataset import MixError, batch_shares, union_classes
 from test_index import add_member, solid, write_shardwriter
 
-ARGS = dict(device="cpu", image_size=16, num_threads=1, initial_fill=8)
+ARGS = dict(device="cpu", augment=AugmentConfig(image_size=16), num_threads=1, initial_fill=8)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def test_batch_shares_and_union():
 
 def test_mixing_proportions_classes_and_epoch(two_datasets):
     a, b = two_datasets
-    loader = make_loader([a, b], "train", 8, weights=[0.75, 0.25], **ARGS)
+    loader = make_loader(open_dataset([a, b], weights=[0.75, 0.25]), "train", 8, **ARGS)
     assert loader.dataset.classes == ["0", "1", "2", "cat", "dog"]
     assert len(loader) == (40 + 12) // 8  # an epoch: as many samples as both hold together
     drawn = Counter()
@@ -65,21 +65,21 @@ def test_mixing_proportions_classes_and_epoch(two_datasets):
 
 def test_mixed_order_depends_on_seed_and_epoch_and_resume_is_exact(two_datasets):
     a, b = two_datasets
-    args = dict(weights=[3, 1], checkpointing=True, seed=5, **ARGS)
-    full = make_loader([a, b], "train", 8, **args)
+    args = dict(checkpointing=True, seed=5, **ARGS)
+    full = make_loader(open_dataset([a, b], weights=[3, 1]), "train", 8, **args)
     epoch0 = [labels.tolist() for _, labels in full]
     epoch1 = [(images, labels) for images, labels in full]
-    again = make_loader([a, b], "train", 8, **args)
+    again = make_loader(open_dataset([a, b], weights=[3, 1]), "train", 8, **args)
     again.set_epoch(1)
     assert [labels.tolist() for _, labels in again] == [labels.tolist() for _, labels in epoch1]
     assert epoch0 != [labels.tolist() for _, labels in epoch1]
-    first = make_loader([a, b], "train", 8, **args)
+    first = make_loader(open_dataset([a, b], weights=[3, 1]), "train", 8, **args)
     first.set_epoch(1)
     it = iter(first)
     for _ in range(3):
         next(it)
     state = first.state_dict()
-    resumed = make_loader([a, b], "train", 8, **args)
+    resumed = make_loader(open_dataset([a, b], weights=[3, 1]), "train", 8, **args)
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert len(rest) == len(epoch1) - 3
@@ -101,11 +101,11 @@ def test_mixed_evaluation_per_dataset(two_datasets):
 def test_mixing_refusals(two_datasets):
     a, b = two_datasets
     with pytest.raises(MixError, match="2 weights for 1 datasets"):
-        make_loader([a], "train", 8, weights=[1, 2], **ARGS)
+        make_loader(open_dataset([a], weights=[1, 2]), "train", 8, **ARGS)
     with pytest.raises(MixError, match="gives it no sample of a batch of 8"):
-        make_loader([a, b], "train", 8, weights=[100, 1], **ARGS)
+        make_loader(open_dataset([a, b], weights=[100, 1]), "train", 8, **ARGS)
     with pytest.raises(ValueError, match="mixes a list of shard folders"):
-        make_loader(a, "train", 8, weights=[1], **ARGS)
+        make_loader(open_dataset(a, weights=[1]), "train", 8, **ARGS)
     for again in (a, a.parent / "." / a.name, str(a) + "/"):  # the same folder, however it is written
         with pytest.raises(MixError, match=r"the same dataset is given twice .*--data-weights"):
             make_loader([a, b, again], "train", 8, **ARGS)
@@ -151,7 +151,7 @@ def test_every_rank_gets_the_same_number_of_mixed_batches(two_datasets):
     a, b = two_datasets
     counts = []
     for rank in range(3):
-        loader = make_loader([a, b], "train", 4, weights=[3, 1], rank=rank, world_size=3, **ARGS)
+        loader = make_loader(open_dataset([a, b], weights=[3, 1]), "train", 4, rank=rank, world_size=3, **ARGS)
         counts.append((len(loader), sum(1 for _ in loader)))
     assert counts == [((40 + 12) // 3 // 4,) * 2] * 3
 

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+from dalifeed.pipelines import AugmentConfig, make_loader
 from dalifeed.pipelines import loader as loader_module
-from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.elastic import merge_rank_states
 from dalifeed.pipelines.lanes import join_rows, lane_sizes, next_lane
 from dalifeed.pipelines.loader import LANES_MIN_BATCHES, LoaderOptions, default_lanes
 from helpers import one_image_classes
 
 N = 37  # prime: lanes of 18 and 19 samples, whose whole batches of 4 (4 + 4) leave the 9th batch to be joined
-OPTIONS = dict(device="cpu", image_size=16, seed=3, initial_fill=8, num_threads=2, lanes=2)
+OPTIONS = dict(device="cpu", augment=AugmentConfig(image_size=16), seed=3, initial_fill=8, num_threads=2, lanes=2)
 
 
 @pytest.fixture(scope="module")

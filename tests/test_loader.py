@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dalifeed.pipelines import make_detection_loader, make_loader
+from dalifeed.pipelines import AugmentConfig, DetectionConfig, make_detection_loader, make_loader, open_dataset
 from dalifeed.pipelines.dataset import Source
 from dalifeed.pipelines.loader import trains
 from helpers import one_image_classes
@@ -31,8 +31,8 @@ def labels_of(loader) -> list[list[int]]:
 def test_validation_sees_every_sample_exactly_once_across_ranks(unique_shards, world_size, batch):
     seen = []
     for rank in range(world_size):
-        loader = make_loader(unique_shards, "train", batch, train=False, rank=rank, world_size=world_size,
-                             image_size=16, device="cpu")
+        loader = make_loader(unique_shards, "train", batch, augment=AugmentConfig(image_size=16), train=False,
+                             rank=rank, world_size=world_size, device="cpu")
         for epoch in range(2):  # the second epoch builds its pipeline again: same contract
             batches = labels_of(loader)
             assert len(batches) == len(loader)
@@ -49,8 +49,8 @@ def test_training_gives_every_rank_the_same_number_of_full_batches(unique_shards
     expected = (N // world_size) // batch
     per_rank = []
     for rank in range(world_size):
-        loader = make_loader(unique_shards, "train", batch, rank=rank, world_size=world_size, image_size=16,
-                             device="cpu", seed=5)
+        loader = make_loader(unique_shards, "train", batch, augment=AugmentConfig(image_size=16), rank=rank,
+                             world_size=world_size, device="cpu", seed=5)
         assert len(loader) == expected
         for _epoch in range(3):
             batches = labels_of(loader)
@@ -63,7 +63,7 @@ def test_training_gives_every_rank_the_same_number_of_full_batches(unique_shards
 
 
 def epoch_orders(shards, seed, epochs=2):
-    loader = make_loader(shards, "train", 4, image_size=16, device="cpu", seed=seed)
+    loader = make_loader(shards, "train", 4, augment=AugmentConfig(image_size=16), device="cpu", seed=seed)
     return [sum(labels_of(loader), []) for _ in range(epochs)]
 
 
@@ -77,12 +77,12 @@ def test_same_seed_same_order_and_different_seed_different_order(unique_shards):
 
 def test_set_epoch_replays_an_epoch_exactly(unique_shards):
     """What a resumed trainer relies on: epoch e's samples and augmentations depend only on (seed, e)."""
-    straight = make_loader(unique_shards, "train", 4, image_size=16, device="cpu", seed=9)
+    straight = make_loader(unique_shards, "train", 4, augment=AugmentConfig(image_size=16), device="cpu", seed=9)
     for _ in range(2):
         list(straight)
     third = [(x.clone(), y.clone()) for x, y in straight]
 
-    resumed = make_loader(unique_shards, "train", 4, image_size=16, device="cpu", seed=9)
+    resumed = make_loader(unique_shards, "train", 4, augment=AugmentConfig(image_size=16), device="cpu", seed=9)
     resumed.set_epoch(2)
     replay = list(resumed)
     assert len(third) == len(replay)
@@ -93,8 +93,8 @@ def test_set_epoch_replays_an_epoch_exactly(unique_shards):
 @pytest.mark.parametrize("rank, world_size", [(0, 1), (1, 2)])
 def test_a_loader_restored_mid_epoch_yields_exactly_the_rest_of_it(unique_shards, rank, world_size):
     def loader():
-        return make_loader(unique_shards, "train", 4, rank=rank, world_size=world_size, seed=3, image_size=16,
-                           device="cpu", checkpointing=True)
+        return make_loader(unique_shards, "train", 4, augment=AugmentConfig(image_size=16), rank=rank,
+                           world_size=world_size, seed=3, device="cpu", checkpointing=True)
 
     straight = loader()
     epoch0 = [(images.clone(), labels.clone()) for images, labels in straight]
@@ -134,10 +134,12 @@ def test_a_consumer_that_stops_mid_epoch_frees_the_pipeline_and_keeps_its_place(
     at once, so validation's runs alone, and the state where it stopped is still what state_dict gives (a
     fresh loader given it yields exactly the rest)."""
     def loader():
-        return make_loader(unique_shards, "train", 4, seed=3, image_size=16, device="cpu", checkpointing=True)
+        return make_loader(unique_shards, "train", 4, augment=AugmentConfig(image_size=16), seed=3, device="cpu",
+                           checkpointing=True)
 
     straight = [labels.tolist() for _, labels in loader()]
-    train, val = loader(), make_loader(unique_shards, "train", 5, train=False, image_size=16, device="cpu")
+    train, val = loader(), make_loader(unique_shards, "train", 5, augment=AugmentConfig(image_size=16), train=False,
+                                       device="cpu")
     for i, (_, _labels) in enumerate(train):
         if i == 2:
             break
@@ -156,12 +158,13 @@ def test_a_one_lane_training_loader_starts_its_next_epoch_before_this_one_ends(u
     """So the next epoch's first batch is ready when it begins (docs/gpu.md, "A pipeline per epoch"): the
     started pipeline is epoch 1's, and what it yields is epoch 1 exactly as a fresh loader's set_epoch(1)."""
     def loader():
-        return make_loader(unique_shards, "train", 4, seed=5, image_size=16, device="cpu", lanes=1)
+        return make_loader(unique_shards, "train", 4, augment=AugmentConfig(image_size=16), seed=5, device="cpu",
+                           lanes=1)
 
     running = loader()
     list(running)
     assert running._next is not None and running._next[0] == 1 and len(running._next[1].pipes) == 1
-    val = make_loader(unique_shards, "train", 5, train=False, image_size=16, device="cpu")
+    val = make_loader(unique_shards, "train", 5, augment=AugmentConfig(image_size=16), train=False, device="cpu")
     for _ in val:  # validation's and the next epoch's (idle, started): never epoch 0's, which went at its end
         assert len(built_pipelines()) == 2 and running._iterator is None
     fresh = loader()
@@ -170,7 +173,7 @@ def test_a_one_lane_training_loader_starts_its_next_epoch_before_this_one_ends(u
 
 
 def test_a_mid_epoch_state_needs_checkpointing(unique_shards):
-    loader = make_loader(unique_shards, "train", 4, image_size=16, device="cpu")
+    loader = make_loader(unique_shards, "train", 4, augment=AugmentConfig(image_size=16), device="cpu")
     batches = iter(loader)
     next(batches)
     with pytest.raises(RuntimeError, match="checkpointing=True"):
@@ -183,8 +186,8 @@ def test_an_epoch_runs_its_pipeline_no_further_than_its_last_batch(unique_shards
     """epoch_iterator.EpochIterator: when the epoch ends, every run DALI was given has been fetched (DALI's own
     iterator leaves prefetch_queue_depth runs of the next epoch in flight, which the pipeline's teardown waits
     for), and training still decodes its dropped partial batch."""
-    loader = make_loader(unique_shards, "train", batch, train=train, rank=world_size - 1, world_size=world_size,
-                         image_size=16, device="cpu", seed=2, num_threads=2, lanes=lanes)
+    loader = make_loader(unique_shards, "train", batch, augment=AugmentConfig(image_size=16), train=train,
+                         rank=world_size - 1, world_size=world_size, device="cpu", seed=2, num_threads=2, lanes=lanes)
     for _epoch in range(2):
         pipes = []
         handed_out = 0
@@ -219,8 +222,9 @@ def test_an_iterator_that_counts_runs_wrongly_still_hands_out_the_whole_epoch(un
             return wanted is not None and super()._bounded()
 
     def epoch(cls) -> list[list[int]]:
-        loader = make_loader(unique_shards, "train", 4, image_size=16, device="cpu", seed=4, lanes=1)
-        (pipe,), _, _ = loader._define(0)
+        loader = make_loader(unique_shards, "train", 4, augment=AugmentConfig(image_size=16), device="cpu", seed=4,
+                             lanes=1)
+        (pipe,), _, _ = loader.definitions.define(0)
         pipe.build()
         iterator = cls([pipe], ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.DROP,
                        auto_reset=False)
@@ -256,11 +260,13 @@ def test_both_factories_train_a_split_named_like_coco_train2017(coco_train2017):
     """8 images in batches of 3: training yields 2 full batches, validation 3 (the last one partial). Both
     factories decide by the same rule (make_loader used to evaluate 'train2017' unless told to train)."""
     common = {"device": "cpu", "num_threads": 1, "initial_fill": 8}
-    detection = make_detection_loader(coco_train2017, "train2017", 3, size=32, **common)
-    multilabel = make_loader(coco_train2017, "train2017", 3, image_size=16, multilabel=True, **common)
+    detection = make_detection_loader(coco_train2017, "train2017", 3, detection=DetectionConfig(size=32), **common)
+    multilabel = make_loader(open_dataset(coco_train2017, task="multilabel"), "train2017", 3,
+                             augment=AugmentConfig(image_size=16), **common)
     assert len(detection) == len(multilabel) == 2
     assert [len(labels) for _, labels in multilabel] == [3, 3]
-    assert len(make_loader(coco_train2017, "train2017", 3, image_size=16, multilabel=True, train=False, **common)) == 3
+    assert len(make_loader(open_dataset(coco_train2017, task="multilabel"), "train2017", 3,
+                           augment=AugmentConfig(image_size=16), train=False, **common)) == 3
 
 
 def test_an_epoch_reads_the_files_its_files_function_names(unique_shards, tmp_path):
@@ -292,12 +298,12 @@ def test_an_epoch_reads_the_files_its_files_function_names(unique_shards, tmp_pa
 
 def test_a_fork_waits_for_a_pipeline_being_defined_ahead():
     """A child forked while a loader's background thread defines a graph would inherit the locks that thread
-    holds (an import lock: the child hung at its first import); `loader.DEFINITIONS_AHEAD` makes the fork wait."""
+    holds (an import lock: the child hung at its first import); `definitions.DEFINITIONS_AHEAD` makes the fork wait."""
     import os
     import threading
     import time
 
-    from dalifeed.pipelines.loader import DEFINITIONS_AHEAD
+    from dalifeed.pipelines.definitions import DEFINITIONS_AHEAD
 
     started, finished = threading.Event(), []
 

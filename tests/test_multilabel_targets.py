@@ -85,14 +85,14 @@ def test_multilabel_loader_gives_every_images_categories(coco_shards, batch_size
     """The loader dali-train --task multilabel builds, in file order (train=False): row i is the i-th sample.
     Batch size 1 puts every single-label image in a batch of its own, the case DALI's one_hot took for a
     batch of scalars."""
-    from dalifeed.pipelines import make_loader
+    from dalifeed.pipelines import AugmentConfig, make_loader, open_dataset
 
     shards, instances = coco_shards
     assert sorted(CATEGORY_IDS) == CATEGORY_IDS
     order = image_ids_in_reading_order(shards)
     assert sorted(order) == sorted(OBJECTS)
-    loader = make_loader(shards, "val", batch_size, device="cpu", image_size=32, train=False, multilabel=True,
-                         num_threads=1)
+    loader = make_loader(open_dataset(shards, task="multilabel"), "val", batch_size,
+                         augment=AugmentConfig(image_size=32), device="cpu", train=False, num_threads=1)
     rows = torch.cat([labels for _, labels in loader])
     assert rows.dtype == torch.float32 and rows.shape == (len(OBJECTS), len(CATEGORY_IDS))
     for image_id, row in zip(order, rows.tolist()):
@@ -101,11 +101,11 @@ def test_multilabel_loader_gives_every_images_categories(coco_shards, batch_size
 
 def test_multilabel_training_epoch_holds_every_images_categories(coco_shards):
     """The training loader (shuffled, random crops) of batch 1: the epoch's targets are the images' targets."""
-    from dalifeed.pipelines import make_loader
+    from dalifeed.pipelines import AugmentConfig, make_loader, open_dataset
 
     shards, instances = coco_shards
-    loader = make_loader(shards, "val", 1, device="cpu", image_size=32, train=True, multilabel=True,
-                         num_threads=1, initial_fill=4)
+    loader = make_loader(open_dataset(shards, task="multilabel"), "val", 1, augment=AugmentConfig(image_size=32),
+                         device="cpu", train=True, num_threads=1, initial_fill=4)
     seen = sorted(labels[0].tolist() for _, labels in loader)
     assert seen == sorted(expected_multi_hot(instances, image_id) for image_id in OBJECTS)
 

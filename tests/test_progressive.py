@@ -5,13 +5,14 @@ each epoch's graph at that epoch's size (also ahead, on `set_epoch` and on a mid
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
 import torchvision.transforms as T
 from click.testing import CliRunner
 
-from dalifeed.pipelines import AugmentConfig, LoaderOptions, build_loader, open_dataset
+from dalifeed.pipelines import AugmentConfig, LoaderOptions, make_loader, open_dataset
 from dalifeed.pipelines.graphs import IMAGENET_MEAN, IMAGENET_STD
 from dalifeed.pipelines.resolution import ProgressiveResize
 from dalifeed.train import checkpoint
@@ -76,7 +77,8 @@ def shards(make_shards):
 def progressive_loader(shards, schedule: ProgressiveResize):
     data = open_dataset(shards, splits=("train",))
     options = LoaderOptions("train", 4, train=True, seed=5, device="cpu", num_threads=2, checkpointing=True)
-    return build_loader(data, options, AugmentConfig(image_size=16, crop_scale=(0.5, 1.0)), image_size=schedule.size)
+    return make_loader(data, **asdict(options), augment=AugmentConfig(image_size=16, crop_scale=(0.5, 1.0)),
+                       size_schedule=schedule.size)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +129,8 @@ def mixed_progressive_loader(shards, other_shards):
     batches an epoch of its own) runs two of its epochs: both must be at the mixed epoch's size."""
     data = open_dataset([shards, other_shards], splits=("train",))
     options = LoaderOptions("train", 4, train=True, seed=5, device="cpu", num_threads=2, checkpointing=True)
-    return build_loader(data, options, AugmentConfig(image_size=16, crop_scale=(0.5, 1.0)), image_size=SCHEDULE.size)
+    return make_loader(data, **asdict(options), augment=AugmentConfig(image_size=16, crop_scale=(0.5, 1.0)),
+                       size_schedule=SCHEDULE.size)
 
 
 def test_a_mixed_loader_yields_each_epochs_size_in_every_part_of_a_batch(shards, other_shards):
@@ -171,8 +174,8 @@ def test_validation_resizes_to_val_resize_then_crops_the_val_size(real_photo_sha
     default = torch.stack([reference(int(size / 0.875))(img) for img, _ in source])
 
     data = open_dataset(real_photo_shards, splits=("train",))
-    loader = build_loader(data, LoaderOptions("train", 4, train=False, device="cpu"),
-                          AugmentConfig(image_size=size, val_resize_size=resize))
+    loader = make_loader(data, "train", 4, augment=AugmentConfig(image_size=size, val_resize_size=resize), train=False,
+                         device="cpu")
     images = torch.cat([images for images, _ in loader])
     assert images.shape == (len(VAL_PHOTO_SHAPES), 3, size, size)
     assert ((images - expected).abs().flatten(1).mean(1) < 0.01).all()

@@ -395,7 +395,7 @@ def test_float16_erasing_is_the_float32_result_cast(photo_shards, channels_last)
 
     def epoch(dtype):
         loader = make_loader(photo_shards, "train", 8, device="cpu", augment=cfg, channels_last=channels_last, seed=1,
-                             dtype=dtype)
+                             fp16=dtype == torch.float16)
         return torch.cat([images for images, _ in loader])
 
     half, single = epoch(torch.float16), epoch(torch.float32)

@@ -28,7 +28,7 @@ from dalifeed.convert import ConvertConfig, convert_imagefolder
 from dalifeed.convert.cli import main as convert_cli
 from dalifeed.convert.options import default_staging
 from dalifeed.convert.remote import MAX_PENDING
-from dalifeed.pipelines import ShardDataError, make_loader
+from dalifeed.pipelines import AugmentConfig, ShardDataError, make_loader, open_dataset
 from dalifeed.shardfolder import cache_dir, open_shard_folder
 from dalifeed.train.cli import main as train_cli
 from helpers import start_s3_server, stop_s3_server, wait_for, write_coco, write_imagefolder
@@ -158,12 +158,13 @@ def test_export_coco_from_the_store_is_the_local_export(s3_coco, tmp_path):
 
 
 def test_the_detection_loader_reads_the_same_batches_from_s3_as_from_disk(s3_coco):
-    from dalifeed.pipelines import make_detection_loader
+    from dalifeed.pipelines import DetectionConfig, make_detection_loader
 
     _, local, url, _ = s3_coco
-    options = dict(device="cpu", size=48, seed=3, initial_fill=8, num_threads=1)
+    options = dict(device="cpu", detection=DetectionConfig(size=48), seed=3, initial_fill=8, num_threads=1)
     for train, epochs in ((True, 2), (False, 1)):
-        from_s3 = make_detection_loader(url, "mini", 2, train=train, check="sha256", **options)
+        from_s3 = make_detection_loader(open_dataset(url, task="detection", check="sha256"), "mini", 2, train=train,
+                                        **options)
         from_disk = make_detection_loader(local, "mini", 2, train=train, **options)
         for epoch in range(epochs):
             s3_batches, disk_batches = list(from_s3), list(from_disk)
@@ -179,9 +180,9 @@ def test_the_detection_loader_reads_the_same_batches_from_s3_as_from_disk(s3_coc
 
 def test_the_loader_reads_the_same_batches_from_s3_as_from_disk(s3_shards):
     _, local, url = s3_shards
-    options = dict(device="cpu", image_size=32, seed=3, initial_fill=8, num_threads=2)
+    options = dict(device="cpu", augment=AugmentConfig(image_size=32), seed=3, initial_fill=8, num_threads=2)
     for split, epochs in (("train", 2), ("val", 1)):
-        from_s3 = make_loader(url, split, 4, check="sha256", **options)
+        from_s3 = make_loader(open_dataset(url, check="sha256"), split, 4, **options)
         from_disk = make_loader(local, split, 4, **options)
         for epoch in range(epochs):
             s3_batches, disk_batches = list(from_s3), list(from_disk)
@@ -231,7 +232,7 @@ def test_an_older_manifest_without_index_hashes_is_read_from_s3(s3_shards, s3_bu
         if p.suffix in (".tar", ".idx"):
             s3.put_bytes(f"{url}/{p.name}", p.read_bytes())
     s3.put_bytes(f"{url}/manifest.json", json.dumps(doc).encode())
-    loader = make_loader(url, "val", 4, device="cpu", image_size=32, train=False, num_threads=2)
+    loader = make_loader(url, "val", 4, augment=AugmentConfig(image_size=32), device="cpu", train=False, num_threads=2)
     assert sum(len(labels) for _, labels in loader) == 9
 
 

@@ -20,7 +20,7 @@ import torch
 
 from dalifeed import s3
 from dalifeed.convert import ConvertConfig, convert_imagefolder
-from dalifeed.pipelines import make_loader
+from dalifeed.pipelines import AugmentConfig, make_loader, open_dataset
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.pipelines.elastic import merge_rank_states
 from dalifeed.pipelines.shardcache import CacheConfig, CacheFull, ShardCache, cache_config, rank_shards
@@ -30,7 +30,7 @@ from helpers import start_s3_server, stop_s3_server, write_imagefolder
 
 HERE = Path(__file__).parent
 SPEC = {"a": 13, "b": 11, "c": 7}  # 31 samples, 5 a tar: 7 tars
-OPTIONS = dict(device="cpu", image_size=16, seed=3, initial_fill=8, num_threads=1)
+OPTIONS = dict(device="cpu", augment=AugmentConfig(image_size=16), seed=3, initial_fill=8, num_threads=1)
 
 
 class Store:
@@ -96,7 +96,8 @@ def test_one_get_per_tar_then_none_and_the_batches_of_the_local_folder(store, tm
     batches are those of the local folder, and a mid-epoch resume from the cache is bit-exact."""
     before = store.gets(store.url)
     for rank in (0, 1):
-        from_s3 = make_loader(store.url, "train", 4, rank=rank, world_size=2, cache_dir=tmp_path / "cache", **OPTIONS)
+        from_s3 = make_loader(open_dataset(store.url, cache_dir=tmp_path / "cache"), "train", 4, rank=rank,
+                              world_size=2, **OPTIONS)
         from_disk = make_loader(store.local, "train", 4, rank=rank, world_size=2, **OPTIONS)
         for _epoch in range(3):
             assert_same(list(from_s3), list(from_disk))
@@ -106,12 +107,13 @@ def test_one_get_per_tar_then_none_and_the_batches_of_the_local_folder(store, tm
     # resume mid-epoch from a state taken over s3://: the rest of the epoch is the uninterrupted one's
     whole = make_loader(store.local, "train", 4, checkpointing=True, **OPTIONS)
     want = list(whole)
-    first = make_loader(store.url, "train", 4, checkpointing=True, cache_dir=tmp_path / "cache", **OPTIONS)
+    first = make_loader(open_dataset(store.url, cache_dir=tmp_path / "cache"), "train", 4, checkpointing=True,
+                        **OPTIONS)
     it = iter(first)
     head = [next(it), next(it)]
     state = first.state_dict()
     del it
-    rest = make_loader(store.url, "train", 4, checkpointing=True, cache_dir=tmp_path / "cache", **OPTIONS)
+    rest = make_loader(open_dataset(store.url, cache_dir=tmp_path / "cache"), "train", 4, checkpointing=True, **OPTIONS)
     rest.load_state_dict(state)
     assert_same(head + list(rest), want)
     assert store.gets(store.url) - before == fetched  # all from the cache
@@ -122,8 +124,8 @@ def test_a_mid_epoch_state_of_two_ranks_continues_on_three_through_the_cache(sto
     epoch (each rank fetching the tars its share of the remaining samples lies in): every sample of the epoch's 5
     global batches of 6 once, as the loaders name them (`last_samples`)."""
     def ranks(world):
-        return [make_loader(store.url, "train", 6 // world, rank=r, world_size=world, checkpointing=True,
-                            cache_dir=tmp_path / "cache", **OPTIONS) for r in range(world)]
+        return [make_loader(open_dataset(store.url, cache_dir=tmp_path / "cache"), "train", 6 // world, rank=r,
+                            world_size=world, checkpointing=True, **OPTIONS) for r in range(world)]
 
     two = ranks(2)
     iterators = [iter(loader) for loader in two]
@@ -152,10 +154,11 @@ def test_the_limit_evicts_shards_already_read(store, tmp_path):
     holds more than the limit, and tars of earlier epochs make room."""
     manifest = open_shard_folder(store.url)
     probe = make_loader(store.local, "train", 4, rank=0, world_size=2, **OPTIONS)
-    slices = [rank_shards(probe._epoch_shards(e), probe._shard_range(0)) for e in range(4)]
+    slices = [rank_shards(probe.plan.epoch_shards(e), probe.plan.shard_range(0)) for e in range(4)]
     limit = max(sum(-(-s.bytes // 4096) * 4096 for s in shards) for shards in slices)
     folder = tmp_path / "cache"
-    from_s3 = make_loader(store.url, "train", 4, rank=0, world_size=2, cache_dir=folder, cache_limit=limit, **OPTIONS)
+    from_s3 = make_loader(open_dataset(store.url, cache_dir=folder, cache_limit=limit), "train", 4, rank=0,
+                          world_size=2, **OPTIONS)
     before = store.gets(store.url)
     for _epoch in range(4):
         assert_same(list(from_s3), list(probe))
@@ -168,7 +171,8 @@ def test_the_limit_evicts_shards_already_read(store, tmp_path):
 
     with pytest.raises(CacheFull, match=r"^s3://cache/photos: the shard cache's limit 1.0 KiB \(--cache-limit\) is "
                                         r"below the [0-9.]+ KiB of the \d tars this rank reads in one epoch"):
-        list(make_loader(store.url, "train", 4, cache_dir=tmp_path / "tiny", cache_limit="1KiB", **OPTIONS))
+        list(make_loader(open_dataset(store.url, cache_dir=tmp_path / "tiny", cache_limit="1KiB"), "train", 4,
+                         **OPTIONS))
 
 
 def test_a_wrong_cache_entry_is_fetched_again_and_said_once(store, tmp_path):
@@ -222,10 +226,10 @@ def test_an_ambiguous_size_is_refused(store, tmp_path):
 RANK = """
 import sys, time, torch
 from pathlib import Path
-from dalifeed.pipelines import make_loader
+from dalifeed.pipelines import AugmentConfig, make_loader, open_dataset
 url, folder, out, go = sys.argv[1:5]
-loader = make_loader(url, "train", 4, cache_dir=folder, device="cpu", image_size=16, seed=3, initial_fill=8,
-                     num_threads=1)
+loader = make_loader(open_dataset(url, cache_dir=folder), "train", 4, augment=AugmentConfig(image_size=16),
+                     device="cpu", seed=3, initial_fill=8, num_threads=1)
 Path(out + ".ready").touch()
 while not Path(go).exists():
     time.sleep(0.01)
@@ -309,19 +313,20 @@ def test_a_killed_download_is_never_read(store, tmp_path):
 
 READ_THEN_LOSE_THE_STORE = """
 import os, signal, sys
-from dalifeed.pipelines import make_loader
+from dalifeed.pipelines import AugmentConfig, make_loader, open_dataset
 from dalifeed.pipelines.shardcache import rank_shards
 url, local, folder, server = sys.argv[1:5]
 def on_disk(shards):
     return sum(-(-s.bytes // 4096) * 4096 for s in shards)
 for seed in range(100):  # a seed whose second epoch needs other tars, in no more room than the first's
-    options = dict(device="cpu", image_size=16, seed=seed, initial_fill=8, num_threads=1, rank=0, world_size=2)
+    options = dict(device="cpu", augment=AugmentConfig(image_size=16), seed=seed, initial_fill=8, num_threads=1,
+                   rank=0, world_size=2)
     probe = make_loader(local, "train", 4, **options)
-    first, second = (rank_shards(probe._epoch_shards(e), probe._shard_range(0)) for e in (0, 1))
+    first, second = (rank_shards(probe.plan.epoch_shards(e), probe.plan.shard_range(0)) for e in (0, 1))
     limit = on_disk(first)  # no room to fetch the next epoch ahead
     if {s.path for s in second} - {s.path for s in first} and on_disk(second) <= limit:
         break
-loader = make_loader(url, "train", 4, cache_dir=folder, cache_limit=limit, **options)
+loader = make_loader(open_dataset(url, cache_dir=folder, cache_limit=limit), "train", 4, **options)
 batches = iter(loader)
 got = [next(batches)]
 os.kill(int(server), signal.SIGKILL)
@@ -409,12 +414,12 @@ def test_dali_opens_every_tar_when_it_builds_the_pipeline(store, tmp_path):
     another rank's, so a rank's tars must all be local before its epoch's pipeline is built. If a DALI
     version opens them lazily, this fails, and the cache could hand tars over while the epoch runs."""
     loader = make_loader(store.local, "train", 4, rank=0, world_size=2, **OPTIONS)
-    tars, indexes = loader._epoch_files(loader._epoch_shards())
-    others = [t for t in tars if Path(t).name not in {s.path for s in rank_shards(loader._epoch_shards(),
-                                                                                  loader._shard_range(0))}]
+    tars, indexes = loader.plan.epoch_files(loader.plan.epoch_shards(0), 0)
+    others = [t for t in tars if Path(t).name not in {s.path for s in rank_shards(loader.plan.epoch_shards(0),
+                                                                                  loader.plan.shard_range(0))}]
     missing = str(tmp_path / "missing.tar")
-    loader._epoch_files = lambda shards, epoch=None: ([missing if t == others[0] else t for t in tars], indexes)
-    loader._ahead = None  # the first epoch's graph, defined ahead at construction, read the real files
+    loader.plan.epoch_files = lambda shards, epoch: ([missing if t == others[0] else t for t in tars], indexes)
+    loader.definitions.defined(0)  # taken and dropped: defined ahead at construction, it read the real files
     with pytest.raises(ShardDataError, match=rf"\(File mapping failed: {re.escape(missing)}\); check the shards"):
         next(iter(loader))
 

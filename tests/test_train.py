@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from dalifeed.convert import ConvertConfig, convert_imagefolder
-from dalifeed.pipelines import make_loader
+from dalifeed.pipelines import AugmentConfig, make_loader
 from dalifeed.train import TrainConfig, checkpoint, train_one_epoch
 from dalifeed.train import main as train
 from dalifeed.train.cli import main as train_cli
@@ -229,7 +229,7 @@ def test_two_rank_gloo_ddp_keeps_ranks_identical_and_counts_val_once(shards, tmp
 
 
 def real_batches(shards: Path, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    loader = make_loader(shards, "train", batch, train=False, image_size=8, device="cpu")
+    loader = make_loader(shards, "train", batch, augment=AugmentConfig(image_size=8), train=False, device="cpu")
     return [(x.clone(), y.clone()) for x, y in loader][:2]
 
 

@@ -12,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from dalifeed.bench.cli import main as bench_cli
+from dalifeed.pipelines import AugmentConfig
 from dalifeed.train import TrainConfig
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.config import ConfigError
@@ -142,7 +143,7 @@ def test_make_loader_refuses_classification_on_coco_shards_in_one_line(mini_coco
 
     with pytest.raises(ValueError, match=r"holds COCO shards .*make_loader\(\.\.\., multilabel=True\)"
                                          r".*make_detection_loader"):
-        make_loader(mini_coco_shards, "mini", 2, device="cpu", image_size=16, num_threads=1)
+        make_loader(mini_coco_shards, "mini", 2, augment=AugmentConfig(image_size=16), device="cpu", num_threads=1)
 
 
 def test_a_pipeline_that_fails_while_it_is_built_is_one_shard_data_error(mini_coco_shards):
@@ -248,8 +249,8 @@ def test_vit_b_16_runs_a_64_px_batch_of_the_loader_forward_and_backward(shards, 
     from dalifeed.pipelines import make_loader
 
     TrainConfig(data=str(shards), out=str(tmp_path / "run"), model="vit_b_16", image_size=64).validate()
-    images, labels = next(iter(make_loader(shards, "train", 8, device="cpu", image_size=64, num_threads=2,
-                                           train=True)))
+    images, labels = next(iter(make_loader(shards, "train", 8, augment=AugmentConfig(image_size=64), device="cpu",
+                                           num_threads=2, train=True)))
     assert images.shape == (8, 3, 64, 64)
     torch.manual_seed(0)
     model = build_model("vit_b_16", 3, image_size=64).train()

@@ -14,7 +14,7 @@ from dalifeed.usage import output_folder_problem, parse_size
 from .names import DETECTION_LOADERS, IMAGEFOLDER_LOADERS, LOADERS, PEERS
 
 if TYPE_CHECKING:
-    from dalifeed.pipelines.dataset import Dataset
+    from dalifeed.pipelines.dataset import ShardData
     from dalifeed.pipelines.graphs import AugmentConfig
 
 # The modules behind the loaders import torch and DALI: they are imported by the checks that need them, so
@@ -63,7 +63,7 @@ class BenchConfig:
         return AugmentConfig(image_size=self.image_size, auto_augment=self.auto_augment,
                              random_erase=self.random_erase)
 
-    def validate(self) -> Dataset:
+    def validate(self) -> ShardData:
         """Check every option and open --shards, once: the dataset every loader of the race reads."""
         if self.task not in ("classify", "detection"):
             raise BenchUsageError(f"--task must be classify or detection, got {self.task!r}")
@@ -140,7 +140,7 @@ class BenchConfig:
                                   f"the same images (or pass --allow-different-data)")
         return dataset
 
-    def open_shards(self) -> Dataset:
+    def open_shards(self) -> ShardData:
         """--shards opened: the kind --task reads, --split present with samples, one --batch-size batch in it
         (every loader of the race drops partial batches: it would never yield one)."""
         from dalifeed.pipelines.dataset import DatasetError, open_dataset

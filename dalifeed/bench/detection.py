@@ -13,8 +13,8 @@ import torch
 from dalifeed.convert.coco import SplitPlan, load_instances, plan_split, training_boxes
 from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 from dalifeed.format import ShardManifest, listing_digest
-from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD
-from dalifeed.pipelines.dataset import Dataset
+from dalifeed.pipelines.dataset import ShardData
+from dalifeed.pipelines.graphs import IMAGENET_MEAN, IMAGENET_STD
 
 from .loaders import dataloader_options, opened
 from .names import DALI_DEVICES, DETECTION_LOADERS
@@ -95,7 +95,7 @@ class NormalizedLists:
             yield images, targets
 
 
-def build_detection_loader(name: str, *, images: Path, annotations: Path, shards: Path | Dataset, split: str,
+def build_detection_loader(name: str, *, images: Path, annotations: Path, shards: Path | ShardData, split: str,
                            batch_size: int, image_size: int, workers: int, device: torch.device,
                            hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> Iterable:
     if name == "baseline":
@@ -104,8 +104,9 @@ def build_detection_loader(name: str, *, images: Path, annotations: Path, shards
                                              collate_fn=collate_lists, **dataloader_options(workers, device))
         return NormalizedLists(loader, device)
     if name in DALI_DEVICES:
-        from dalifeed.pipelines import make_detection_loader
+        from dalifeed.pipelines import DetectionConfig, make_detection_loader
 
-        return make_detection_loader(opened(shards, task="detection"), split, batch_size, train=True, size=image_size,
-                                     num_threads=workers, device=DALI_DEVICES[name], hw_decoder_load=hw_decoder_load)
+        return make_detection_loader(opened(shards, task="detection"), split, batch_size,
+                                     detection=DetectionConfig(size=image_size), train=True, num_threads=workers,
+                                     device=DALI_DEVICES[name], hw_decoder_load=hw_decoder_load)
     raise ValueError(f"unknown detection loader {name!r} (choose from {', '.join(DETECTION_LOADERS)})")

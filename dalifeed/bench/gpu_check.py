@@ -339,10 +339,11 @@ def train_slice(run: CheckRun, name: str, synthetic: bool, extra: list[str] | tu
 def checkpoint_loader(shards: Path, device: str, batch_size: int, image_size: int, workers: int,
                       hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD):
     """The loader the checkpoint step saves and restores: fp16 training batches with DALI checkpointing."""
-    from dalifeed.pipelines import make_loader
+    from dalifeed.pipelines import AugmentConfig, make_loader
 
-    return make_loader(shards, "train", batch_size, device=device, image_size=image_size, num_threads=workers,
-                       train=True, checkpointing=True, dtype=torch.float16, seed=0, hw_decoder_load=hw_decoder_load)
+    return make_loader(shards, "train", batch_size, augment=AugmentConfig(image_size=image_size), device=device,
+                       num_threads=workers, train=True, checkpointing=True, fp16=True, seed=0,
+                       hw_decoder_load=hw_decoder_load)
 
 
 def checkpoint_round_trip(shards: Path, device: str, batch_size: int, image_size: int, workers: int,

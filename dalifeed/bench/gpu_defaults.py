@@ -33,7 +33,7 @@ def thread_choices(cores_per_rank: int) -> list[int]:
 
 
 def defaults_step(run: CheckRun) -> dict:
-    from dalifeed.pipelines import make_loader
+    from dalifeed.pipelines import AugmentConfig, make_loader
 
     cfg, device = run.cfg, run.device
     budget = decoder_budget()  # what dali-train gives one rank per visible GPU
@@ -42,8 +42,8 @@ def defaults_step(run: CheckRun) -> dict:
     for threads in thread_choices(cores_per_rank):
         for depth in PREFETCH_DEPTHS:
             run.log(f"defaults: {threads} DALI threads, prefetch queue {depth}:")
-            loader = make_loader(run.shards, "train", cfg.batch_size, device=device, train=True, seed=0,
-                                 image_size=cfg.image_size, channels_last=True, num_threads=threads,
+            loader = make_loader(run.shards, "train", cfg.batch_size, augment=AugmentConfig(image_size=cfg.image_size),
+                                 device=device, train=True, seed=0, channels_last=True, num_threads=threads,
                                  prefetch_queue_depth=depth)
             runs.append({"threads": threads, "prefetch_queue_depth": depth,
                          "images_per_s": timed_rate(loader, cfg.recipe_batches, device)})

@@ -135,16 +135,16 @@ class Case:
     threads: int
 
     def loader(self, data: Path, device: str):
-        from dalifeed.pipelines import make_detection_loader, make_loader
-        from dalifeed.pipelines.graphs import AugmentConfig
+        from dalifeed.pipelines import AugmentConfig, DetectionConfig, make_detection_loader, make_loader, open_dataset
 
         if self.recipe.task == "detection":
-            return make_detection_loader(data, COCO_SPLIT, self.batch_size, device=device, train=True,
-                                         size=self.image_size, num_threads=self.threads, seed=0)
+            return make_detection_loader(data, COCO_SPLIT, self.batch_size,
+                                         detection=DetectionConfig(size=self.image_size), device=device, train=True,
+                                         num_threads=self.threads, seed=0)
         augment = AugmentConfig(image_size=self.image_size, **self.recipe.augment)
-        return make_loader(data, "train", self.batch_size, device=device, train=True, augment=augment,
-                           dtype=self.dtype, channels_last=self.channels_last, num_threads=self.threads, seed=0,
-                           multilabel=self.recipe.task == "multilabel")
+        return make_loader(open_dataset(data, task=self.recipe.task), "train", self.batch_size, augment=augment,
+                           device=device, train=True, fp16=self.dtype == torch.float16,
+                           channels_last=self.channels_last, num_threads=self.threads, seed=0)
 
     def mixer(self):
         """The batch mixing on the device (train/mixup.py, as dali-train mixes), or None."""

@@ -6,7 +6,7 @@ The torch baselines get the care the field gives them (timm's PrefetchLoader): w
 collate (4x less to pickle and pin than float), pinned memory and normalisation on the GPU when there is
 one, persistent workers, prefetching.
 
-The augmentation is one `AugmentConfig` (dalifeed.pipelines.graphs) that `build_loader` makes: the DALI
+The augmentation is one `AugmentConfig` (dalifeed.pipelines.graphs) that `race_loader` makes: the DALI
 loaders get it through `make_loader`, the torch ones through `train_transform`, its torchvision twin. A new
 augmentation goes into both, next to each other below.
 """
@@ -19,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-from dalifeed.pipelines import LoaderOptions
-from dalifeed.pipelines import build_loader as build_dali_loader
+from dalifeed.pipelines import make_loader
 from dalifeed.pipelines.augment import torchvision_policy
-from dalifeed.pipelines.dataset import Dataset, open_dataset
+from dalifeed.pipelines.dataset import ShardData, open_dataset
 from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, AugmentConfig
 from dalifeed.s3 import is_s3_url
 
@@ -68,17 +67,17 @@ def train_transform(augment: AugmentConfig):
     return T.Compose(steps)
 
 
-def dali_loader(dataset: Dataset, split: str, batch_size: int, threads: int, device: str,
-                augment: AugmentConfig) -> Iterable:
+def dali_loader(dataset: ShardData, split: str, batch_size: int, threads: int, device: str,
+                augment: AugmentConfig, fp16: bool, hw_decoder_load: float) -> Iterable:
     # the prefetch queue dali-train gets on `device` (dalifeed/defaults.py: 5 with mixed decoding, 2 where the
     # CPU decodes), so that dali-bench and gpu-check race the loader a training run uses
-    return build_dali_loader(dataset, LoaderOptions(split, batch_size, train=True, device=device, num_threads=threads),
-                             augment)
+    return make_loader(dataset, split, batch_size, augment=augment, train=True, device=device, num_threads=threads,
+                       fp16=fp16, hw_decoder_load=hw_decoder_load)
 
 
-def opened(shards: Path | str | Dataset, cache_dir=None, cache_limit=None, task: str = "classify") -> Dataset:
-    """The shards as a `Dataset`: the one dali-bench opened, or a folder opened here (a test, a script)."""
-    if isinstance(shards, Dataset):
+def opened(shards: Path | str | ShardData, cache_dir=None, cache_limit=None, task: str = "classify") -> ShardData:
+    """The shards as a `ShardData`: the one dali-bench opened, or a folder opened here (a test, a script)."""
+    if isinstance(shards, ShardData):
         return shards
     return open_dataset(shards, task=task, cache_dir=cache_dir, cache_limit=cache_limit)
 
@@ -89,8 +88,8 @@ class Normalize:
     """uint8 (B, 3, H, W) on the host -> normalised float on `device`: the copy is 4x smaller than a float
     batch and the arithmetic runs on the GPU when there is one."""
 
-    def __init__(self, device: torch.device, augment: AugmentConfig):
-        self.device, self.dtype = device, torch.float16 if augment.fp16 else torch.float32
+    def __init__(self, device: torch.device, augment: AugmentConfig, fp16: bool = False):
+        self.device, self.dtype = device, torch.float16 if fp16 else torch.float32
         self.mean = torch.tensor(augment.mean, device=device).view(1, 3, 1, 1) * 255
         self.std = torch.tensor(augment.std, device=device).view(1, 3, 1, 1) * 255
 
@@ -102,8 +101,9 @@ class Normalize:
 class TorchLoader:
     """A DataLoader of uint8 batches plus the device-side normalisation."""
 
-    def __init__(self, dataloader: torch.utils.data.DataLoader, device: torch.device, augment: AugmentConfig):
-        self.dataloader, self.normalize = dataloader, Normalize(device, augment)
+    def __init__(self, dataloader: torch.utils.data.DataLoader, device: torch.device, augment: AugmentConfig,
+                 fp16: bool = False):
+        self.dataloader, self.normalize = dataloader, Normalize(device, augment, fp16)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for images, labels in self.dataloader:
@@ -146,18 +146,18 @@ def upright_rgb(path: str):
 
 
 def baseline_loader(imagefolder: Path, batch_size: int, workers: int, device: torch.device,
-                    augment: AugmentConfig) -> TorchLoader:
+                    augment: AugmentConfig, fp16: bool = False) -> TorchLoader:
     """torchvision ImageFolder + DataLoader: PIL decodes every JPEG in full on the CPU."""
     from torchvision.datasets import ImageFolder
 
     dataset = ImageFolder(str(imagefolder), transform=train_transform(augment), loader=upright_rgb)
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True,
                                          **dataloader_options(workers, device))
-    return TorchLoader(loader, device, augment)
+    return TorchLoader(loader, device, augment, fp16)
 
 
-def webdataset_loader(shards: Path | Dataset, split: str, batch_size: int, workers: int, device: torch.device,
-                      augment: AugmentConfig) -> TorchLoader:
+def webdataset_loader(shards: Path | ShardData, split: str, batch_size: int, workers: int, device: torch.device,
+                      augment: AugmentConfig, fp16: bool = False) -> TorchLoader:
     """Plain webdataset over the same shards: sequential tar reads, PIL decode, same transform."""
     import webdataset as wds
 
@@ -173,24 +173,23 @@ def webdataset_loader(shards: Path | Dataset, split: str, batch_size: int, worke
         .batched(batch_size, partial=False)
     )
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, **dataloader_options(workers, device))
-    return TorchLoader(loader, device, augment)
+    return TorchLoader(loader, device, augment, fp16)
 
 
-def build_loader(name: str, *, imagefolder: Path, shards: Path | str | Dataset, split: str, batch_size: int,
-                 image_size: int,
-                 workers: int, device: torch.device, fp16: bool = False,
-                 hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, cache_dir=None, cache_limit=None,
-                 augment: AugmentConfig | None = None) -> Iterable:
-    """Loader `name`: RandomResizedCrop(image_size) + flip + normalise (AugmentConfig's ImageNet recipe), plus
-    `augment`'s policy and random erasing when given (its image_size, fp16 and hw_decoder_load are these).
-    `shards`: the `Dataset` dali-bench opened, or a folder (then opened here, with `cache_dir` and
-    `cache_limit` for the DALI loaders' shard cache of s3:// shards)."""
-    augment = replace(augment or AugmentConfig(), image_size=image_size, fp16=fp16, hw_decoder_load=hw_decoder_load)
+def race_loader(name: str, *, imagefolder: Path, shards: Path | str | ShardData, split: str, batch_size: int,
+                image_size: int, workers: int, device: torch.device, fp16: bool = False,
+                hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD, cache_dir=None, cache_limit=None,
+                augment: AugmentConfig | None = None) -> Iterable:
+    """Loader `name` of the race: RandomResizedCrop(image_size) + flip + normalise (AugmentConfig's ImageNet
+    recipe), plus `augment`'s policy and random erasing when given (its image_size is this), float16 batches
+    with `fp16`. `shards`: the `ShardData` dali-bench opened, or a folder (then opened here, with `cache_dir`
+    and `cache_limit` for the DALI loaders' shard cache of s3:// shards)."""
+    augment = replace(augment or AugmentConfig(), image_size=image_size)
     if name == "baseline":
-        return baseline_loader(imagefolder, batch_size, workers, device, augment)
+        return baseline_loader(imagefolder, batch_size, workers, device, augment, fp16)
     if name == "webdataset":
-        return webdataset_loader(shards, split, batch_size, workers, device, augment)
+        return webdataset_loader(shards, split, batch_size, workers, device, augment, fp16)
     if name in DALI_DEVICES:
         return dali_loader(opened(shards, cache_dir, cache_limit), split, batch_size, workers, DALI_DEVICES[name],
-                           augment)
+                           augment, fp16, hw_decoder_load)
     raise ValueError(f"unknown loader {name!r} (choose from {', '.join(LOADERS)})")

@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dalifeed.pipelines.dataset import Dataset
+from dalifeed.pipelines.dataset import ShardData
 from dalifeed.runtime import usable_cores
 from dalifeed.stack import choose_device, stack_report
 
 from .config import BenchConfig
 from .detection import build_detection_loader
-from .loaders import batches_ahead, build_loader, skip_reason
+from .loaders import batches_ahead, race_loader, skip_reason
 from .measure import forever, synthetic_batches, time_loader, train_steps_per_s
 from .names import PEERS
 from .peers import peer_loader
@@ -42,7 +42,7 @@ def environment() -> dict:
     }
 
 
-def run_bench(cfg: BenchConfig, dataset: Dataset, log=print) -> dict:
+def run_bench(cfg: BenchConfig, dataset: ShardData, log=print) -> dict:
     """Time every loader (and, with a model, training fed by it) on `dataset` (`cfg.validate()` opened it);
     returns the JSON-ready report."""
     device = torch.device("cuda" if choose_device("auto", stack_report()) == "gpu" else "cpu")  # as the loaders decide
@@ -85,7 +85,7 @@ def epoch_start_note(timing) -> str:
             f"(median of {timing.epoch_starts_timed} epochs)")
 
 
-def bench_loader(cfg: BenchConfig, dataset: Dataset, name: str, device: torch.device):
+def bench_loader(cfg: BenchConfig, dataset: ShardData, name: str, device: torch.device):
     """Loader `name` of cfg.task over `dataset`, handing out batches on `device`."""
     if cfg.task == "detection":
         return build_detection_loader(name, images=cfg.images, annotations=cfg.annotations, shards=dataset,
@@ -95,13 +95,13 @@ def bench_loader(cfg: BenchConfig, dataset: Dataset, name: str, device: torch.de
         return on_device(peer_loader(name, shards=dataset.manifest, split=cfg.split, batch_size=cfg.batch_size,
                                      image_size=cfg.image_size, workers=cfg.workers, device=device, workdir=cfg.out,
                                      fp16=cfg.fp16, augment=cfg.augment()), device)
-    return on_device(build_loader(name, imagefolder=cfg.imagefolder, shards=dataset, split=cfg.split,
-                                  batch_size=cfg.batch_size, image_size=cfg.image_size, workers=cfg.workers,
-                                  device=device, fp16=cfg.fp16, hw_decoder_load=cfg.hw_decoder_load,
-                                  augment=cfg.augment()), device)
+    return on_device(race_loader(name, imagefolder=cfg.imagefolder, shards=dataset, split=cfg.split,
+                                 batch_size=cfg.batch_size, image_size=cfg.image_size, workers=cfg.workers,
+                                 device=device, fp16=cfg.fp16, hw_decoder_load=cfg.hw_decoder_load,
+                                 augment=cfg.augment()), device)
 
 
-def dataset_of(cfg: BenchConfig, dataset: Dataset) -> dict:
+def dataset_of(cfg: BenchConfig, dataset: ShardData) -> dict:
     manifest = dataset.manifest
     images = dataset.num_samples(cfg.split)
     name = f"COCO {cfg.split}" if manifest.kind == "coco" else Path(manifest.source).name or str(manifest.source)

@@ -19,7 +19,8 @@ import click
 import torch
 
 from dalifeed.format import ShardManifest
-from dalifeed.pipelines import IMAGENET_MEAN, IMAGENET_STD, make_loader
+from dalifeed.pipelines import AugmentConfig, make_loader
+from dalifeed.pipelines.graphs import IMAGENET_MEAN, IMAGENET_STD
 
 
 def torchvision_val_transform(image_size: int):
@@ -45,7 +46,8 @@ def per_image_difference(shards: Path, split: str, image_size: int = 224, batch_
     one value per image of `split`."""
     reference = torchvision_val_transform(image_size)
     expected = torch.stack([reference(image) for image in source_images(shards, split)])
-    loader = make_loader(shards, split, batch_size, train=False, image_size=image_size, device="cpu")
+    loader = make_loader(shards, split, batch_size, augment=AugmentConfig(image_size=image_size), train=False,
+                         device="cpu")
     images = torch.cat([images for images, _ in loader])
     if images.shape != expected.shape:
         raise RuntimeError(f"{split}: dalifeed gave {tuple(images.shape)}, torchvision {tuple(expected.shape)}")

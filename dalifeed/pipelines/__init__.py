@@ -1,34 +1,45 @@
-"""DALI pipelines over dalifeed shards, and the PyTorch loader built on them.
+"""DALI pipelines over dalifeed shards, and the PyTorch loaders built on them.
 
-    from dalifeed.pipelines import AugmentConfig, LoaderOptions, build_loader, open_dataset
-    data = open_dataset("/data/shards", splits=("train",))  # once: opened, kind and splits checked
-    loader = build_loader(data, LoaderOptions("train", 256, rank=rank, world_size=world), AugmentConfig())
+    from dalifeed.pipelines import AugmentConfig, make_loader
+    loader = make_loader("/data/shards", "train", 256, augment=AugmentConfig(image_size=176), rank=rank,
+                         world_size=world)
     for images, labels in loader: ...
 
-or in keywords: `make_loader("/data/shards", "train", batch_size=256, rank=rank, world_size=world)`.
-
-Names are imported on first use, so that `dalifeed.pipelines.checks` (what `shard-convert verify
---decode` needs) and `dalifeed.pipelines.graphs` load without torch.
+`make_loader` is the one door (factory.py); `open_dataset` opens shard folders once with their options
+(several mixed, a store's shard cache, multi-label targets), `LoaderOptions` are its keyword options as one
+record (what dali-train prints and saves), `make_detection_loader` reads COCO shards for detection. The graphs,
+the loader's parts and the rest are in their modules. Names are imported on first use, so that
+`dalifeed.pipelines.checks` (what `shard-convert verify --decode` needs) and `dalifeed.pipelines.graphs` load
+without torch.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dalifeed.lazy import lazy_names
 
 _WHERE = {
-    "AugmentConfig": ".graphs", "IMAGENET_MEAN": ".graphs", "IMAGENET_STD": ".graphs", "normalize": ".graphs",
-    "read_shards": ".graphs", "shard_pipeline": ".graphs", "train_augment": ".graphs", "val_transform": ".graphs",
-    "DaliLoader": ".loader", "LoaderOptions": ".loader", "resolve_device": ".loader",
-    "build_loader": ".factory", "make_loader": ".factory",
-    "Dataset": ".dataset", "DatasetError": ".dataset", "MixError": ".dataset", "open_dataset": ".dataset",
-    "EpochCursor": ".cursor", "ProgressiveResize": ".resolution",
-    "ShardDataError": ".checks",
-    "DetectionConfig": ".detection", "detection_pipeline": ".detection",
-    "make_detection_loader": ".detection",
-    "ThreadBudget": "..budget", "thread_budget": "..budget",
-    "MixedLoader": ".mixing", "ConcatLoader": ".mixing",
+    "make_loader": ".factory", "LoaderOptions": ".loader", "AugmentConfig": ".graphs", "DaliLoader": ".loader",
+    "open_dataset": ".dataset", "ShardData": ".dataset", "DatasetError": ".dataset", "ShardDataError": ".checks",
+    "ProgressiveResize": ".resolution", "resolve_device": ".loader",
+    "make_detection_loader": ".detection", "DetectionConfig": ".detection",
 }
 __all__ = list(_WHERE)
+
+if TYPE_CHECKING:  # what IDEs and type checkers resolve the lent names to (the same modules as _WHERE)
+    from .checks import ShardDataError as ShardDataError
+    from .dataset import DatasetError as DatasetError
+    from .dataset import ShardData as ShardData
+    from .dataset import open_dataset as open_dataset
+    from .detection import DetectionConfig as DetectionConfig
+    from .detection import make_detection_loader as make_detection_loader
+    from .factory import make_loader as make_loader
+    from .graphs import AugmentConfig as AugmentConfig
+    from .loader import DaliLoader as DaliLoader
+    from .loader import LoaderOptions as LoaderOptions
+    from .loader import resolve_device as resolve_device
+    from .resolution import ProgressiveResize as ProgressiveResize
 
 
 _lent, __dir__ = lazy_names(__name__, _WHERE)

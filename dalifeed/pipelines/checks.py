@@ -156,3 +156,36 @@ def _bad_index_line(summary: str, tars: list[str], indexes: list[str]) -> str | 
     idx, detail = bad_index
     return f"{tar_of_index(idx, tars, indexes)}: does not match its index {Path(idx).name} ({detail}): " \
            f"the tar is truncated or was replaced"
+
+
+def explain_epoch_failure(error: BaseException, plan, options, epoch: int, batches_done: int) -> Exception:
+    """`explain_dali_error` for a loader whose epoch `epoch` of `plan` (plan.EpochPlan) failed after
+    `batches_done` batches: the samples this rank may have read first among the suspects."""
+    manifest = plan.manifest
+    shards = plan.epoch_shards(epoch)
+    tars, indexes = plan.epoch_files(shards, epoch)
+    return explain_dali_error(
+        error, location=manifest.location, split=options.split, remote=bool(manifest.url), tars=tars,
+        indexes=indexes, suspects=suspects(plan, options, batches_done, shards, tars, indexes),
+        decoder=DaliDecoder(options.device, options.device_id, num_threads=options.num_threads),
+        reindex=manifest.index_command(decode=True))
+
+
+def suspects(plan, options, batches_done: int, shards: list, tars: list[str],
+             indexes: list[str]) -> Iterator[SampleRef]:
+    """This rank's samples of the epoch (`shards` read from `tars` with `indexes`) that DALI may have read
+    before it failed, most recently read first: the reader reads its slice in file order, a batch draws from a
+    shuffle buffer of `initial_fill` samples, and the pipeline runs `prefetch_queue_depth` batches ahead."""
+    start, end = plan.shard_range(options.rank)
+    read = (batches_done + options.prefetch_queue_depth + 3) * options.batch_size + options.initial_fill
+    window: list[SampleRef] = []
+    position = 0
+    for shard, tar, idx in zip(shards, tars, indexes):
+        if position >= end:
+            break
+        if position + shard.samples > start:
+            window += list(indexed_samples(tar, idx))[max(0, start - position):end - position]
+        position += shard.samples
+    read = min(read, len(window))
+    yield from reversed(window[:read])
+    yield from window[read:]

@@ -2,11 +2,11 @@
 
 One call opens the shard folder(s) (local or s3://, one or several mixed with weights), checks what every
 command would otherwise check again (the kind of shards the task needs, that the splits exist and hold
-samples, that a training batch fits every rank) and returns a `Dataset`. The loader factories
-(`make_loader`, `build_loader`, `make_detection_loader`), dali-train and dali-bench take it; nothing opens a
+samples, that a training batch fits every rank) and returns a `ShardData`. The loader factories
+(`make_loader`, `make_detection_loader`), dali-train and dali-bench take it; nothing opens a
 manifest twice.
 
-A `Dataset` is one or several `Source`s: a shard folder's location, its manifest and, for a folder in a
+A `ShardData` is one or several `Source`s: a shard folder's location, its manifest and, for a folder in a
 store, the node's shard cache its tars are fetched into before DALI reads them (dalifeed/pipelines/shardcache.py), a
 constructor argument: the loaders read where the dataset says. Several sources are mixed in proportions
 (`weights`; dalifeed/pipelines/mixing.py says how) over the union of their classes, which `remap` maps each
@@ -53,7 +53,7 @@ class Source:
 
 
 @dataclass
-class Dataset:
+class ShardData:
     """Shard folder(s) opened and checked (`open_dataset`). Answers what a `ShardManifest` answers for one
     folder (kind, classes, splits, sample counts) for the union of several; `weights` are the mixing
     proportions (None for one folder)."""
@@ -153,7 +153,7 @@ class Dataset:
 
 def open_dataset(data: str | os.PathLike | list, *, task: str = "classify", splits: tuple[str, ...] = (),
                  weights: list[float] | None = None, check: str = "size",
-                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None) -> Dataset:
+                 cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None) -> ShardData:
     """Open the shard folder `data` (a path or s3://bucket/prefix), or several (a list: mixed in `weights`,
     default equal), for `task` (classify: ImageFolder shards; multilabel and detection: COCO shards), and
     check that each of `splits` exists and holds samples. `check` is what the loaders compare with the
@@ -183,7 +183,7 @@ def open_dataset(data: str | os.PathLike | list, *, task: str = "classify", spli
     classes, remaps = union_classes([m.classes for m in manifests])
     sources = [Source(location, manifest, cache if manifest.url else None, None if len(locations) == 1 else remap)
                for location, manifest, remap in zip(locations, manifests, remaps)]
-    dataset = Dataset(sources, classes if len(locations) > 1 else manifests[0].classes, task, weights, check)
+    dataset = ShardData(sources, classes if len(locations) > 1 else manifests[0].classes, task, weights, check)
     for split in splits:
         dataset.require_split(split)
     return dataset
@@ -241,4 +241,4 @@ def refuse_repeats(locations: list) -> None:
         seen[place] = str(location)
 
 
-__all__ = ["Dataset", "DatasetError", "MixError", "Source", "open_dataset"]
+__all__ = ["ShardData", "DatasetError", "MixError", "Source", "open_dataset"]

@@ -31,7 +31,7 @@ from dalifeed.format import (
     IMAGE_MEMBER,
 )
 
-from .dataset import Dataset, DatasetError, open_dataset
+from .dataset import DatasetError, ShardData, open_dataset
 from .graphs import ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER, after_decode, read_members, uses_gpu
 from .loader import DaliLoader, LoaderOptions, ready
 
@@ -45,10 +45,10 @@ DETECTION_OUTPUTS = ("images", "boxes", "labels", "counts", "ids", "sizes")
 
 @dataclass(frozen=True)
 class DetectionConfig:
-    """Output size: `size` (square, like SSD), or `min_size`/`max_size` (shorter side to min_size, longer side
-    at most max_size, aspect kept, like torchvision's GeneralizedRCNNTransform)."""
+    """Output size: `size` (square, like SSD; 512 when neither is given), or `min_size`/`max_size` (shorter side
+    to min_size, longer side at most max_size, aspect kept, like torchvision's GeneralizedRCNNTransform)."""
 
-    size: int | None = 512
+    size: int | None = None
     min_size: int | None = None
     max_size: int | None = None
     crop: bool = True
@@ -56,17 +56,16 @@ class DetectionConfig:
     include_crowd: bool = False  # crowd regions are not instances: left out of training targets by default
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
-    hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # `gpu`: share of JPEGs for the hardware JPEG decoder
 
     def __post_init__(self) -> None:
+        if self.size is None and self.min_size is None:
+            object.__setattr__(self, "size", 512)  # frozen: the default square size, set once
         if (self.size is None) == (self.min_size is None):
             raise ValueError("give either size (square output) or min_size (and max_size), not both or neither")
         if self.size is not None and self.size < 8:
             raise ValueError(f"size must be >= 8, got {self.size}")
         if self.max_size is not None and self.min_size is not None and self.max_size < self.min_size:
             raise ValueError(f"max_size {self.max_size} < min_size {self.min_size}")
-        if not 0 <= self.hw_decoder_load <= 1:
-            raise ValueError(f"hw_decoder_load must be in [0, 1], got {self.hw_decoder_load}")
 
 
 def read_detection_shards(paths, index_paths, *, shard_id: int, num_shards: int, shuffle: bool, initial_fill: int,
@@ -85,7 +84,8 @@ def read_detection_shards(paths, index_paths, *, shard_id: int, num_shards: int,
     return jpegs, boxes, labels, ids
 
 
-def random_crop_and_flip(jpegs, boxes, labels, cfg: DetectionConfig, device: str):
+def random_crop_and_flip(jpegs, boxes, labels, cfg: DetectionConfig, device: str,
+                         hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD):
     """Decode only a window that keeps boxes, then flip image and boxes together. Also returns the window
     (anchor, shape, relative) and the flip flag, which tests use to check the boxes independently."""
     if cfg.crop:
@@ -94,12 +94,12 @@ def random_crop_and_flip(jpegs, boxes, labels, cfg: DetectionConfig, device: str
             scaling=list(CROP_SCALING), bbox_layout="xyXY", allow_no_crop=True, num_attempts=50)
         images = fn.decoders.image_slice(jpegs, anchor, shape, device=decoder_device(device), output_type=types.RGB,
                                          adjust_orientation=ADJUST_ORIENTATION,
-                                         **decoder_hints(device, cfg.hw_decoder_load, roi=True))
+                                         **decoder_hints(device, hw_decoder_load, roi=True))
     else:
         anchor, shape = fn.constant(fdata=[0.0, 0.0]), fn.constant(fdata=[1.0, 1.0])
         images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
                                    adjust_orientation=ADJUST_ORIENTATION,
-                                   **decoder_hints(device, cfg.hw_decoder_load, roi=False))
+                                   **decoder_hints(device, hw_decoder_load, roi=False))
     images = after_decode(images, device)
     flip = fn.random.coin_flip(probability=0.5) if cfg.flip else fn.constant(idata=0)
     if cfg.flip:
@@ -122,19 +122,20 @@ def resize_and_normalize(images, cfg: DetectionConfig):
 # DALI's dynamic executor runs; it is DALI 2.4's default only while exec_async and exec_pipelined are on.
 @pipeline_def(enable_conditionals=False, exec_dynamic=True)
 def detection_pipeline(paths: list[str], index_paths: list[str], cfg: DetectionConfig, train: bool, device: str,
-                       shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024, debug: bool = False):
+                       shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024, debug: bool = False,
+                       hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD):
     """Returns images (3, H, W) padded to the batch's largest, boxes (N, 4) relative xyxy padded with zeros,
     labels (N,) padded with -1, the box count, the image id and the image's (3, H, W) before padding; with
-    `debug`, also the crop window (anchor, shape) and the flip flag."""
+    `debug`, also the crop window (anchor, shape) and the flip flag. `hw_decoder_load`: the loader's option."""
     jpegs, boxes, labels, ids = read_detection_shards(
         paths, index_paths, shard_id=shard_id, num_shards=num_shards, shuffle=train, initial_fill=initial_fill,
         include_crowd=cfg.include_crowd)
     if train:
-        images, boxes, labels, window = random_crop_and_flip(jpegs, boxes, labels, cfg, device)
+        images, boxes, labels, window = random_crop_and_flip(jpegs, boxes, labels, cfg, device, hw_decoder_load)
     else:
         images = after_decode(fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
                                                 adjust_orientation=ADJUST_ORIENTATION,
-                                                **decoder_hints(device, cfg.hw_decoder_load, roi=False)), device)
+                                                **decoder_hints(device, hw_decoder_load, roi=False)), device)
         window = None
     images = resize_and_normalize(images, cfg)
     sizes = images.shape()
@@ -170,47 +171,36 @@ def targets_from_batch(batch: dict) -> tuple[list[torch.Tensor], list[dict]]:
     return images, targets
 
 
-def make_detection_loader(shards_dir: str | os.PathLike | Dataset, split: str, batch_size: int, *, rank: int = 0,
-                          world_size: int = 1, seed: int = 0, device: str = "auto", train: bool | None = None,
-                          size: int | None = None, min_size: int | None = None, max_size: int | None = None,
-                          crop: bool = True, flip: bool = True, include_crowd: bool = False,
-                          num_threads: int | None = None, prefetch_queue_depth: int | None = None,
-                          initial_fill: int = 1024,
-                          device_id: int | None = None, checkpointing: bool = False, check: str = "size",
-                          hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD) -> DaliLoader:
-    """Detection batches of `split` of a COCO shard folder (a path, or s3://bucket/prefix: the tars are then
-    fetched whole into the node's shard cache, its default folder and limit, and DALI reads them there,
-    docs/storage.md; or a `Dataset` opened with `open_dataset(..., task="detection")`, its own cache options)
-    for this rank: the epoch contract of `make_loader` (exact validation across ranks,
-    equal training batch counts, `(seed, epoch)` order, mid-epoch state) and its rule for `train=None` (the
-    split trains if its name starts with "train").
+def make_detection_loader(data: str | os.PathLike | ShardData, split: str, batch_size: int, *,
+                          detection: DetectionConfig | None = None, **options) -> DaliLoader:
+    """Detection batches of `split` of a COCO shard folder for this rank: `data` a path, or s3://bucket/prefix
+    (the tars fetched whole into the node's shard cache, docs/storage.md), or a `ShardData` opened with
+    `open_dataset(..., task="detection")` (its cache and check options). The epoch contract of `make_loader`
+    (exact validation across ranks, equal training batch counts, `(seed, epoch)` order, mid-epoch state) and
+    its rule for `train=None` (the split trains if its name starts with "train"). `options`: `LoaderOptions`'
+    fields but split and batch_size (device, rank, world_size, seed, train, num_threads, checkpointing,
+    hw_decoder_load, ...; one lane always).
 
     An iterable of `(images, targets)` for torchvision detection models: `images` a list of normalised
     (3, H, W) float tensors, `targets` a list of {"boxes": (N, 4) float xyxy in pixels of that image,
     "labels": (N,) int64 contiguous category index (the manifest's `coco.category_ids` order), "image_id"}.
     For a model whose class 0 is background (torchvision's), add 1 to the labels.
 
-    Output size: `size` (square) or `min_size`/`max_size` (torchvision's resize); default `size=512`.
-    Training crops (SSD sampler; `crop=False` skips it) and flips (`flip`); validation only resizes.
-    `include_crowd` adds `iscrowd` boxes to the targets (left out by default). `hw_decoder_load`: with
-    device 'gpu', the share of JPEGs given to the hardware decoder of A100/H100-class GPUs, as in
-    `make_loader`."""
-    if isinstance(shards_dir, Dataset):
-        dataset = shards_dir
+    `detection`: the output size (`size`, square, default 512; or `min_size`/`max_size`, torchvision's
+    resize), the training crop (SSD's sampler; `crop=False` skips it) and flip, and `include_crowd` (crowd
+    boxes in the targets; left out by default). Validation only resizes."""
+    if isinstance(data, ShardData):
+        dataset = data
         if dataset.task != "detection":
             raise DatasetError(f"{dataset.described}: opened for {dataset.task!r}: open it with "
                                f"open_dataset(..., task='detection')")
     else:  # ShardManifest's kind is checked: detection needs COCO's boxes
-        dataset = open_dataset(shards_dir, task="detection", check=check)
-    if size is None and min_size is None:
-        size = 512
-    detection = DetectionConfig(size=size, min_size=min_size, max_size=max_size, crop=crop, flip=flip,
-                                include_crowd=include_crowd, hw_decoder_load=hw_decoder_load)
-    options = ready(dataset, LoaderOptions(split, batch_size, train, rank=rank, world_size=world_size, seed=seed,
-                                           device=device, device_id=device_id, num_threads=num_threads,
-                                           prefetch_queue_depth=prefetch_queue_depth, initial_fill=initial_fill,
-                                           # one lane: joining lanes' last batches would pad the labels with 0,
-                                           # where this graph pads them with -1
-                                           checkpointing=checkpointing, lanes=1))
-    return DaliLoader(dataset.sources[0], options, graph=partial(detection_pipeline, cfg=detection),
-                      outputs=DETECTION_OUTPUTS, to_torch=targets_from_batch)
+        dataset = open_dataset(data, task="detection")
+    detection = detection or DetectionConfig()
+    # one lane: joining lanes' last batches would pad the labels with 0, where this graph pads them with -1
+    options = ready(dataset, LoaderOptions(split, batch_size, **{**options, "lanes": 1}))
+    if options.fp16 or options.channels_last:
+        raise ValueError("fp16 and channels_last shape classification batches: detection hands out float32 (3, H, W) "
+                         "images in lists")
+    graph = partial(detection_pipeline, cfg=detection, hw_decoder_load=options.hw_decoder_load)
+    return DaliLoader(dataset.sources[0], options, graph=graph, outputs=DETECTION_OUTPUTS, to_torch=targets_from_batch)

@@ -27,7 +27,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True)
 class AugmentConfig:
-    """What the graphs do to an image. Defaults are the ImageNet recipe."""
+    """What the graphs do to an image. Defaults are the ImageNet recipe. How the images are decoded and handed
+    out (float16, NHWC, the hardware decoder's share) is the loader's `Output`, not the augmentation's."""
 
     image_size: int = 224
     crop_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop(scale=...)
@@ -37,9 +38,6 @@ class AugmentConfig:
     val_resize_size: int | None = None  # validation's shorter side before the crop, if not image_size / 0.875
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
-    fp16: bool = False
-    channels_last: bool = False
-    hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD
     # torchvision's ClassificationPresetTrain options (augment.py); their presets have no colour jitter
     auto_augment: str | None = None  # None | "imagenet" (AutoAugment) | "ra" (RandAugment) | "ta_wide"
     ra_magnitude: int = 9  # RandAugment: magnitude bin of every operation (0..30)
@@ -55,8 +53,6 @@ class AugmentConfig:
         if self.val_resize_size is not None and self.val_resize_size < self.image_size:
             raise ValueError(f"val_resize_size {self.val_resize_size} must be >= image_size {self.image_size}: the "
                              f"centre crop is taken from the resized image")
-        if not 0 <= self.hw_decoder_load <= 1:
-            raise ValueError(f"hw_decoder_load must be in [0, 1], got {self.hw_decoder_load}")
         if self.auto_augment not in (None, *augment.POLICIES):
             raise ValueError(f"auto_augment must be one of {', '.join(augment.POLICIES)} or None, "
                              f"got {self.auto_augment!r}")
@@ -73,6 +69,20 @@ class AugmentConfig:
         if self.val_resize_size is not None:
             return self.val_resize_size
         return int(self.image_size / self.val_crop_fraction)
+
+
+@dataclass(frozen=True)
+class Output:
+    """How a graph decodes and hands out its images, beside what it does to them: float16 or float32, NHWC or
+    NCHW, and the share of JPEGs `gpu` decoding gives the hardware decoder (a loader's options of those names)."""
+
+    fp16: bool = False
+    channels_last: bool = False
+    hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.hw_decoder_load <= 1:
+            raise ValueError(f"hw_decoder_load must be in [0, 1], got {self.hw_decoder_load}")
 
 
 def uses_gpu(device: str) -> bool:
@@ -124,20 +134,20 @@ def read_shards(paths: list[str], index_paths: list[str], *, shard_id: int, num_
     return jpegs, labels
 
 
-def train_augment(jpegs, cfg: AugmentConfig, device: str):
+def train_augment(jpegs, cfg: AugmentConfig, device: str, out: Output = Output()):
     """RandomResizedCrop + RandomHorizontalFlip + Normalize, with cfg.auto_augment's policy on the uint8
     images before the (fused) flip and normalisation and cfg.random_erase's erasing after it, in float32, before
     a float16 output is cast (augment.py)."""
-    images = resize_square(after_decode(decode_random_crop(jpegs, cfg, device), device), cfg)
+    images = resize_square(after_decode(decode_random_crop(jpegs, cfg, device, out), device), cfg)
     if cfg.auto_augment:
         images = augment.apply_policy(images, cfg)
     mirror = fn.random.coin_flip(probability=0.5) if cfg.flip else 0
     if not cfg.random_erase:
-        return normalize(images, cfg, mirror=mirror)
+        return normalize(images, cfg, out, mirror=mirror)
     # erasing writes torchvision's value=0 into the normalised image, in float32: DALI 2.4's GPU erase has no
     # float16 kernel (augment.ERASE_DTYPE), so a float16 output is cast after it (an exact 0 stays 0)
-    images = augment.random_erase(normalize(images, cfg, mirror=mirror, dtype=augment.ERASE_DTYPE), cfg)
-    return images if output_dtype(cfg) == augment.ERASE_DTYPE else fn.cast(images, dtype=output_dtype(cfg))
+    images = augment.random_erase(normalize(images, cfg, out, mirror=mirror, dtype=augment.ERASE_DTYPE), cfg)
+    return images if output_dtype(out) == augment.ERASE_DTYPE else fn.cast(images, dtype=output_dtype(out))
 
 
 def needs_conditionals(cfg: AugmentConfig, train: bool) -> bool:
@@ -145,13 +155,13 @@ def needs_conditionals(cfg: AugmentConfig, train: bool) -> bool:
     return train and cfg.auto_augment is not None
 
 
-def decode_random_crop(jpegs, cfg: AugmentConfig, device: str):
+def decode_random_crop(jpegs, cfg: AugmentConfig, device: str, out: Output = Output()):
     """The RandomResizedCrop window is drawn before decoding, so only the region kept is decoded (ROI
     decode): less work than decoding the whole image and cropping after."""
     return fn.decoders.image_random_crop(
         jpegs, device=decoder_device(device), output_type=types.RGB, random_area=list(cfg.crop_scale),
         random_aspect_ratio=list(cfg.crop_ratio), num_attempts=10, adjust_orientation=ADJUST_ORIENTATION,
-        **decoder_hints(device, cfg.hw_decoder_load, roi=True),
+        **decoder_hints(device, out.hw_decoder_load, roi=True),
     )
 
 
@@ -166,14 +176,14 @@ def resize_square(images, cfg: AugmentConfig):
     return fn.resize(images, resize_x=cfg.image_size, resize_y=cfg.image_size, **RESIZE_FILTER)
 
 
-def val_transform(jpegs, cfg: AugmentConfig, device: str):
+def val_transform(jpegs, cfg: AugmentConfig, device: str, out: Output = Output()):
     """Resize(shorter side = cfg.val_resize: image_size / 0.875 unless given) + CenterCrop(image_size) + Normalize,
     pixel for pixel where torchvision puts them: its output size and crop offset are computed here from each
     image's shape, because DALI rounds both differently (see `torchvision_resize_shape` and
     `torchvision_centre_crop_pos`)."""
     images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
                                adjust_orientation=ADJUST_ORIENTATION,
-                               **decoder_hints(device, cfg.hw_decoder_load, roi=False))
+                               **decoder_hints(device, out.hw_decoder_load, roi=False))
     images = after_decode(images, device)
     height, width = torchvision_resize_shape(images, cfg.val_resize)
     # RESIZE_FILTER: 0.15 grey levels from PIL on average for 500x375 photos resized to 256, against 0.8 without
@@ -181,7 +191,7 @@ def val_transform(jpegs, cfg: AugmentConfig, device: str):
     images = fn.resize(images, resize_y=fn.cast(height, dtype=types.FLOAT), resize_x=fn.cast(width, dtype=types.FLOAT),
                        **RESIZE_FILTER)
     crop_pos = (torchvision_centre_crop_pos(height, cfg.image_size), torchvision_centre_crop_pos(width, cfg.image_size))
-    return normalize(images, cfg, crop=(cfg.image_size, cfg.image_size), crop_pos=crop_pos)
+    return normalize(images, cfg, out, crop=(cfg.image_size, cfg.image_size), crop_pos=crop_pos)
 
 
 def torchvision_resize_shape(images, shorter: int):
@@ -205,18 +215,19 @@ def torchvision_centre_crop_pos(side, crop: int):
     return fn.cast(offset, dtype=types.FLOAT) / fn.cast(dmath.max(margin, 1), dtype=types.FLOAT)
 
 
-def output_dtype(cfg: AugmentConfig):
+def output_dtype(out: Output):
     """The DALI type of the images a classification graph hands out."""
-    return types.FLOAT16 if cfg.fp16 else types.FLOAT
+    return types.FLOAT16 if out.fp16 else types.FLOAT
 
 
-def normalize(images, cfg: AugmentConfig, mirror=0, crop=None, crop_pos=(0.5, 0.5), dtype=None):
+def normalize(images, cfg: AugmentConfig, out: Output = Output(), mirror=0, crop=None, crop_pos=(0.5, 0.5),
+              dtype=None):
     """(x / 255 - mean) / std in `dtype` (default: the output dtype) and the output layout, fused with the crop
     (`crop_pos`: (y, x) in 0..1) and flip."""
     crop_args = {"crop": crop, "crop_pos_y": crop_pos[0], "crop_pos_x": crop_pos[1]} if crop else {}
     return fn.crop_mirror_normalize(
-        images, dtype=output_dtype(cfg) if dtype is None else dtype,
-        output_layout="HWC" if cfg.channels_last else "CHW",
+        images, dtype=output_dtype(out) if dtype is None else dtype,
+        output_layout="HWC" if out.channels_last else "CHW",
         mean=[m * 255 for m in cfg.mean], std=[s * 255 for s in cfg.std], mirror=mirror, **crop_args,
     )
 
@@ -233,25 +244,25 @@ def multi_hot(labels, num_classes: int):
 
 
 def shard_pipeline(paths: list[str], index_paths: list[str], cfg: AugmentConfig, train: bool, device: str,
-                   **kwargs):
+                   out: Output = Output(), **kwargs):
     """Reader -> train_augment or val_transform. Returns (images, labels): labels int64 (1,) per image, or
     with `multilabel_classes=K` (COCO shards) a float multi-hot (K,) built from the `.labels.i32` member; with
     `sources=True` a third output, where each sample was read (`sample_sources`).
     `kwargs`: `shard_graph`'s and the Pipeline's (batch_size, num_threads, device_id, seed, ...)."""
-    return shard_graph(paths, index_paths, cfg, train, device, enable_conditionals=needs_conditionals(cfg, train),
-                       **kwargs)
+    return shard_graph(paths, index_paths, cfg, train, device, out,
+                       enable_conditionals=needs_conditionals(cfg, train), **kwargs)
 
 
 @pipeline_def(enable_conditionals=False)
 def shard_graph(paths: list[str], index_paths: list[str], cfg: AugmentConfig, train: bool, device: str,
-                shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024, multilabel_classes: int = 0,
-                text_label: dict | None = None, sources: bool = False):
+                out: Output = Output(), shard_id: int = 0, num_shards: int = 1, initial_fill: int = 1024,
+                multilabel_classes: int = 0, text_label: dict | None = None, sources: bool = False):
     """`shard_pipeline`'s graph (enable_conditionals is decided per call there)."""
     jpegs, labels = read_shards(paths, index_paths, shard_id=shard_id, num_shards=num_shards, shuffle=train,
                                 initial_fill=initial_fill, multilabel=bool(multilabel_classes), text_label=text_label)
     if multilabel_classes:
         labels = multi_hot(labels, multilabel_classes)
-    images = train_augment(jpegs, cfg, device) if train else val_transform(jpegs, cfg, device)
+    images = train_augment(jpegs, cfg, device, out) if train else val_transform(jpegs, cfg, device, out)
     if uses_gpu(device):
         labels = labels.gpu()
     if sources:  # made last: the operators before it keep the seeds they have without it

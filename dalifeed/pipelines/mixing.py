@@ -1,4 +1,4 @@
-"""Several shard folders at once in fixed proportions: `make_loader([A, B], "train", weights=[3, 1], ...)`.
+"""Several shard folders at once in fixed proportions: `make_loader(open_dataset([A, B], weights=[3, 1]), ...)`.
 
 DALI has no operator for it (users are told to write an ExternalSource), so each dataset keeps its own
 pipeline (a `DaliLoader` of its own, with its own label source) and this module interleaves their batches
@@ -7,7 +7,7 @@ in torch. The contract, extending `dalifeed.pipelines.loader`'s:
 - **Batches**: every batch of `batch_size` holds `shares[i]` samples of dataset i, the weights rounded to
   whole samples by largest remainder (weights 3,1 and batch 256: 192 + 64). The realised proportion is
   `shares[i] / batch_size`, within `1 / batch_size` of the weight's; a weight too small to give a dataset
-  one sample per batch is refused. Dataset i's pipeline runs with batch `shares[i]`.
+  one sample per batch is refused. ShardData i's pipeline runs with batch `shares[i]`.
 - **Epoch**: defined by the samples drawn, `sum of the datasets' train samples` (as if they were one
   dataset), so every rank yields `len(loader) = floor(total / world / batch_size)` batches, the same on
   every rank. A dataset whose share needs more samples than it holds repeats (its own loader runs several
@@ -16,7 +16,7 @@ in torch. The contract, extending `dalifeed.pipelines.loader`'s:
   most it can need per epoch: the order is a function of `(seed, epoch)` only, and `set_epoch` jumps.
 - **Classes**: the union of the datasets' class names, sorted as ImageFolder sorts folders; each dataset's
   own indices are mapped to it (`Source.remap`, dataset.py) on the batch's device.
-- **Progressive resizing** (`build_loader(..., image_size=)`): dataset i's own epoch s trains at the size of
+- **Progressive resizing** (`make_loader(..., size_schedule=)`): dataset i's own epoch s trains at the size of
   mixed epoch s // R_i, so all parts of a batch have the mixed epoch's size.
 - **Resume**: `state_dict()` between two batches holds its cursor (the epoch and the samples of it consumed
   by all ranks, `cursor.EpochCursor`, as every loader counts) and every dataset loader's own state (DALI
@@ -37,7 +37,7 @@ from dataclasses import replace
 import torch
 
 from .cursor import EpochCursor, FollowsCursor
-from .dataset import Dataset, MixError
+from .dataset import MixError, ShardData
 from .elastic import batches_left
 
 __all__ = ["ConcatLoader", "MixError", "MixedLoader", "RemappedLoader", "mixed_loader", "share_threads"]
@@ -72,11 +72,11 @@ class MixedLoader(FollowsCursor):
     read (its classes, the union's)."""
 
     def __init__(self, loaders: list, shares: list[int], remaps: list[list[int]], total_samples: int,
-                 batch_size: int, world_size: int, dataset: Dataset | None = None):
+                 batch_size: int, world_size: int, dataset: ShardData | None = None):
         self.loaders, self.shares, self.batch_size, self.dataset = loaders, shares, batch_size, dataset
         self.remaps = [torch.tensor(r, dtype=torch.int64) for r in remaps]
         self.total_samples, self.world_size = total_samples, world_size
-        self.batches = total_samples // world_size // batch_size  # >= 1: Dataset.check_batch_fits
+        self.batches = total_samples // world_size // batch_size  # >= 1: ShardData.check_batch_fits
         self.reserved = [own_epochs(self.batches, len(loader)) for loader in loaders]
         self.cursor = EpochCursor(batch_size * world_size)
         self._restore: list | None = None  # the dataset loaders' states the next iteration continues from
@@ -175,11 +175,11 @@ def share_threads(threads: int, shares: list[int]) -> list[int]:
     return dealt
 
 
-def mixed_loader(dataset: Dataset, options, make_one, image_size=None) -> MixedLoader | ConcatLoader:
+def mixed_loader(dataset: ShardData, options, make_one, size_schedule=None) -> MixedLoader | ConcatLoader:
     """The loader of a mixed `dataset` (see the module docstring) with `options` (a resolved, checked
-    `loader.LoaderOptions`); `make_one(source, options, image_size)` makes one dataset's loader. Training: a
+    `loader.LoaderOptions`); `make_one(source, options, size_schedule)` makes one dataset's loader. Training: a
     `MixedLoader` whose dataset loaders run at their shares of the batch; evaluation: a `ConcatLoader`.
-    `image_size` (training: mixed epoch -> image size, progressive resizing) is handed to each dataset's
+    `size_schedule` (training: mixed epoch -> image size, progressive resizing) is handed to each dataset's
     loader in its own epochs: its epoch s is part of mixed epoch s // (its `own_epochs`), so every part of a
     batch has the mixed epoch's size, also after a restore (each loader's state holds its own epoch)."""
     if not options.train:
@@ -196,11 +196,11 @@ def mixed_loader(dataset: Dataset, options, make_one, image_size=None) -> MixedL
     for source, share, total, threads in zip(dataset.sources, shares, totals,
                                              share_threads(options.num_threads, shares)):
         size = None
-        if image_size is not None:  # a DaliLoader's training epoch: (total // world) // batch (loader.py)
+        if size_schedule is not None:  # a DaliLoader's training epoch: (total // world) // batch (loader.py)
             reserved = own_epochs(batches, (total // options.world_size) // share)
 
             def size(epoch, reserved=reserved):
-                return image_size(epoch // reserved)
+                return size_schedule(epoch // reserved)
         loaders.append(make_one(source, replace(options, batch_size=share, num_threads=threads), size))
     return MixedLoader(loaders, shares, [source.remap for source in dataset.sources],
                        sum(loader.total_samples for loader in loaders), options.batch_size, options.world_size,

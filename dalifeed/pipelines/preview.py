@@ -114,9 +114,8 @@ def torchvision_augmented(jpegs: list[bytes], cfg: AugmentConfig, seed: int = 0)
 
 
 def to_uint8(image: torch.Tensor, cfg: AugmentConfig) -> np.ndarray:
-    """A normalised CHW (or HWC with cfg.channels_last) image in the graph's scale -> uint8 HWC."""
-    if not cfg.channels_last:
-        image = image.permute(1, 2, 0)
+    """A normalised CHW image in the graph's scale -> uint8 HWC."""
+    image = image.permute(1, 2, 0)
     mean, std = torch.tensor(cfg.mean) * 255, torch.tensor(cfg.std) * 255
     return (image.float() * std + mean).round().clamp(0, 255).to(torch.uint8).numpy()
 

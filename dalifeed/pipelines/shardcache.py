@@ -27,11 +27,9 @@ Sharing and bounds, all through file locks (flock) in the cache folder, so they 
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import os
-import shutil
 import sys
 import threading
 import time
@@ -43,19 +41,9 @@ from dalifeed import s3
 from dalifeed.format import ShardInfo, ShardManifest, file_sha256
 from dalifeed.usage import parse_size
 
+from .cachespace import CacheFull, CacheSpace, drop_unverified_entries, human
+
 CHUNK = 2**20  # bytes per read of a GET's body
-
-
-class CacheFull(s3.StorageError):
-    """The cache (its limit, or its disk) cannot hold what this rank needs now. One line with the sizes."""
-
-
-def human(size: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(size) < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size} B"
 
 
 def default_folder() -> Path:
@@ -74,42 +62,6 @@ class CacheConfig:
     backoff_s: float = 0.5  # doubled after each failed attempt
 
 
-def default_limit(folder: Path) -> int:
-    """90% of the free space of the cache's file system plus what the cache already holds."""
-    return int(0.9 * (shutil.disk_usage(folder).free + _usage(folder / "shards")))
-
-
-def _usage(folder: Path) -> int:
-    """Bytes on disk of the cache's tars and part files (allocated blocks: placeholders are not counted)."""
-    total = 0
-    for entry in os.scandir(folder) if folder.is_dir() else ():
-        try:
-            total += entry.stat().st_blocks * 512
-        except FileNotFoundError:
-            pass
-    return total
-
-
-CACHE_FORMAT = "2"  # 2: every tar was hashed as it landed; 1 (no marker): size checked only
-
-
-def _drop_unverified_entries(folder: Path) -> None:
-    """Delete, once, the tars a dalifeed before format 2 stored without hashing them: their name (the
-    manifest's sha256) was no promise about their bytes, and a warm cache must never serve a tampered tar
-    under a good name. Under the space lock, so that the ranks of a node do it once."""
-    marker = folder / "format"
-    with open(folder / "space.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if marker.is_file() and marker.read_text().strip() == CACHE_FORMAT:
-            return
-        for entry in (folder / "shards").iterdir():
-            if entry.suffix in (".tar", ".part"):
-                entry.unlink(missing_ok=True)
-        tmp = marker.with_name(f".format.{os.getpid()}")
-        tmp.write_text(CACHE_FORMAT + "\n")
-        os.replace(tmp, marker)
-
-
 class ShardCache:
     """Tars of one shard folder in a store, fetched into `config.folder` for one rank. See the module
     docstring; `epoch_files` is what the loader calls before building an epoch's pipeline."""
@@ -121,15 +73,15 @@ class ShardCache:
         self.folder = Path(config.folder)
         for sub in ("shards", "locks", "placeholders"):
             (self.folder / sub).mkdir(parents=True, exist_ok=True)
-        _drop_unverified_entries(self.folder)
-        self.limit = config.limit if config.limit is not None else default_limit(self.folder)
+        drop_unverified_entries(self.folder)
+        self.space = CacheSpace(self.folder, config.limit)
+        self.limit = self.space.limit
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._pins: dict[str, int] = {}  # cache name -> fd of its lock, held shared
         self._pins_lock = threading.Lock()
         self._verified: set[str] = set()  # names whose sha256 this process checked
         self._last: tuple[tuple, list[str]] | None = None  # the last epoch's (names, paths)
-        self._prefetch: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._prefetch = Prefetch(self.pin, config.parallel)
 
     # -- what the loader calls -----------------------------------------------------------------------
     def epoch_files(self, shards: list[ShardInfo], rank_range: tuple[int, int],
@@ -140,7 +92,7 @@ class ShardCache:
         key = tuple(s.path for s in shards)
         if self._last is not None and self._last[0] == key:  # asked again (an error being explained)
             return self._last[1]
-        self._stop_prefetch()
+        self._prefetch.stop()
         mine = rank_shards(shards, rank_range)
         need = sum(s.bytes for s in mine)
         if need > self.limit:
@@ -152,21 +104,20 @@ class ShardCache:
         self._unpin_all_but(keep)  # the last epoch's pipeline is gone: its tars may be evicted
         with ThreadPoolExecutor(self.config.parallel) as pool:  # in reading order, `parallel` at once
             list(pool.map(self.pin, mine))
-        paths = [str(self.path(s)) if self.name(s) in keep else str(self.placeholder(s)) for s in shards]
+        paths = [str(self.path(s)) if self.name(s) in keep else str(placeholder(self.folder, s.bytes)) for s in shards]
         self._last = (key, paths)
         if upcoming is not None:
-            self._start_prefetch(rank_shards(upcoming, rank_range))
+            self._prefetch.start(rank_shards(upcoming, rank_range))
         return paths
 
     def prefetch(self, shards: list[ShardInfo], rank_range: tuple[int, int]) -> ShardCache:
         """Start fetching this rank's tars of an epoch in the background (the loader's first epoch, while the
         trainer builds its model): `epoch_files` then finds them there, or waits for them."""
-        self._stop_prefetch()
-        self._start_prefetch(rank_shards(shards, rank_range))
+        self._prefetch.start(rank_shards(shards, rank_range))
         return self
 
     def close(self) -> None:
-        self._stop_prefetch()
+        self._prefetch.stop()
         self._unpin_all_but(set())
 
     def __del__(self):
@@ -182,17 +133,6 @@ class ShardCache:
 
     def path(self, shard: ShardInfo) -> Path:
         return self.folder / "shards" / f"{self.name(shard)}.tar"
-
-    def placeholder(self, shard: ShardInfo) -> Path:
-        """A sparse file of the tar's size: DALI opens it at build and, the tar being another rank's, never
-        reads it."""
-        path = self.folder / "placeholders" / f"{shard.bytes}.tar"
-        if not path.is_file() or path.stat().st_size != shard.bytes:
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            with open(tmp, "wb") as f:
-                f.truncate(shard.bytes)
-            os.replace(tmp, path)
-        return path
 
     # -- pinning: fetch if needed, then hold shared --------------------------------------------------
     def pin(self, shard: ShardInfo) -> None:
@@ -258,7 +198,7 @@ class ShardCache:
         renamed into place. Called with the tar pinned (its lock shared) and its fetch lock held exclusively."""
         url = self.manifest.shard_location(shard)
         part = self.path(shard).with_suffix(".part")
-        self._reserve(shard, part)
+        self.space.reserve(shard.bytes, part, url)
         started, error = time.monotonic(), None
         try:
             for attempt in range(self.config.attempts):
@@ -301,96 +241,46 @@ class ShardCache:
                 try:
                     out.write(chunk)
                 except OSError as e:
-                    raise self._disk_full(e, part) from e
+                    raise self.space.disk_full(e, part) from e
                 digest.update(chunk)
             out.truncate()
         return digest.hexdigest()
 
-    # -- space -------------------------------------------------------------------------------------
-    def _reserve(self, shard: ShardInfo, part: Path) -> None:
-        """Make room for the tar (evicting unpinned tars, least recently used first) and allocate `part` at its
-        full size, all under the space lock. CacheFull if the limit or the disk cannot give it."""
-        with open(self.folder / "space.lock", "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            used = _usage(self.folder / "shards")
-            if used + shard.bytes > self.limit:
-                used -= self._evict(used + shard.bytes - self.limit)
-            if used + shard.bytes > self.limit:
-                raise CacheFull(f"{self.manifest.shard_location(shard)}: no room in the shard cache {self.folder}: "
-                                f"it holds {human(used)} in use by the ranks of this node, the tar needs "
-                                f"{human(shard.bytes)}, the limit is {human(self.limit)} (--cache-limit)")
-            fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.posix_fallocate(fd, 0, shard.bytes)
-            except OSError as e:
-                os.close(fd)
-                part.unlink(missing_ok=True)
-                raise self._disk_full(e, part) from e
-            os.close(fd)
 
-    def _evict(self, wanted: int) -> int:
-        """Delete unpinned tars (and abandoned part files), least recently used first, until `wanted` bytes
-        are freed or none is left. Returns the bytes freed. Called under the space lock."""
-        freed = 0
-        entries = []
-        for entry in os.scandir(self.folder / "shards"):
-            try:
-                entries.append((entry.stat().st_mtime, entry.path, entry.stat().st_blocks * 512))
-            except FileNotFoundError:
-                pass
-        for _, path, size in sorted(entries):
-            if freed >= wanted:
-                break
-            name = Path(path).name.rsplit(".", 1)[0]
-            fd = os.open(self.folder / "locks" / f"{name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # pinned or being fetched: skip it
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            try:
-                os.unlink(path)
-                freed += size
-            except FileNotFoundError:
-                pass
-            finally:
-                os.close(fd)
-        return freed
+class Prefetch:
+    """`pin` run over a list of tars on a background thread, `parallel` at once, in order; stopped (and waited
+    for) by `stop`, or quietly at its first failure (no room: the current epoch's tars are pinned until it
+    ends; the store: the next epoch retries, and says so)."""
 
-    def _disk_full(self, error: OSError, part: Path) -> Exception:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            return error
-        disk = shutil.disk_usage(self.folder)
-        return CacheFull(f"{part}: the disk of the shard cache is full ({human(disk.free)} free of "
-                         f"{human(disk.total)}; the cache holds {human(_usage(self.folder / 'shards'))}, its limit "
-                         f"is {human(self.limit)}): lower --cache-limit or free space")
+    def __init__(self, pin, parallel: int):
+        self.pin, self.parallel = pin, parallel
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
-    # -- the next epoch, in the background -------------------------------------------------------------
-    def _start_prefetch(self, shards: list[ShardInfo]) -> None:
+    def start(self, shards: list[ShardInfo]) -> None:
+        self.stop()
         self._stop.clear()
-        self._prefetch = threading.Thread(target=self._prefetch_all, args=(shards,), daemon=True,
-                                          name="dalifeed-shard-prefetch")
-        self._prefetch.start()
+        self._thread = threading.Thread(target=self._pin_all, args=(shards,), daemon=True,
+                                        name="dalifeed-shard-prefetch")
+        self._thread.start()
 
-    def _prefetch_all(self, shards: list[ShardInfo]) -> None:
-        """Fetch and pin the tars in order, `parallel` at once; stop quietly at the first failure (no room:
-        the current epoch's tars are pinned until it ends; the store: the next epoch retries, and says so)."""
+    def _pin_all(self, shards: list[ShardInfo]) -> None:
         def one(shard):
             if not self._stop.is_set():
                 self.pin(shard)
 
         try:
-            with ThreadPoolExecutor(self.config.parallel) as pool:
+            with ThreadPoolExecutor(self.parallel) as pool:
                 for future in [pool.submit(one, s) for s in shards]:
                     future.result()
         except Exception:
             self._stop.set()
 
-    def _stop_prefetch(self) -> None:
-        if self._prefetch is not None:
+    def stop(self) -> None:
+        if self._thread is not None:
             self._stop.set()
-            self._prefetch.join()
-            self._prefetch = None
+            self._thread.join()
+            self._thread = None
 
 
 def cache_config(folder: str | os.PathLike | None, limit: int | str | None, sha256: bool = False) -> CacheConfig:
@@ -411,3 +301,15 @@ def rank_shards(shards: list[ShardInfo], rank_range: tuple[int, int]) -> list[Sh
             found.append(shard)
         position += shard.samples
     return found
+
+
+def placeholder(folder: Path, size: int) -> Path:
+    """A sparse file of `size` bytes in the cache `folder`: DALI opens it at build and, the tar being another
+    rank's, never reads it."""
+    path = folder / "placeholders" / f"{size}.tar"
+    if not path.is_file() or path.stat().st_size != size:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        with open(tmp, "wb") as f:
+            f.truncate(size)
+        os.replace(tmp, path)
+    return path

@@ -286,15 +286,13 @@ class TrainConfig:
         """What the training graph does to each image (the loader's dtype and layout aside); with
         --progressive-resize, each epoch's graph has the schedule's size instead of --image-size."""
         return AugmentConfig(image_size=self.image_size, crop_scale=tuple(self.crop_scale), flip=self.flip,
-                             hw_decoder_load=self.hw_decoder_load, auto_augment=self.auto_augment,
-                             ra_magnitude=self.ra_magnitude, ra_num_ops=self.ra_num_ops,
-                             random_erase=self.random_erase, channels_last=self.channels_last)
+                             auto_augment=self.auto_augment, ra_magnitude=self.ra_magnitude,
+                             ra_num_ops=self.ra_num_ops, random_erase=self.random_erase)
 
     def val_augment(self) -> AugmentConfig:
         """What the validation graph does: resize the shorter side to --val-resize (default: the validation
         size / 0.875), centre crop --val-image-size (default: --image-size), normalise."""
-        return AugmentConfig(image_size=self.val_size, val_resize_size=self.val_resize,
-                             hw_decoder_load=self.hw_decoder_load, channels_last=self.channels_last)
+        return AugmentConfig(image_size=self.val_size, val_resize_size=self.val_resize)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -10,15 +10,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dalifeed.format import ManifestError
-from dalifeed.pipelines import LoaderOptions, build_loader
+from dalifeed.pipelines import LoaderOptions, make_loader
 from dalifeed.pipelines.cursor import EpochCursor, FollowsCursor
-from dalifeed.pipelines.dataset import Dataset, DatasetError, open_dataset
+from dalifeed.pipelines.dataset import DatasetError, ShardData, open_dataset
 
 from .config import ConfigError, TrainConfig
 from .distributed import Dist, log
 
 
-def open_data(cfg: TrainConfig, dist: Dist) -> Dataset:
+def open_data(cfg: TrainConfig, dist: Dist) -> ShardData:
     """--data opened once, with everything the run's loaders would otherwise check again: shards of the kind
     --task needs, both splits present and holding samples (a typo in --val-split is refused before training,
     not trained through without evaluation), --batch-size (x --accum-steps) within every process's share.
@@ -60,13 +60,13 @@ def loader_options(cfg: TrainConfig, dist: Dist, threads: int) -> tuple[LoaderOp
     stops the run."""
     common = dict(batch_size=cfg.batch_size, rank=dist.rank, world_size=dist.world_size, seed=cfg.seed,
                   device=loader_device(cfg, dist), device_id=dist.device.index if dist.device.type == "cuda" else None,
-                  num_threads=threads)
+                  num_threads=threads, channels_last=cfg.channels_last, hw_decoder_load=cfg.hw_decoder_load)
     train = LoaderOptions(cfg.train_split, train=True, checkpointing=True, lanes=cfg.lanes, **common)
     val = LoaderOptions(cfg.val_split, train=False, **common) if cfg.val_split is not None else None
     return train, val
 
 
-def make_loaders(cfg: TrainConfig, dataset: Dataset, options: tuple[LoaderOptions, LoaderOptions | None]):
+def make_loaders(cfg: TrainConfig, dataset: ShardData, options: tuple[LoaderOptions, LoaderOptions | None]):
     """This rank's training loader and validation loader (None with --val-split none) over `dataset`; with
     --progressive-resize, the training loader's graph of each epoch is built for that epoch's size."""
     train_options, val_options = options
@@ -76,9 +76,9 @@ def make_loaders(cfg: TrainConfig, dataset: Dataset, options: tuple[LoaderOption
         if (short := schedule.beyond(cfg.epochs)) is not None:
             log(f"warning: --progressive-resize {schedule}: {short} (--epochs {cfg.epochs}); the schedule is not "
                 f"scaled to the run")
-    train = build_loader(dataset, train_options, cfg.train_augment(),
-                         image_size=schedule.size if schedule is not None else None)
-    val = build_loader(dataset, val_options, cfg.val_augment()) if val_options is not None else None
+    train = make_loader(dataset, **asdict(train_options), augment=cfg.train_augment(),
+                        size_schedule=schedule.size if schedule is not None else None)
+    val = make_loader(dataset, **asdict(val_options), augment=cfg.val_augment()) if val_options is not None else None
     return (SyntheticLoader(train) if cfg.synthetic else train), val
 
 
@@ -106,7 +106,7 @@ def loader_record(options: tuple[LoaderOptions, LoaderOptions | None]) -> dict:
 
 def mix_plan(cfg, datasets, world_size: int) -> list[dict]:
     """What each --data brings to training, as the mixed loader will draw it: its weight, its samples in every
-    batch of a process (`Dataset.shares`), its train samples and how many passes over them an epoch makes (an
+    batch of a process (`ShardData.shares`), its train samples and how many passes over them an epoch makes (an
     epoch is the union's samples, in batches of --batch-size on every process)."""
     weights = cfg.data_weights or [1.0] * len(cfg.data)
     shares = datasets.shares(cfg.batch_size)

@@ -122,7 +122,7 @@ def check_world_size(cfg: TrainConfig, saved: dict, world_size: int) -> None:
 
 
 def data_changes(saved: list[dict], now: list[dict]) -> list[str]:
-    """How the shards a run holds now (`Dataset.contents`) differ from those its checkpoint recorded: one
+    """How the shards a run holds now (`ShardData.contents`) differ from those its checkpoint recorded: one
     phrase per split of each dataset that differs, naming it, the shard counts and the first shard that
     differs (its tar, or its index alone: indexed again, positions moved)."""
     changes = []

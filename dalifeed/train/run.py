@@ -73,7 +73,7 @@ class Run:
     sample_log: SampleLog | None = None  # --log-samples
     stop: Stop = field(default_factory=Stop)
     checks: StepChecks | None = None  # skipped steps tallied on the device, and when the host reads them
-    data: list | None = None  # the shards it trains on (`Dataset.contents`): what checkpoints record
+    data: list | None = None  # the shards it trains on (`ShardData.contents`): what checkpoints record
     data_changed: str | None = None  # how they differ from the resumed checkpoint's (--allow-data-change)
 
     def __post_init__(self):

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dalifeed.atomic import write_json_atomic
+from dalifeed.budget import ThreadBudget, thread_budget
 from dalifeed.nvml import gpu_stats
-from dalifeed.pipelines import ThreadBudget, thread_budget
-from dalifeed.pipelines.dataset import Dataset
+from dalifeed.pipelines.dataset import ShardData
 from dalifeed.runtime import DiskFull, folder_lock, is_disk_full
 from dalifeed.s3 import is_s3_url
 from dalifeed.usage import folder_not_created
@@ -353,7 +353,7 @@ def resumed_batches(midway: dict, loader) -> int:
     return cursor.batches_done
 
 
-def log_start(cfg: TrainConfig, dist: Dist, data: Dataset, dtype: torch.dtype | None,
+def log_start(cfg: TrainConfig, dist: Dist, data: ShardData, dtype: torch.dtype | None,
               budget: ThreadBudget, options: tuple) -> None:
     """The run's first lines (the config, the loaders' options, where it trains, on what), and
     RUN/config.json (both configs)."""

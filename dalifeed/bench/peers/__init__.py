@@ -67,22 +67,23 @@ def missing_package(name: str) -> str | None:
 def peer_loader(name: str, *, shards: Path | ShardManifest, split: str, batch_size: int, image_size: int, workers: int,
                 device: torch.device, workdir: Path, fp16: bool = False,
                 augment: AugmentConfig | None = None) -> Iterable:
-    """Peer `name` over the split's photos, yielding (images, labels) as build_loader's loaders do; its native
-    copy of the data is written under `workdir` when not there yet."""
-    augment = replace(augment or AugmentConfig(), image_size=image_size, fp16=fp16)
+    """Peer `name` over the split's photos, yielding (images, labels) as race_loader's loaders do (float16
+    with `fp16`); its native copy of the data is written under `workdir` when not there yet."""
+    augment = replace(augment or AugmentConfig(), image_size=image_size)
     # each peer's module imports its package: imported here, so that dali-bench runs without the extra
     if name == "spdl":
         from .spdl_peer import SpdlLoader
 
-        return SpdlLoader(shards, split, batch_size, workers, device, augment)
+        return SpdlLoader(shards, split, batch_size, workers, device, augment, fp16)
     if name == "streaming":
         from .mds_peer import streaming_loader, write_mds
 
-        return streaming_loader(write_mds(shards, split, workdir), batch_size, workers, device, augment)
+        return streaming_loader(write_mds(shards, split, workdir), batch_size, workers, device, augment, fp16)
     if name == "litdata":
         from .litdata_peer import litdata_loader, write_litdata
 
-        return litdata_loader(write_litdata(shards, split, workdir, workers), batch_size, workers, device, augment)
+        return litdata_loader(write_litdata(shards, split, workdir, workers), batch_size, workers, device, augment,
+                              fp16)
     raise ValueError(f"unknown peer {name!r} (choose from {', '.join(PEERS)})")
 
 

@@ -49,9 +49,9 @@ class TensorSample:
 
 
 def litdata_loader(folder: Path, batch_size: int, workers: int, device: torch.device,
-                   augment: AugmentConfig) -> TorchLoader:
+                   augment: AugmentConfig, fp16: bool = False) -> TorchLoader:
     # its serializer decodes each JPEG to a uint8 tensor (torchvision.io.decode_jpeg; PIL when it has EXIF)
     dataset = StreamingDataset(input_dir=str(folder), shuffle=True, drop_last=True, transform=TensorSample(augment))
     loader = StreamingDataLoader(dataset, batch_size=batch_size, drop_last=True,
                                  **dataloader_options(workers, device))
-    return TorchLoader(loader, device, augment)
+    return TorchLoader(loader, device, augment, fp16)

@@ -39,10 +39,10 @@ class MdsPhotos(StreamingDataset):
 
 
 def streaming_loader(folder: Path, batch_size: int, workers: int, device: torch.device,
-                     augment: AugmentConfig) -> TorchLoader:
+                     augment: AugmentConfig, fp16: bool = False) -> TorchLoader:
     # the local folder read in place (no remote: nothing to download); batch_size given to the dataset as well,
     # as its docs ask, so that it partitions the samples per batch across workers
     dataset = MdsPhotos(local=str(folder), shuffle=True, batch_size=batch_size, transform=PilTransform(augment))
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, drop_last=True,
                                          **dataloader_options(workers, device))
-    return TorchLoader(loader, device, augment)
+    return TorchLoader(loader, device, augment, fp16)

@@ -25,7 +25,7 @@ class SpdlLoader:
     its crop and flip run by FFmpeg while decoding."""
 
     def __init__(self, shards: Path, split: str, batch_size: int, workers: int, device: torch.device,
-                 augment: AugmentConfig):
+                 augment: AugmentConfig, fp16: bool = False):
         manifest = open_shard_folder(shards)
         self.tars = [manifest.shard_location(s) for s in manifest.split_info(split).shards]
         self.batch_size, self.threads = batch_size, max(1, workers)
@@ -34,7 +34,7 @@ class SpdlLoader:
         self.flip = augment.flip
         moved = (T.RandomResizedCrop, T.RandomHorizontalFlip, T.PILToTensor)  # to FFmpeg, or not needed
         self.rest = T.Compose([t for t in steps if not isinstance(t, moved)])
-        self.normalize = Normalize(device, augment)
+        self.normalize = Normalize(device, augment, fp16)
         self.rng = random.Random(0)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
