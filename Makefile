@@ -35,28 +35,27 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(PY) -m dalifeed.demo --workdir $(BUILD)/demo $(DEMO_ARGS)
 
+# --durations: where the suite's time goes, the 20 slowest tests, printed at the end of every run
 test: venv lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 $(PYTEST_ARGS)
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# The tests whose numbers go through torch's, oneDNN's or DALI's SIMD kernels (the training, pipeline, loader,
-# encoding, COCO and recipe files: every `learns` and `kernels` test is in them), once under each kernel family this CPU
-# has: AVX-512 where /proc/cpuinfo lists it, AVX2, and the `default` (SSE4.1) code every x86-64 CPU runs. A result
-# that holds only on one family's rounding fails here.
+# The tests whose asserted numbers go through torch's or oneDNN's SIMD kernels (marked `kernels`, and the `learns`
+# tests), once under each kernel family this CPU has: AVX-512 where /proc/cpuinfo lists it, AVX2, and the `default`
+# (SSE4.1) code every x86-64 CPU runs. A result that holds only on one family's rounding fails here. DALI's CPU
+# operators, PIL and numpy do not read these variables: a test of them alone is not re-run.
 CPU_FLAGS       := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
 KERNEL_FAMILIES := $(if $(filter 4,$(words $(filter avx512f avx512bw avx512vl avx512dq,$(CPU_FLAGS)))),avx512) \
                    $(if $(filter avx2,$(CPU_FLAGS)),avx2) default
 KERNELS_avx512  := ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=DEFAULT
 KERNELS_avx2    := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 KERNELS_default := ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41
-KERNEL_TESTS    := tests/test_train.py tests/test_pipelines.py tests/test_loader.py tests/test_encodings.py \
-                   tests/test_coco.py tests/test_multilabel_targets.py tests/test_recipes.py
 test-kernels: venv
 	@set -e; $(foreach family,$(KERNEL_FAMILIES),\
 	  echo "== make test-kernels: $(family) kernels ($(KERNELS_$(family)))"; \
-	  env $(KERNELS_$(family)) $(PY) -m pytest -q $(KERNEL_TESTS) $(PYTEST_ARGS);)
+	  env $(KERNELS_$(family)) $(PY) -m pytest -q -m "kernels or learns" $(PYTEST_ARGS);)
 
 # The tests that assert on a training outcome (marked `learns`), once for each seed in SEEDS: they must pass
 # for every seed, not for the one they were written with.

@@ -187,8 +187,11 @@ def on_device(loader, device: str):
     """`loader` with its graph on `device`. make_loader and make_detection_loader refuse 'gpu' and 'hybrid'
     on a node without GPUs (resolve_device), and the device string is all their graph takes from that choice
     (device_id stays None: DALI's current device, only looked up by build())."""
+    from dalifeed.pipelines.definitions import EpochDefinitions
+
     twin = copy.copy(loader)
     twin.options = dataclasses.replace(loader.options, device=device)
+    twin.definitions = EpochDefinitions(loader.plan, twin.options, loader.definitions.epoch_graph)
     return twin
 
 

@@ -109,6 +109,7 @@ def centre_crop_shifted(image: Image.Image, size: int, dy: int, dx: int) -> torc
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("hybrid", marks=pytest.mark.gpu),
                                     pytest.param("gpu", marks=pytest.mark.gpu)])
+@pytest.mark.kernels
 def test_validation_matches_torchvision_resize_centercrop_normalize(real_photo_shards, device):
     """Pixel geometry as torchvision's: output size of the resize, offset of the centre crop, filter width. What
     is left is resampling arithmetic: measured <= 0.0035 per image on the CPU under every kernel family, 10x
@@ -135,6 +136,7 @@ def test_validation_matches_torchvision_resize_centercrop_normalize(real_photo_s
     assert (per_image < tolerance).all(), per_image
 
 
+@pytest.mark.kernels
 def test_the_documented_measurement_runs_and_agrees(tmp_path):
     """`python -m dalifeed.bench.val_vs_torchvision` (docs/pipelines.md) on 24 of the 500x375 photos."""
     from dalifeed.bench.val_vs_torchvision import measure

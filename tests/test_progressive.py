@@ -162,6 +162,7 @@ def test_a_mixed_progressive_loader_restored_mid_epoch_continues_at_the_epochs_s
         assert a_images.shape[-1] == 32 and torch.equal(a_labels, b_labels) and torch.equal(a_images, b_images)
 
 
+@pytest.mark.kernels
 def test_validation_resizes_to_val_resize_then_crops_the_val_size(real_photo_shards):  # noqa: F811
     """torchvision's Resize(48) + CenterCrop(35), not the default Resize(40) (35 / 0.875): the tolerance is
     test_pipelines' (resampling arithmetic), and the default resize is farther than it from these photos."""
@@ -174,7 +175,7 @@ def test_validation_resizes_to_val_resize_then_crops_the_val_size(real_photo_sha
     default = torch.stack([reference(int(size / 0.875))(img) for img, _ in source])
 
     data = open_dataset(real_photo_shards, splits=("train",))
-    loader = make_loader(data, "train", 4, augment=AugmentConfig(image_size=size, val_resize_size=resize), train=False,
+    loader = make_loader(data, "train", 4, augment=AugmentConfig(image_size=size, val_resize=resize), train=False,
                          device="cpu")
     images = torch.cat([images for images, _ in loader])
     assert images.shape == (len(VAL_PHOTO_SHAPES), 3, size, size)
@@ -183,8 +184,8 @@ def test_validation_resizes_to_val_resize_then_crops_the_val_size(real_photo_sha
 
 
 def test_a_val_resize_below_the_crop_is_refused():
-    with pytest.raises(ValueError, match="val_resize_size 30 must be >= image_size 35: the centre crop is taken"):
-        AugmentConfig(image_size=35, val_resize_size=30)
+    with pytest.raises(ValueError, match="val_resize 30 must be >= image_size 35: the centre crop is taken"):
+        AugmentConfig(image_size=35, val_resize=30)
 
 
 # -- dali-train ----------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ SIZE = 128  # the photos' side for the single-operation comparisons
 
 @pytest.mark.parametrize("policy", augment.POLICIES)
 @pytest.mark.parametrize("size", [224, 176])
+@pytest.mark.kernels
 def test_operations_and_magnitude_bins_are_torchvisions(policy, size):
     cls = TORCHVISION[policy]
     bins = 10 if policy == "imagenet" else 31  # AutoAugment indexes 10 bins; the others default to 31
@@ -149,6 +150,7 @@ SINGLE_OPS = [(policy, name) for policy in ("ta_wide", "ra")
 
 
 @pytest.mark.parametrize("policy,name", SINGLE_OPS)
+@pytest.mark.kernels
 def test_single_operation_matches_torchvision(photos, policy, name):
     mags, signed = augment.torchvision_space(policy, SIZE)[name]
     bins = augment.AUTO_AUGMENT_BINS if policy == "imagenet" else augment.DEFAULT_BINS
@@ -199,6 +201,7 @@ def policy_outputs(policy: str, photos, runs: int = 3, apply=None) -> list[np.nd
 
 @pytest.mark.parametrize("policy", ["ra", "ta_wide"])
 @pytest.mark.parametrize("size", [SIZE, 224])
+@pytest.mark.kernels
 def test_one_warp_gives_every_geometric_operations_images_bit_for_bit(photos, policy, size):
     """augment.source_matrix: for every magnitude bin and both signs, warp_affine with the table's matrix
     gives the images of DALI's operation (shear, translation: a warp with the inverted transform; rotation:
@@ -234,6 +237,7 @@ def test_one_warp_gives_every_geometric_operations_images_bit_for_bit(photos, po
 
 
 @pytest.mark.parametrize("policy,num_ops", [("ra", 2), ("ra", 1), ("ta_wide", None)])
+@pytest.mark.kernels
 def test_policies_with_one_warp_give_dalis_appliers_images_bit_for_bit(photos, policy, num_ops):
     """apply_policy folds RandAugment's and TrivialAugmentWide's five geometric operations into one warp and
     draws what DALI's apply_rand_augment / apply_trivial_augment draw: the same images over three batches, the
@@ -388,6 +392,7 @@ def test_loader_erases_a_rectangle_to_zero_after_normalising(photo_shards, chann
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.kernels
 def test_float16_erasing_is_the_float32_result_cast(photo_shards, channels_last):
     """Erasing runs in float32 whatever the output (DALI 2.4's GPU erase has no float16 kernel: augment.ERASE_DTYPE):
     a float16 loader hands out the float32 loader's images cast to float16, bit for bit, erased zeros included."""
@@ -433,6 +438,7 @@ def test_bad_augment_options_are_refused():
 
 # -- mixup and cutmix ----------------------------------------------------------------------------------
 
+@pytest.mark.kernels
 def test_mixup_images_and_targets():
     mixer = BatchMixer(mixup_alpha=0.2, seed=1)
     images = torch.rand(6, 3, 8, 8, generator=torch.Generator().manual_seed(0))
@@ -444,6 +450,7 @@ def test_mixup_images_and_targets():
     assert targets[1, 1] == pytest.approx(lam) and targets[1, 0] == pytest.approx(1 - lam)
 
 
+@pytest.mark.kernels
 def test_cutmix_pastes_a_box_whose_area_is_one_minus_lambda():
     mixer = BatchMixer(cutmix_alpha=1.0, seed=1)
     images = torch.arange(4).float().view(4, 1, 1, 1).expand(4, 3, 20, 30).contiguous()
@@ -488,6 +495,7 @@ def test_mixing_depends_only_on_seed_rank_epoch_step():
     assert a.draw(3, 0, 16, 16) != BatchMixer(mixup_alpha=0.2, cutmix_alpha=1.0, seed=5, rank=1).draw(3, 0, 16, 16)
 
 
+@pytest.mark.kernels
 def test_soft_cross_entropy_with_one_hot_targets_is_cross_entropy():
     logits = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))
     labels = torch.tensor([0, 3, 6, 2, 2])

@@ -402,11 +402,11 @@ def test_a_cache_limit_that_is_not_a_size_is_a_usage_error(store, tmp_path):
     trained = CliRunner().invoke(train_cli, ["--data", store.url, "--out", str(tmp_path / "run"),
                                              "--cache-limit", "lots"])
     assert trained.exit_code == 2
-    assert "--cache-limit: not a size: 'lots' (e.g. 4096, 512MB, 256MiB, 1GiB)" in trained.output
+    assert "Invalid value for '--cache-limit': not a size: 'lots' (e.g. 4096, 512MB, 256MiB, 1GiB)" in trained.output
     benched = CliRunner().invoke(bench_cli, ["--shards", store.url, "--imagefolder", str(store.tmp / "src"),
                                              "--out", str(tmp_path / "bench"), "--cache-limit", "lots"])
     assert benched.exit_code == 2
-    assert "--cache-limit: not a size: 'lots' (e.g. 4096, 512MB, 256MiB, 1GiB)" in benched.output
+    assert "Invalid value for '--cache-limit': not a size: 'lots' (e.g. 4096, 512MB, 256MiB, 1GiB)" in benched.output
 
 
 def test_dali_opens_every_tar_when_it_builds_the_pipeline(store, tmp_path):

@@ -77,6 +77,7 @@ def test_a_group_made_fused_again_takes_found_inf(name):
         f"selects the fused kernel (trainer.skips_on_device)")
 
 
+@pytest.mark.kernels
 def test_fused_sgds_skipped_first_step_keeps_the_zero_momentum_buffers_it_is_given():
     """Fused SGD's first step makes its momentum buffers with torch.empty_like when there are none, so a skipped
     first step would leave garbage in them: skips_on_device gives it zeros first, which the first taken step

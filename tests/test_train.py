@@ -295,6 +295,7 @@ def test_a_finite_loss_with_a_non_finite_gradient_is_not_applied(shards):
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.kernels
 def test_an_optimizer_saved_unfused_resumes_fused_and_skips_on_the_device(optimizer):
     """Checkpoints written before the optimizer was fused hold its state as torch's default (foreach)
     implementation keeps it: param groups saying fused False, AdamW's step counts on the CPU, and no SGD
@@ -382,6 +383,7 @@ def test_schedule_warms_up_then_decays_to_min():
     assert f(55) == pytest.approx(0.55, abs=1e-6) and f(99) == pytest.approx(0.1, abs=1e-3)
 
 
+@pytest.mark.kernels
 def test_non_finite_loss_skips_then_aborts(shards, tmp_path):
     result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(tmp_path / "nan"), "--model",
                                             "resnet18", "--image-size", "16", "--batch-size", "8", "--lr", "1e12",

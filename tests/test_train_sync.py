@@ -123,6 +123,7 @@ def test_no_host_sync_between_checks(shards, tmp_path, monkeypatch, amp, mixing)
     assert sorted(name for _, name, _ in calls) == ["tolist"] * 6, calls
 
 
+@pytest.mark.kernels
 def test_update_ema_is_torchs_ema_and_reads_nothing_on_the_host():
     """update_ema against torch's own EMA (`AveragedModel` with `get_ema_multi_avg_fn`, which takes the
     weights on its first update): the same averages, the first update an exact copy, a skipped step (taken

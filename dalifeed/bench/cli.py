@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 
 from dalifeed.atomic import write_json_atomic
-from dalifeed.cliutil import LOCATION, default, run_command
+from dalifeed.cliutil import LOCATION, default, run_command, size_option
 from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.pipelines.names import POLICIES
 from dalifeed.s3 import StorageError
@@ -106,7 +106,7 @@ def parse_image_sizes(ctx, param, value: str) -> list[int]:
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               help="--shards s3://...: the shard cache the DALI loaders fetch whole tars into [default: shards/ in "
                    "dalifeed's cache folder].")
-@click.option("--cache-limit", default=None, metavar="SIZE",
+@click.option("--cache-limit", default=None, metavar="SIZE", callback=size_option,
               help="--shards s3://...: bound of the shard cache, e.g. 20GB (20*10^9 bytes) or 20GiB (20*2^30) "
                    "[default: 90% of the free space].")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 from dalifeed.format import ManifestError
 from dalifeed.runtime import usable_cores
-from dalifeed.usage import output_folder_problem, parse_size
+from dalifeed.usage import output_folder_problem
 
 from .names import DETECTION_LOADERS, IMAGEFOLDER_LOADERS, LOADERS, PEERS
 
@@ -49,7 +49,7 @@ class BenchConfig:
     hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # dali-gpu (both tasks): share of JPEGs for the hardware decoder
     allow_different_data: bool = False
     cache_dir: Path | None = None  # s3:// shards: the shard cache (dalifeed/pipelines/shardcache.py)
-    cache_limit: str | None = None
+    cache_limit: int | None = None  # bytes (--cache-limit reads 20GB or 20GiB); None: 90% of the free space
     auto_augment: str | None = None  # a policy for every loader (torchvision's transforms.v2 in the torch ones)
     random_erase: float = 0.0  # RandomErasing's probability, every loader
     preview: int = 0  # also write OUT/preview.png: this many samples, DALI's output beside torchvision's
@@ -117,11 +117,6 @@ class BenchConfig:
             raise BenchUsageError("--auto-augment, --random-erase and --preview apply to --task classify")
         if self.preview < 0:
             raise BenchUsageError(f"--preview must be >= 0, got {self.preview}")
-        if self.cache_limit is not None:
-            try:
-                parse_size(self.cache_limit)
-            except ValueError as e:
-                raise BenchUsageError(f"--cache-limit: {e}") from None
         if self.task == "detection" and self.fp16:
             raise BenchUsageError("--fp16 applies to --task classify (the detection loaders hand out float32 lists)")
         from .detection import same_coco_data_problem

@@ -35,7 +35,7 @@ class AugmentConfig:
     crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # RandomResizedCrop(ratio=...)
     flip: bool = True
     val_crop_fraction: float = 0.875  # resize the shorter side to image_size / 0.875, then centre crop
-    val_resize_size: int | None = None  # validation's shorter side before the crop, if not image_size / 0.875
+    val_resize: int | None = None  # validation's shorter side before the crop (None: image_size / 0.875)
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     # torchvision's ClassificationPresetTrain options (augment.py); their presets have no colour jitter
@@ -50,8 +50,8 @@ class AugmentConfig:
             raise ValueError(f"crop_scale must satisfy 0 < min <= max <= 1, got {self.crop_scale}")
         if self.image_size < 8:
             raise ValueError(f"image_size must be >= 8, got {self.image_size}")
-        if self.val_resize_size is not None and self.val_resize_size < self.image_size:
-            raise ValueError(f"val_resize_size {self.val_resize_size} must be >= image_size {self.image_size}: the "
+        if self.val_resize is not None and self.val_resize < self.image_size:
+            raise ValueError(f"val_resize {self.val_resize} must be >= image_size {self.image_size}: the "
                              f"centre crop is taken from the resized image")
         if self.auto_augment not in (None, *augment.POLICIES):
             raise ValueError(f"auto_augment must be one of {', '.join(augment.POLICIES)} or None, "
@@ -64,10 +64,10 @@ class AugmentConfig:
             raise ValueError(f"random_erase must be in [0, 1], got {self.random_erase}")
 
     @property
-    def val_resize(self) -> int:
+    def val_shorter_side(self) -> int:
         """Validation resizes the shorter side to this, then centre crops image_size (torchvision's presets)."""
-        if self.val_resize_size is not None:
-            return self.val_resize_size
+        if self.val_resize is not None:
+            return self.val_resize
         return int(self.image_size / self.val_crop_fraction)
 
 
@@ -177,15 +177,15 @@ def resize_square(images, cfg: AugmentConfig):
 
 
 def val_transform(jpegs, cfg: AugmentConfig, device: str, out: Output = Output()):
-    """Resize(shorter side = cfg.val_resize: image_size / 0.875 unless given) + CenterCrop(image_size) + Normalize,
-    pixel for pixel where torchvision puts them: its output size and crop offset are computed here from each
-    image's shape, because DALI rounds both differently (see `torchvision_resize_shape` and
+    """Resize(shorter side = cfg.val_shorter_side: image_size / 0.875 unless given) + CenterCrop(image_size)
+    + Normalize, pixel for pixel where torchvision puts them: its output size and crop offset are computed
+    here from each image's shape, because DALI rounds both differently (see `torchvision_resize_shape` and
     `torchvision_centre_crop_pos`)."""
     images = fn.decoders.image(jpegs, device=decoder_device(device), output_type=types.RGB,
                                adjust_orientation=ADJUST_ORIENTATION,
                                **decoder_hints(device, out.hw_decoder_load, roi=False))
     images = after_decode(images, device)
-    height, width = torchvision_resize_shape(images, cfg.val_resize)
+    height, width = torchvision_resize_shape(images, cfg.val_shorter_side)
     # RESIZE_FILTER: 0.15 grey levels from PIL on average for 500x375 photos resized to 256, against 0.8 without
     # antialiasing (same output sizes).
     images = fn.resize(images, resize_y=fn.cast(height, dtype=types.FLOAT), resize_x=fn.cast(width, dtype=types.FLOAT),

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import click
 from click.core import ParameterSource
 
-from dalifeed.cliutil import default, run_command
+from dalifeed.cliutil import default, run_command, size_option
 from dalifeed.pipelines.names import DEVICES, POLICIES
 from dalifeed.runtime import DiskFull, FolderInUse
 from dalifeed.s3 import StorageError
@@ -194,7 +194,7 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
 @click.option("--cache-dir", default=None, metavar="DIR",
               help="s3:// data: the node's shard cache, shared by its ranks, where each tar is fetched whole "
                    "(one GET) before DALI reads it [default: shards/ in $DALIFEED_CACHE or ~/.cache/dalifeed].")
-@click.option("--cache-limit", default=None, metavar="SIZE",
+@click.option("--cache-limit", default=None, metavar="SIZE", callback=size_option,
               help="s3:// data: bound of the shard cache (e.g. 200GB = 200*10^9 bytes, 200GiB = 200*2^30; tars read "
                    "earliest are evicted first); must hold what the node's ranks read in one epoch [default: 90% of "
                    "the free space].")

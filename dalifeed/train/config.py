@@ -106,7 +106,7 @@ class TrainConfig:
     synthetic: bool = False  # train on one real batch repeated: the speed of the model alone
     check_shards: str = "size"  # size | sha256: what is compared with the manifest before training
     cache_dir: str | None = None  # s3:// data: the node's shard cache (default: shards/ in dalifeed's cache)
-    cache_limit: str | None = None  # its bound, "20GB" (SI) or "20GiB" (IEC), or bytes (default: 90% of the free space)
+    cache_limit: int | None = None  # its bound in bytes (--cache-limit reads 20GB, 20GiB); None: 90% of free space
     progress_every: float = 30.0  # seconds between progress lines when stdout is not a terminal (0: none)
     tensorboard_every: int = 50  # optimizer steps between per-step TensorBoard scalars (0: none)
     log_samples: bool = False  # RUN/samples/: which samples each rank trained on, batch by batch
@@ -145,64 +145,10 @@ class TrainConfig:
         if self.validated:
             return
         self.fill_defaults()
-        checks = [
-            (self.task in ("classify", "multilabel"), f"--task must be classify or multilabel, got {self.task!r}"),
-            (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
-            (self.batch_size >= 1, f"--batch-size must be >= 1, got {self.batch_size}"),
-            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
-            (0 <= self.momentum < 1, f"--momentum must be in [0, 1), got {self.momentum}"),
-            (self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}"),
-            (0 <= self.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {self.min_lr_ratio}"),
-            (self.optimizer in ("sgd", "adamw"), f"--optimizer must be sgd or adamw, got {self.optimizer!r}"),
-            (self.amp in ("auto", "bf16", "fp16", "off"), f"--amp must be auto, bf16, fp16 or off, got {self.amp!r}"),
-            (self.accum_steps >= 1, f"--accum-steps must be >= 1, got {self.accum_steps}"),
-            (self.warmup_epochs >= 0, f"--warmup-epochs must be >= 0, got {self.warmup_epochs}"),
-            (0 <= self.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {self.label_smoothing}"),
-            (self.clip_grad is None or self.clip_grad > 0, f"--clip-grad must be > 0, got {self.clip_grad}"),
-            (self.ema is None or 0 < self.ema < 1, f"--ema must be in (0, 1), got {self.ema}"),
-            (0 < self.crop_scale[0] <= self.crop_scale[1] <= 1,
-             f"--crop-scale must be MIN,MAX with 0 < MIN <= MAX <= 1, got {self.crop_scale}"),
-            (self.image_size >= 8, f"--image-size must be >= 8, got {self.image_size}"),
-            (self.val_image_size is None or self.val_image_size >= 8,
-             f"--val-image-size must be >= 8, got {self.val_image_size}"),
-            (self.val_resize is None or self.val_resize >= self.val_size,
-             f"--val-resize {self.val_resize} must be >= the validation size {self.val_size} (--val-image-size, "
-             f"else --image-size): the centre crop is taken from the resized image"),
-            (self.width is None or self.width >= 4, f"--width must be >= 4, got {self.width}"),
-            (self.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {self.max_bad_steps}"),
-            (self.device in ("auto", *DEVICES),
-             f"--device must be auto, cpu, gpu or hybrid, got {self.device!r}"),
-            (0 <= self.hw_decoder_load <= 1, f"--hw-decoder-load must be in [0, 1], got {self.hw_decoder_load}"),
-            (self.profile >= 0, f"--profile must be >= 0, got {self.profile}"),
-            (self.workers is None or self.workers >= 1,
-             f"--dali-threads / --workers must be >= 1 (DALI threads), got {self.workers}"),
-            (self.lanes is None or self.lanes >= 1, f"--lanes must be >= 1, got {self.lanes}"),
-            (self.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {self.checkpoint_every}"),
-            (self.check_shards in ("size", "sha256"),
-             f"--check-shards must be size or sha256, got {self.check_shards!r}"),
-            (self.progress_every >= 0, f"--progress-every must be >= 0 seconds, got {self.progress_every}"),
-            (self.tensorboard_every >= 0, f"--tensorboard-every must be >= 0 steps, got {self.tensorboard_every}"),
-            (self.auto_augment in (None, *POLICIES),
-             f"--auto-augment must be one of {', '.join(POLICIES)}, got {self.auto_augment!r}"),
-            (0 <= self.ra_magnitude <= 30, f"--ra-magnitude must be in [0, 30], got {self.ra_magnitude}"),
-            (self.ra_num_ops >= 1, f"--ra-num-ops must be >= 1, got {self.ra_num_ops}"),
-            (0 <= self.random_erase <= 1, f"--random-erase must be in [0, 1], got {self.random_erase}"),
-            (self.mixup_alpha >= 0, f"--mixup-alpha must be >= 0, got {self.mixup_alpha}"),
-            (self.cutmix_alpha >= 0, f"--cutmix-alpha must be >= 0, got {self.cutmix_alpha}"),
-            (self.task == "classify" or self.mixup_alpha == self.cutmix_alpha == 0,
-             "--mixup-alpha / --cutmix-alpha mix one-label targets: --task classify only"),
-        ]
-        for ok, message in checks:
+        for ok, message in option_checks(self):
             if not ok:
                 raise ConfigError(message)
         self.resize_schedule()  # a schedule that is not one: its one line
-        if self.cache_limit is not None:
-            from dalifeed.usage import parse_size
-
-            try:
-                parse_size(self.cache_limit)
-            except ValueError as e:
-                raise ConfigError(f"--cache-limit: {e}") from None
         if uses_gpu(self.device):  # the rule every command uses (stack.choose_device), asked before any work
             from dalifeed.stack import StackMismatch, choose_device, stack_report
 
@@ -292,7 +238,7 @@ class TrainConfig:
     def val_augment(self) -> AugmentConfig:
         """What the validation graph does: resize the shorter side to --val-resize (default: the validation
         size / 0.875), centre crop --val-image-size (default: --image-size), normalise."""
-        return AugmentConfig(image_size=self.val_size, val_resize_size=self.val_resize)
+        return AugmentConfig(image_size=self.val_size, val_resize=self.val_resize)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -303,3 +249,55 @@ class TrainConfig:
         cfg = cls(**{k: v for k, v in doc.items() if k in known})
         cfg.crop_scale = tuple(cfg.crop_scale)
         return cfg
+
+
+def option_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
+    """Each option's rule as (holds, the line that names the bad value): `TrainConfig.validate` raises the first
+    that does not hold."""
+    return [
+        (cfg.task in ("classify", "multilabel"), f"--task must be classify or multilabel, got {cfg.task!r}"),
+        (cfg.epochs >= 1, f"--epochs must be >= 1, got {cfg.epochs}"),
+        (cfg.batch_size >= 1, f"--batch-size must be >= 1, got {cfg.batch_size}"),
+        (cfg.lr > 0, f"--lr must be > 0, got {cfg.lr}"),
+        (0 <= cfg.momentum < 1, f"--momentum must be in [0, 1), got {cfg.momentum}"),
+        (cfg.weight_decay >= 0, f"--weight-decay must be >= 0, got {cfg.weight_decay}"),
+        (0 <= cfg.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {cfg.min_lr_ratio}"),
+        (cfg.optimizer in ("sgd", "adamw"), f"--optimizer must be sgd or adamw, got {cfg.optimizer!r}"),
+        (cfg.amp in ("auto", "bf16", "fp16", "off"), f"--amp must be auto, bf16, fp16 or off, got {cfg.amp!r}"),
+        (cfg.accum_steps >= 1, f"--accum-steps must be >= 1, got {cfg.accum_steps}"),
+        (cfg.warmup_epochs >= 0, f"--warmup-epochs must be >= 0, got {cfg.warmup_epochs}"),
+        (0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
+        (cfg.clip_grad is None or cfg.clip_grad > 0, f"--clip-grad must be > 0, got {cfg.clip_grad}"),
+        (cfg.ema is None or 0 < cfg.ema < 1, f"--ema must be in (0, 1), got {cfg.ema}"),
+        (0 < cfg.crop_scale[0] <= cfg.crop_scale[1] <= 1,
+         f"--crop-scale must be MIN,MAX with 0 < MIN <= MAX <= 1, got {cfg.crop_scale}"),
+        (cfg.image_size >= 8, f"--image-size must be >= 8, got {cfg.image_size}"),
+        (cfg.val_image_size is None or cfg.val_image_size >= 8,
+         f"--val-image-size must be >= 8, got {cfg.val_image_size}"),
+        (cfg.val_resize is None or cfg.val_resize >= cfg.val_size,
+         f"--val-resize {cfg.val_resize} must be >= the validation size {cfg.val_size} (--val-image-size, "
+         f"else --image-size): the centre crop is taken from the resized image"),
+        (cfg.width is None or cfg.width >= 4, f"--width must be >= 4, got {cfg.width}"),
+        (cfg.max_bad_steps >= 1, f"--max-bad-steps must be >= 1, got {cfg.max_bad_steps}"),
+        (cfg.device in ("auto", *DEVICES),
+         f"--device must be auto, cpu, gpu or hybrid, got {cfg.device!r}"),
+        (0 <= cfg.hw_decoder_load <= 1, f"--hw-decoder-load must be in [0, 1], got {cfg.hw_decoder_load}"),
+        (cfg.profile >= 0, f"--profile must be >= 0, got {cfg.profile}"),
+        (cfg.workers is None or cfg.workers >= 1,
+         f"--dali-threads / --workers must be >= 1 (DALI threads), got {cfg.workers}"),
+        (cfg.lanes is None or cfg.lanes >= 1, f"--lanes must be >= 1, got {cfg.lanes}"),
+        (cfg.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {cfg.checkpoint_every}"),
+        (cfg.check_shards in ("size", "sha256"),
+         f"--check-shards must be size or sha256, got {cfg.check_shards!r}"),
+        (cfg.progress_every >= 0, f"--progress-every must be >= 0 seconds, got {cfg.progress_every}"),
+        (cfg.tensorboard_every >= 0, f"--tensorboard-every must be >= 0 steps, got {cfg.tensorboard_every}"),
+        (cfg.auto_augment in (None, *POLICIES),
+         f"--auto-augment must be one of {', '.join(POLICIES)}, got {cfg.auto_augment!r}"),
+        (0 <= cfg.ra_magnitude <= 30, f"--ra-magnitude must be in [0, 30], got {cfg.ra_magnitude}"),
+        (cfg.ra_num_ops >= 1, f"--ra-num-ops must be >= 1, got {cfg.ra_num_ops}"),
+        (0 <= cfg.random_erase <= 1, f"--random-erase must be in [0, 1], got {cfg.random_erase}"),
+        (cfg.mixup_alpha >= 0, f"--mixup-alpha must be >= 0, got {cfg.mixup_alpha}"),
+        (cfg.cutmix_alpha >= 0, f"--cutmix-alpha must be >= 0, got {cfg.cutmix_alpha}"),
+        (cfg.task == "classify" or cfg.mixup_alpha == cfg.cutmix_alpha == 0,
+         "--mixup-alpha / --cutmix-alpha mix one-label targets: --task classify only"),
+    ]
