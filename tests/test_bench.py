@@ -18,7 +18,7 @@ from dalifeed.bench.loaders import race_loader
 from dalifeed.bench.make_bench import BEGIN, END, update_doc
 from dalifeed.bench.run import environment
 from dalifeed.bench.sampler import ResourceSampler, gpu_probes
-from dalifeed.pipelines.graphs import IMAGENET_MEAN, IMAGENET_STD
+from dalifeed.pipelines.augment import IMAGENET_MEAN, IMAGENET_STD
 from dalifeed.runtime import usable_cores
 from helpers import write_imagefolder
 

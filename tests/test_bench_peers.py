@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from dalifeed.bench.cli import main as bench_cli
 from dalifeed.bench.peers import PEERS, missing_package, peer_loader
-from dalifeed.pipelines.graphs import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig
+from dalifeed.pipelines.augment import IMAGENET_MEAN, IMAGENET_STD, AugmentConfig
 
 MEAN_255, STD_255 = (torch.tensor(v).view(1, 3, 1, 1) * 255 for v in (IMAGENET_MEAN, IMAGENET_STD))
 COUNTS = {"a": 13, "b": 11, "c": 9}  # 33 photos: 8 batches of 4 and one photo the epoch drops

@@ -34,7 +34,7 @@ import torch
 from nvidia.dali import backend, fn, ops, pipeline_def, types
 
 from dalifeed.decode import DEFAULT_HW_DECODER_LOAD, DaliDecoder, dali_sees_gpu, decoder_memory
-from dalifeed.pipelines.graphs import AugmentConfig
+from dalifeed.pipelines.augment import AugmentConfig
 from dalifeed.pipelines.serialized import wire_fields, with_reader_arguments, without_origins
 from gpu_kernels import GPU_KERNELS, input_problem
 

@@ -273,7 +273,8 @@ def test_an_epoch_reads_the_files_its_files_function_names(unique_shards, tmp_pa
     """The one place that says where an epoch's tars are (what a local cache of s3:// tars hooks into): with
     the tars moved after the manifest check, a loader whose `files` points at their new place reads them all."""
     from dalifeed.format import ShardManifest
-    from dalifeed.pipelines.graphs import AugmentConfig, shard_pipeline
+    from dalifeed.pipelines.augment import AugmentConfig
+    from dalifeed.pipelines.graphs import shard_pipeline
     from dalifeed.pipelines.loader import DaliLoader, LoaderOptions, epoch_files, images_and_labels
 
     shards, moved = tmp_path / "shards", tmp_path / "moved"

@@ -13,7 +13,7 @@ from PIL import Image
 
 from dalifeed.format import ManifestError
 from dalifeed.pipelines import AugmentConfig, DatasetError, make_loader
-from dalifeed.pipelines.graphs import IMAGENET_MEAN, IMAGENET_STD
+from dalifeed.pipelines.augment import IMAGENET_MEAN, IMAGENET_STD
 from helpers import convert
 
 
@@ -220,7 +220,8 @@ def test_training_resize_is_pils_bilinear(shape):
     import skimage.data
     from nvidia.dali import fn, pipeline_def
 
-    from dalifeed.pipelines.graphs import AugmentConfig, resize_square
+    from dalifeed.pipelines.augment import AugmentConfig
+    from dalifeed.pipelines.graphs import resize_square
 
     photo = np.asarray(Image.fromarray(skimage.data.chelsea()).resize(shape[::-1], Image.LANCZOS))
 

@@ -13,7 +13,7 @@ import torchvision.transforms as T
 from click.testing import CliRunner
 
 from dalifeed.pipelines import AugmentConfig, LoaderOptions, make_loader, open_dataset
-from dalifeed.pipelines.graphs import IMAGENET_MEAN, IMAGENET_STD
+from dalifeed.pipelines.augment import IMAGENET_MEAN, IMAGENET_STD
 from dalifeed.pipelines.resolution import ProgressiveResize
 from dalifeed.train import checkpoint
 from dalifeed.train.cli import main as train_cli

@@ -20,7 +20,7 @@ from PIL import Image
 from scipy import stats
 
 from dalifeed.pipelines import augment, make_loader
-from dalifeed.pipelines.graphs import AugmentConfig
+from dalifeed.pipelines.augment import AugmentConfig
 from dalifeed.train import config as train_config
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.mixup import BatchMixer, soft_cross_entropy

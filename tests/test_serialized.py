@@ -11,7 +11,7 @@ import torch
 from nvidia.dali import fn, pipeline_def
 
 from dalifeed.pipelines import make_loader
-from dalifeed.pipelines.graphs import AugmentConfig
+from dalifeed.pipelines.augment import AugmentConfig
 from dalifeed.pipelines.serialized import NotEditable, SerializedPipeline, with_reader_arguments, without_origins
 from helpers import one_image_classes
 

@@ -150,9 +150,9 @@ def test_a_pipeline_that_fails_while_it_is_built_is_one_shard_data_error(mini_co
     """DALI 2.4 words a failure during the pipeline's build "Critical error when building pipeline" (not
     "... in pipeline"): the loader turns it into the same one-line ShardDataError. Made here by a loader
     built past make_loader's check, reading COCO shards for a one-class label member they lack."""
+    from dalifeed.pipelines.augment import AugmentConfig
     from dalifeed.pipelines.checks import ShardDataError
     from dalifeed.pipelines.dataset import Source
-    from dalifeed.pipelines.graphs import AugmentConfig
     from dalifeed.pipelines.loader import LoaderOptions, classification_loader
     from dalifeed.shardfolder import open_shard_folder
 

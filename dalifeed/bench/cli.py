@@ -150,7 +150,7 @@ def main(debug: bool, **options):
     races = [cfg] if len(sizes) == 1 else [replace(cfg, image_size=size, out=cfg.out / f"{size}px") for size in sizes]
 
     def bench() -> list[dict]:
-        from dalifeed.pipelines.graphs import AugmentConfig
+        from dalifeed.pipelines.augment import AugmentConfig
 
         from .run import run_bench
 

@@ -14,8 +14,8 @@ from dalifeed.usage import output_folder_problem
 from .names import DETECTION_LOADERS, IMAGEFOLDER_LOADERS, LOADERS, PEERS
 
 if TYPE_CHECKING:
+    from dalifeed.pipelines.augment import AugmentConfig
     from dalifeed.pipelines.dataset import ShardData
-    from dalifeed.pipelines.graphs import AugmentConfig
 
 # The modules behind the loaders import torch and DALI: they are imported by the checks that need them, so
 # that `dali-bench --help` shows its options without them.
@@ -56,7 +56,7 @@ class BenchConfig:
 
     def augment(self) -> AugmentConfig | None:
         """The policy and erasing every loader applies (None: the plain RandomResizedCrop + flip)."""
-        from dalifeed.pipelines.graphs import AugmentConfig
+        from dalifeed.pipelines.augment import AugmentConfig
 
         if not self.auto_augment and not self.random_erase:
             return None

@@ -13,8 +13,8 @@ import torch
 from dalifeed.convert.coco import SplitPlan, load_instances, plan_split, training_boxes
 from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 from dalifeed.format import ShardManifest, listing_digest
+from dalifeed.pipelines.augment import IMAGENET_MEAN, IMAGENET_STD
 from dalifeed.pipelines.dataset import ShardData
-from dalifeed.pipelines.graphs import IMAGENET_MEAN, IMAGENET_STD
 
 from .loaders import dataloader_options, opened
 from .names import DALI_DEVICES, DETECTION_LOADERS

@@ -10,18 +10,11 @@ the best setting, and what dalifeed would use here by default.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dalifeed import defaults
 from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 
-from .gpu_node import decoder_budget
+from .gpu_node import StepRun, decoder_budget
 from .gpu_recipes import timed_rate
-
-# A step's `run` is a gpu_check.CheckRun (its `cfg` a GpuCheckConfig), named in annotations only: gpu_check
-# imports this module, so importing it back would tie the two into a circle.
-if TYPE_CHECKING:
-    from .gpu_check import CheckRun
 
 THREADS = (4, defaults.MIXED_DECODE_THREADS, 8)
 PREFETCH_DEPTHS = (defaults.DALI_PREFETCH_QUEUE_DEPTH, defaults.GPU_PREFETCH_QUEUE_DEPTH)
@@ -32,7 +25,7 @@ def thread_choices(cores_per_rank: int) -> list[int]:
     return [t for t in THREADS if t <= cores_per_rank] or [min(cores_per_rank, THREADS[0])]
 
 
-def defaults_step(run: CheckRun) -> dict:
+def defaults_step(run: StepRun) -> dict:
     from dalifeed.pipelines import AugmentConfig, make_loader
 
     cfg, device = run.cfg, run.device

@@ -1,9 +1,12 @@
 """gpu-check's view of a node that its steps share without importing gpu_check: what a dali-train rank's
-`mixed` decoder reserves at dali-train's default DALI threads."""
+`mixed` decoder reserves at dali-train's default DALI threads, and what a step is given (`StepRun`)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -25,3 +28,23 @@ def decoder_budget(cores: int | None = None, gpus: int | None = None, environ=os
             "budget": budget.describe(),
             "device_padding_mib": memory.device_padding / mib, "host_padding_mib": memory.host_padding / mib,
             "gpu_mib": memory.device_bytes / mib, "pinned_mib": memory.pinned_bytes / mib}
+
+
+class StepRun(Protocol):
+    """What a gpu-check step is given (gpu_check.CheckRun), said here so that the step modules do not import
+    gpu_check, which imports them."""
+
+    cfg: Any  # gpu_check.GpuCheckConfig
+    has_gpu: bool
+    log: Callable[[str], None]
+
+    @property
+    def shards(self) -> Path: ...
+
+    @property
+    def coco_shards(self) -> Path: ...
+
+    @property
+    def device(self) -> str: ...
+
+    def train_slice(self, name: str, synthetic: bool, extra: list[str] | tuple = ()) -> dict: ...

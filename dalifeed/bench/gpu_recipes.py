@@ -25,18 +25,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from dalifeed.atomic import write_json_atomic
 
-from .gpu_node import decoder_budget
-
-# A step's `run` is a gpu_check.CheckRun (its `cfg` a GpuCheckConfig), named in annotations only: gpu_check
-# imports this module, so importing it back would tie the two into a circle.
-if TYPE_CHECKING:
-    from .gpu_check import CheckRun, GpuCheckConfig
+from .gpu_node import StepRun, decoder_budget
 
 # Largest mean absolute difference, in normalised units (1/255 of a grey level is 0.017), between the hybrid
 # and the cpu loader's first batch for a case to match: the gpu tests hold hybrid validation to 0.01
@@ -99,7 +93,7 @@ def output_name(dtype: torch.dtype, channels_last: bool) -> str:
 
 # -- the data ------------------------------------------------------------------------------------------
 
-def coco_shards(cfg: GpuCheckConfig, log) -> Path:
+def coco_shards(cfg, log) -> Path:
     """COCO-format photos with boxes (sample_data.make_photos_coco, about 12 x --per-class / 10 images) as
     shards with one split, "train", built once per --per-class and reused."""
     from dalifeed.bench.sample_data import make_photos_coco
@@ -233,10 +227,10 @@ def run_case(case: Case, data: Path, has_gpu: bool, count: int, num_classes: int
     return result
 
 
-def recipe_step(name: str) -> Callable[[CheckRun], dict]:
+def recipe_step(name: str) -> Callable[[StepRun], dict]:
     """The gpu-check step of recipe `name`: every output of it (run_case), and for dali-train's recipes a
     training slice of `dali-train --recipe NAME`."""
-    def step(run: CheckRun) -> dict:
+    def step(run: StepRun) -> dict:
         cfg, found = run.cfg, recipe(name)
         coco = found.task in ("multilabel", "detection")
         data = run.coco_shards if coco else run.shards

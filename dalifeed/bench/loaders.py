@@ -6,7 +6,7 @@ The torch baselines get the care the field gives them (timm's PrefetchLoader): w
 collate (4x less to pickle and pin than float), pinned memory and normalisation on the GPU when there is
 one, persistent workers, prefetching.
 
-The augmentation is one `AugmentConfig` (dalifeed.pipelines.graphs) that `race_loader` makes: the DALI
+The augmentation is one `AugmentConfig` (dalifeed.pipelines.augment) that `race_loader` makes: the DALI
 loaders get it through `make_loader`, the torch ones through `train_transform`, its torchvision twin. A new
 augmentation goes into both, next to each other below.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from dalifeed.pipelines import make_loader
-from dalifeed.pipelines.augment import torchvision_policy
+from dalifeed.pipelines.augment import IMAGENET_MEAN, AugmentConfig, torchvision_policy
 from dalifeed.pipelines.dataset import ShardData, open_dataset
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, IMAGENET_MEAN, AugmentConfig
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD
 from dalifeed.s3 import is_s3_url
 
 from .names import DALI_DEVICES, GPU_LOADERS, LOADERS, PEERS

@@ -11,7 +11,8 @@ from pathlib import Path
 from nvidia.dali import fn, pipeline_def
 
 from dalifeed.format import ShardManifest
-from dalifeed.pipelines.graphs import AugmentConfig, decode_random_crop, normalize, read_shards, resize_square
+from dalifeed.pipelines.augment import AugmentConfig
+from dalifeed.pipelines.graphs import decode_random_crop, normalize, read_shards, resize_square
 from dalifeed.shardfolder import check_split, open_shard_folder
 
 STAGES = ("read", "decode (ROI)", "+ resize", "+ flip, normalise")

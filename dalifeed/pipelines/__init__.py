@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from dalifeed.lazy import lazy_names
 
 _WHERE = {
-    "make_loader": ".factory", "LoaderOptions": ".loader", "AugmentConfig": ".graphs", "DaliLoader": ".loader",
+    "make_loader": ".factory", "LoaderOptions": ".loader", "AugmentConfig": ".augment", "DaliLoader": ".loader",
     "open_dataset": ".dataset", "ShardData": ".dataset", "DatasetError": ".dataset", "ShardDataError": ".checks",
     "ProgressiveResize": ".resolution", "resolve_device": ".loader",
     "make_detection_loader": ".detection", "DetectionConfig": ".detection",
@@ -28,6 +28,7 @@ _WHERE = {
 __all__ = list(_WHERE)
 
 if TYPE_CHECKING:  # what IDEs and type checkers resolve the lent names to (the same modules as _WHERE)
+    from .augment import AugmentConfig as AugmentConfig
     from .checks import ShardDataError as ShardDataError
     from .dataset import DatasetError as DatasetError
     from .dataset import ShardData as ShardData
@@ -35,7 +36,6 @@ if TYPE_CHECKING:  # what IDEs and type checkers resolve the lent names to (the 
     from .detection import DetectionConfig as DetectionConfig
     from .detection import make_detection_loader as make_detection_loader
     from .factory import make_loader as make_loader
-    from .graphs import AugmentConfig as AugmentConfig
     from .loader import DaliLoader as DaliLoader
     from .loader import LoaderOptions as LoaderOptions
     from .loader import resolve_device as resolve_device

@@ -27,7 +27,8 @@ gives DALI's images bit for bit.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from nvidia.dali import fn, types
@@ -36,15 +37,62 @@ from nvidia.dali.pipeline import do_not_convert
 
 from .names import POLICIES
 
-# `cfg` is a graphs.AugmentConfig, named in annotations only: graphs imports this module.
-if TYPE_CHECKING:
-    from .graphs import AugmentConfig
-
 RANDOM_ERASE_SCALE = (0.02, 0.33)  # torchvision's RandomErasing defaults: the erased area as a fraction
 RANDOM_ERASE_RATIO = (0.3, 3.3)  # and its aspect ratio (h / w), drawn log-uniform
 RANDOM_ERASE_ATTEMPTS = 10  # torchvision's: an image whose 10 draws all fall outside it is left as it is
 AUTO_AUGMENT_BINS = 10  # torchvision's AutoAugment indexes magnitude bins 0..9 of 10
 DEFAULT_BINS = 31  # RandAugment's and TrivialAugmentWide's num_magnitude_bins
+
+
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """What the graphs do to an image. Defaults are the ImageNet recipe. How the images are decoded and handed
+    out (float16, NHWC, the hardware decoder's share) is the loader's `Output`, not the augmentation's."""
+
+    image_size: int = 224
+    crop_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop(scale=...)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # RandomResizedCrop(ratio=...)
+    flip: bool = True
+    val_crop_fraction: float = 0.875  # resize the shorter side to image_size / 0.875, then centre crop
+    val_resize: int | None = None  # validation's shorter side before the crop (None: image_size / 0.875)
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    # torchvision's ClassificationPresetTrain options (augment.py); their presets have no colour jitter
+    auto_augment: str | None = None  # None | "imagenet" (AutoAugment) | "ra" (RandAugment) | "ta_wide"
+    ra_magnitude: int = 9  # RandAugment: magnitude bin of every operation (0..30)
+    ra_num_ops: int = 2  # RandAugment: operations per image
+    random_erase: float = 0.0  # RandomErasing probability (scale (0.02, 0.33), ratio (0.3, 3.3), value 0)
+
+    def __post_init__(self) -> None:
+        lo, hi = self.crop_scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"crop_scale must satisfy 0 < min <= max <= 1, got {self.crop_scale}")
+        if self.image_size < 8:
+            raise ValueError(f"image_size must be >= 8, got {self.image_size}")
+        if self.val_resize is not None and self.val_resize < self.image_size:
+            raise ValueError(f"val_resize {self.val_resize} must be >= image_size {self.image_size}: the "
+                             f"centre crop is taken from the resized image")
+        if self.auto_augment not in (None, *POLICIES):
+            raise ValueError(f"auto_augment must be one of {', '.join(POLICIES)} or None, "
+                             f"got {self.auto_augment!r}")
+        if not 0 <= self.ra_magnitude < DEFAULT_BINS:
+            raise ValueError(f"ra_magnitude must be in [0, {DEFAULT_BINS - 1}], got {self.ra_magnitude}")
+        if self.ra_num_ops < 1:
+            raise ValueError(f"ra_num_ops must be >= 1, got {self.ra_num_ops}")
+        if not 0 <= self.random_erase <= 1:
+            raise ValueError(f"random_erase must be in [0, 1], got {self.random_erase}")
+
+    @property
+    def val_shorter_side(self) -> int:
+        """Validation resizes the shorter side to this, then centre crops image_size (torchvision's presets)."""
+        if self.val_resize is not None:
+            return self.val_resize
+        return int(self.image_size / self.val_crop_fraction)
 
 
 def _linspace(lo: float, hi: float, bins: int) -> np.ndarray:

@@ -31,8 +31,9 @@ from dalifeed.format import (
     IMAGE_MEMBER,
 )
 
+from .augment import IMAGENET_MEAN, IMAGENET_STD
 from .dataset import DatasetError, ShardData, open_dataset
-from .graphs import ADJUST_ORIENTATION, IMAGENET_MEAN, IMAGENET_STD, RESIZE_FILTER, after_decode, read_members, uses_gpu
+from .graphs import ADJUST_ORIENTATION, RESIZE_FILTER, after_decode, read_members, uses_gpu
 from .loader import DaliLoader, LoaderOptions, ready
 
 # SSD's sampler (Liu et al. 2016, as DALI's SSD example and torchvision's RandomIoUCrop): minimum IoU of a

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from .augment import AugmentConfig
 from .dataset import DatasetError, ShardData, open_dataset
-from .graphs import AugmentConfig
 from .loader import DaliLoader, LoaderOptions, classification_loader, ready
 from .mixing import ConcatLoader, MixedLoader, mixed_loader
 

@@ -20,55 +20,7 @@ from dalifeed.decode import DEFAULT_HW_DECODER_LOAD, decoder_device, decoder_hin
 from dalifeed.format import CLASS_I64_MEMBER, COCO_LABELS_MEMBER, IMAGE_MEMBER
 
 from . import augment
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-@dataclass(frozen=True)
-class AugmentConfig:
-    """What the graphs do to an image. Defaults are the ImageNet recipe. How the images are decoded and handed
-    out (float16, NHWC, the hardware decoder's share) is the loader's `Output`, not the augmentation's."""
-
-    image_size: int = 224
-    crop_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop(scale=...)
-    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # RandomResizedCrop(ratio=...)
-    flip: bool = True
-    val_crop_fraction: float = 0.875  # resize the shorter side to image_size / 0.875, then centre crop
-    val_resize: int | None = None  # validation's shorter side before the crop (None: image_size / 0.875)
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
-    # torchvision's ClassificationPresetTrain options (augment.py); their presets have no colour jitter
-    auto_augment: str | None = None  # None | "imagenet" (AutoAugment) | "ra" (RandAugment) | "ta_wide"
-    ra_magnitude: int = 9  # RandAugment: magnitude bin of every operation (0..30)
-    ra_num_ops: int = 2  # RandAugment: operations per image
-    random_erase: float = 0.0  # RandomErasing probability (scale (0.02, 0.33), ratio (0.3, 3.3), value 0)
-
-    def __post_init__(self) -> None:
-        lo, hi = self.crop_scale
-        if not 0 < lo <= hi <= 1:
-            raise ValueError(f"crop_scale must satisfy 0 < min <= max <= 1, got {self.crop_scale}")
-        if self.image_size < 8:
-            raise ValueError(f"image_size must be >= 8, got {self.image_size}")
-        if self.val_resize is not None and self.val_resize < self.image_size:
-            raise ValueError(f"val_resize {self.val_resize} must be >= image_size {self.image_size}: the "
-                             f"centre crop is taken from the resized image")
-        if self.auto_augment not in (None, *augment.POLICIES):
-            raise ValueError(f"auto_augment must be one of {', '.join(augment.POLICIES)} or None, "
-                             f"got {self.auto_augment!r}")
-        if not 0 <= self.ra_magnitude < augment.DEFAULT_BINS:
-            raise ValueError(f"ra_magnitude must be in [0, {augment.DEFAULT_BINS - 1}], got {self.ra_magnitude}")
-        if self.ra_num_ops < 1:
-            raise ValueError(f"ra_num_ops must be >= 1, got {self.ra_num_ops}")
-        if not 0 <= self.random_erase <= 1:
-            raise ValueError(f"random_erase must be in [0, 1], got {self.random_erase}")
-
-    @property
-    def val_shorter_side(self) -> int:
-        """Validation resizes the shorter side to this, then centre crops image_size (torchvision's presets)."""
-        if self.val_resize is not None:
-            return self.val_resize
-        return int(self.image_size / self.val_crop_fraction)
+from .augment import AugmentConfig
 
 
 @dataclass(frozen=True)

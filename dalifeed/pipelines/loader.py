@@ -64,13 +64,14 @@ from dalifeed.format import trains
 from dalifeed.pipelines.shardcache import ShardCache
 from dalifeed.stack import StackReport, choose_device, stack_report
 
+from .augment import AugmentConfig
 from .checks import explain_epoch_failure, is_pipeline_failure
 from .cursor import EpochCursor, FollowsCursor
 from .dataset import ShardData, Source
 from .definitions import EpochDefinitions, Graph
 from .elastic import ElasticError, SampleKeys, SampleSet, batches_left
 from .epoch_iterator import EpochIterator
-from .graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig, Output, shard_pipeline, uses_gpu
+from .graphs import DEFAULT_HW_DECODER_LOAD, Output, shard_pipeline, uses_gpu
 from .lanes import LaneBatches
 from .names import DEVICES
 from .plan import EpochPlan, Files, epoch_files

@@ -22,7 +22,8 @@ from PIL import Image
 from dalifeed.format import CLASS_MEMBER, IMAGE_MEMBER, ShardManifest, split_member_name
 from dalifeed.shardfolder import open_shard_folder
 
-from .graphs import AugmentConfig, train_augment
+from .augment import AugmentConfig
+from .graphs import train_augment
 
 CELL_GAP = 4
 

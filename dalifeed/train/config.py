@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, AugmentConfig, uses_gpu
+from dalifeed.pipelines.augment import AugmentConfig
+from dalifeed.pipelines.graphs import DEFAULT_HW_DECODER_LOAD, uses_gpu
 from dalifeed.pipelines.names import DEVICES, POLICIES
 from dalifeed.pipelines.resolution import ProgressiveResize
 from dalifeed.s3 import is_s3_url
