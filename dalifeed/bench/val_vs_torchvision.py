@@ -20,7 +20,7 @@ import torch
 
 from dalifeed.format import ShardManifest
 from dalifeed.pipelines import AugmentConfig, make_loader
-from dalifeed.pipelines.graphs import IMAGENET_MEAN, IMAGENET_STD
+from dalifeed.pipelines.augment import IMAGENET_MEAN, IMAGENET_STD
 
 
 def torchvision_val_transform(image_size: int):

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from dalifeed.format import CLASS_MEMBER, IMAGE_MEMBER, ShardManifest
-from dalifeed.pipelines.graphs import AugmentConfig
+from dalifeed.pipelines.augment import AugmentConfig
 from dalifeed.shardfolder import open_shard_folder, read_samples
 
 from ..loaders import train_transform

@@ -9,7 +9,7 @@ import litdata
 import torch
 from litdata import StreamingDataLoader, StreamingDataset
 
-from dalifeed.pipelines.graphs import AugmentConfig
+from dalifeed.pipelines.augment import AugmentConfig
 
 from ..loaders import TorchLoader, dataloader_options
 from . import native_folder, photos, tensor_transform, write_once

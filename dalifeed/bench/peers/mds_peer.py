@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from streaming import MDSWriter, StreamingDataset
 
-from dalifeed.pipelines.graphs import AugmentConfig
+from dalifeed.pipelines.augment import AugmentConfig
 
 from ..loaders import TorchLoader, dataloader_options
 from . import PilTransform, native_folder, photos, write_once

@@ -12,7 +12,7 @@ import torchvision.transforms as T
 from spdl.pipeline import PipelineBuilder
 
 from dalifeed.format import CLASS_MEMBER, IMAGE_MEMBER, split_member_name
-from dalifeed.pipelines.graphs import AugmentConfig
+from dalifeed.pipelines.augment import AugmentConfig
 from dalifeed.shardfolder import open_shard_folder
 
 from ..loaders import Normalize, train_transform
