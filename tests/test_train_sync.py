@@ -159,7 +159,9 @@ def test_update_ema_is_torchs_ema_and_reads_nothing_on_the_host():
             if step == 0:
                 assert torch.equal(a, b)
             else:
-                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+                # torch's lerp and our multiply-add round apart by a few ulps of the operands (magnitude ~1),
+                # not of the result, and by kernel family; a wrong weight is off by ~0.1.
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert int(ours.n_averaged) == int(torchs.n_averaged) == 4
     assert reads == []
 
