@@ -50,6 +50,9 @@ COCO_ID_MEMBER = "id.i64"  # COCO: the image id, int64 little-endian
 # the load or is silently dropped. COCO's records and annotations are kept as given, with whatever keys and
 # types the instances file has (RLE or polygons, int or float boxes, no annotations), so they are JSON text.
 IMAGEFOLDER_META = {"path": str, "class": str, "label": int, "reencoded": str}  # reencoded: "" if passed through
+# TFRecord: path is the TFRecord file (relative to SRC), record its 0-based number there, filename its own
+# `image/filename` ("" if it has none): what traces a sample back to where it came from.
+TFRECORD_META = {"path": str, "record": int, "filename": str, "class": str, "label": int, "reencoded": str}
 COCO_META = {"image_id": int, "file_name": str, "width": int, "height": int, "reencoded": str,
              "image_json": str, "annotations_json": str}
 IMAGEFOLDER_MEMBERS = (IMAGE_MEMBER, CLASS_MEMBER, CLASS_I64_MEMBER, META_MEMBER)  # in tar order

@@ -14,6 +14,7 @@ _WHERE = {
     "CocoConfig": ".coco", "convert_coco": ".coco", "export_coco": ".coco",
     "ConvertConfig": ".imagefolder", "ConvertSummary": ".imagefolder", "UsageError": ".imagefolder",
     "convert_imagefolder": ".imagefolder",
+    "TFRecordConfig": ".tfrecord", "convert_tfrecord": ".tfrecord",
     "ManifestError": "..format", "ShardInfo": "..format", "ShardManifest": "..format", "SplitInfo": "..format",
     "ConversionFailed": ".shards", "WorkerCrashed": ".shards",
     "VerifyReport": ".verify", "verify_shards": ".verify",
@@ -36,6 +37,8 @@ if TYPE_CHECKING:  # what IDEs and type checkers resolve the lent names to (the 
     from .imagefolder import convert_imagefolder as convert_imagefolder
     from .shards import ConversionFailed as ConversionFailed
     from .shards import WorkerCrashed as WorkerCrashed
+    from .tfrecord import TFRecordConfig as TFRecordConfig
+    from .tfrecord import convert_tfrecord as convert_tfrecord
     from .verify import VerifyReport as VerifyReport
     from .verify import verify_shards as verify_shards
 

@@ -38,6 +38,7 @@ def main() -> None:
       shard-convert verify /data/imagenet-shards --decode
       shard-convert info /data/imagenet-shards
       shard-convert imagefolder /data/imagenet s3://bucket/imagenet-shards   (docs/storage.md)
+      shard-convert tfrecord /data/imagenet-tfrecords /data/imagenet-shards   (TensorFlow's files)
       shard-convert index /data/my-webdataset-tars   (adopt tars written elsewhere, in place)
 
     Each shard `<split>-NNNNNN.tar` has a DALI index `<split>-NNNNNN.idx` beside it and the folder has a
@@ -200,6 +201,57 @@ def coco_cmd(out, quiet, debug, **options):
                    f"{counts.get('boxes_clipped', 0)} clipped to their image, {counts.get('boxes_dropped', 0)} left "
                    f"out (no area in the image); {counts.get('annotations_not_converted', 0)} annotations not "
                    f"converted (see the manifest's coco.skipped_annotations).")
+    exit_if_nothing_converted(manifest)
+
+
+@main.command("tfrecord", context_settings=CONTEXT)
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("out", type=LOCATION)
+@click.option("--split", default=None,
+              help="Put every file into this split. Default: the split each file's name says: train-* -> train, "
+                   "validation-* (val-*, valid-*) -> val, test-* -> test; files of other names are listed as skipped.")
+@click.option("--label-offset", type=int, default=None,
+              help="Without synsets: added to every label (-1 for ImageNet's 1-based labels, where 0 is background). "
+                   "With synsets the labels are the sorted synsets' indices and this, if given, is checked.")
+@click.option("--image-feature", default="image/encoded", show_default=True,
+              help="The bytes feature holding the image.")
+@click.option("--label-feature", default="image/class/label", show_default=True,
+              help="The int64 feature holding the class index.")
+@click.option("--synset-feature", default="image/class/synset", show_default=True,
+              help="The bytes feature naming the class (n01440764). Where records have it, the classes are the "
+                   "sorted synsets (torchvision ImageFolder's order); '' to ignore it.")
+@click.option("--filename-feature", default="image/filename", show_default=True,
+              help="The bytes feature kept in each sample's .json as `filename`, to trace it back.")
+@shard_options
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+def tfrecord_cmd(src, out, quiet, debug, **options):
+    """Convert TFRecord files of tf.train.Examples (a file, or a folder of them) to shards in OUT, without
+    TensorFlow: ImageNet as TensorFlow's build_imagenet_data.py or the TPU imagenet_to_gcs.py wrote it
+    (train-00000-of-01024, validation-00000-of-00128), or another layout named by the --*-feature options.
+
+    \b
+      shard-convert tfrecord /data/imagenet-tfrecords /data/imagenet-shards --workers 16
+
+    Every record is framed and both of its CRCs are checked; a corrupt record, one that is not an Example,
+    or one without the image is listed in the manifest's skipped with its file and record number (a broken
+    length loses the rest of its file, and says so). Gzip- and zlib-compressed files are recognised by their
+    bytes and inflated once into $TMPDIR (removed when done). JPEGs pass through byte for byte under the
+    same rules as `imagefolder`; each sample's .json keeps the file, record number and image/filename.
+    Where the file's own labels disagree with the sorted synsets' order by more than one constant offset,
+    the conversion stops and names the record (exit 1). Resumable and deterministic like `imagefolder`; OUT
+    may be s3://bucket/prefix. docs/format.md#tfrecord-input has the details.
+    """
+    from .tfrecord import TFRecordConfig, convert_tfrecord
+
+    cfg = TFRecordConfig(src=src, out=out, progress=not quiet and sys.stderr.isatty(), **options)
+    click.echo(f"shard-convert tfrecord: {json.dumps(cfg.to_json())}", err=True)
+    manifest = run_command(
+        lambda: convert_tfrecord(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
+        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError, OSError),
+        log=lambda: cfg.folder / "convert-error.log",
+        stopped=lambda e: f"finished shards in {out} are kept; run the same command again to resume")
+    click.echo(describe_result(manifest))
     exit_if_nothing_converted(manifest)
 
 

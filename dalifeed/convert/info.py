@@ -55,7 +55,8 @@ def describe_folder(info: dict) -> str:
         elif counts is None:
             lines.append("    classes: counts not recorded (made by an older dalifeed)")
     converted = sum(s["samples"] for s in info["splits"].values())
-    found = {"coco": "image records", "webdataset": "samples found"}.get(info["kind"], "files found")
+    found = {"coco": "image records", "webdataset": "samples found", "tfrecord": "records found"}.get(info["kind"],
+                                                                                                   "files found")
     done, skipped = ("indexed", "left out") if info["kind"] == "webdataset" else ("converted", "skipped")
     lines.append(f"  {found} {info['found']}: {converted} {done}, {sum(info['skipped'].values())} {skipped}")
     if info.get("category_ids"):

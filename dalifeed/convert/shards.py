@@ -46,10 +46,16 @@ class SourceFile:
 
     path: str
     size: int
+    offset: int = 0  # where the bytes start: a TFRecord's image lies inside its file
 
     def read(self) -> bytes:
         try:
-            data = Path(self.path).read_bytes()
+            if self.offset:
+                with open(self.path, "rb") as f:
+                    f.seek(self.offset)
+                    data = f.read(self.size)
+            else:
+                data = Path(self.path).read_bytes()
         except OSError as e:
             raise SourceChanged(f"{self.path}: vanished while being converted ({e.strerror})") from None
         if len(data) != self.size:

@@ -25,6 +25,7 @@ from ..format import (
     IMAGEFOLDER_MEMBERS,
     IMAGEFOLDER_META,
     META_MEMBER,
+    TFRECORD_META,
     IndexEntry,
     ManifestError,
     ShardInfo,
@@ -99,7 +100,8 @@ def label_check(manifest: ShardManifest):
 
         index_of = {cid: i for i, cid in enumerate(manifest.extra["coco"]["category_ids"])}
         return lambda where, members: check_coco_sample(where, members, index_of)
-    return lambda where, members: check_class_labels(where, members, manifest.num_classes)
+    schema = TFRECORD_META if manifest.kind == "tfrecord" else IMAGEFOLDER_META
+    return lambda where, members: check_class_labels(where, members, manifest.num_classes, schema)
 
 
 def verify_shard(root: Path, shard: ShardInfo, num_classes: int, decoder=None,
@@ -195,9 +197,10 @@ def read_samples(tar: Path | bytes) -> tuple[dict[str, dict[str, bytes]], str]:
     return samples, index_text(entries)
 
 
-def check_class_labels(where: str, members: dict[str, bytes], num_classes: int) -> list[str]:
-    """An ImageFolder sample: .jpg, the same label in .cls, .cls.i64 and .json, within range, and a .json of
-    the format's keys and types (`format.IMAGEFOLDER_META`)."""
+def check_class_labels(where: str, members: dict[str, bytes], num_classes: int,
+                       schema: dict = IMAGEFOLDER_META) -> list[str]:
+    """A classification sample: .jpg, the same label in .cls, .cls.i64 and .json, within range, and a .json
+    of the format's keys and types (`format.IMAGEFOLDER_META`, `format.TFRECORD_META`)."""
     missing = [ext for ext in REQUIRED_MEMBERS if ext not in members]
     if missing:
         return [f"{where}: missing {', '.join('.' + m for m in missing)}"]
@@ -207,7 +210,7 @@ def check_class_labels(where: str, members: dict[str, bytes], num_classes: int) 
         meta = json.loads(members[META_MEMBER])
     except (ValueError, UnicodeDecodeError, struct.error) as e:
         return [f"{where}: unreadable label ({e})"]
-    problems = [f"{where}: .json {p}" for p in meta_problems(meta, IMAGEFOLDER_META)]
+    problems = [f"{where}: .json {p}" for p in meta_problems(meta, schema)]
     if problems:
         return problems
     meta_label = meta["label"]

@@ -1,0 +1,521 @@
+"""TFRecord files of `tf.train.Example`s -> WebDataset shards (docs/format.md#tfrecord-input).
+
+This module knows TFRecord files: their framing (length, masked CRC32C of the length, data, masked CRC32C of
+the data), the Example protobuf (decoded by hand, the three fields it has: no TensorFlow, no generated
+code), ImageNet's layout (`image/encoded`, `image/class/label`, `image/class/synset`, `image/filename`) and
+which split a file belongs to. Workers, shards, resume, locks, the manifest and jobs are the shared core.
+
+Reading happens twice: a listing pass, one worker task per file, that frames every record, checks both CRCs
+and reads its label features (the classes must be known before the first sample is written); then the
+shared encode pass, one record at a time by offset. A compressed file (gzip or zlib, told by its bytes, not
+its name) is inflated once into $TMPDIR and read from there, since a record in the middle of a compressed
+stream cannot be reached without inflating what comes before it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import random
+import shutil
+import struct
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import google_crc32c
+
+from ..format import CLASS_I64_MEMBER, CLASS_MEMBER, IMAGE_MEMBER, META_MEMBER, ShardManifest, listing_digest
+from .core import Plan, convert, stat_source
+from .imagefolder import SPLIT_NAMES, SPLIT_ORDER
+from .images import ImageError, to_jpeg
+from .options import ShardOptions, UsageError
+from .shards import ConversionFailed, Sample, Skip, SourceFile, ordered_map
+
+HEADER = struct.Struct("<QI")  # length, masked CRC32C of the length's 8 bytes
+FOOTER = struct.Struct("<I")  # masked CRC32C of the data
+INDEX_SUFFIXES = (".idx", ".index")  # DALI's tfrecord2idx and similar index files: not records
+
+
+@dataclass(kw_only=True)
+class TFRecordConfig(ShardOptions):
+    src: Path
+    split: str | None = None  # every file into this split, instead of the split its name says
+    label_offset: int | None = None  # without synsets: added to the label feature; with them: checked
+    image_feature: str = "image/encoded"
+    label_feature: str = "image/class/label"
+    synset_feature: str = "image/class/synset"  # "" to number classes by the label feature alone
+    filename_feature: str = "image/filename"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.src = Path(self.src)
+
+    def validate(self) -> None:
+        self.validate_shard_options()
+        if not self.src.exists():
+            raise UsageError(f"{self.src}: source does not exist")
+        if self.src.is_dir() and (self.folder.resolve() == self.src.resolve()
+                                  or self.src.resolve() in self.folder.resolve().parents):
+            raise UsageError(f"{self.folder}: output folder must not be inside the source folder {self.src}")
+        if not self.image_feature or not self.label_feature:
+            raise UsageError("--image-feature and --label-feature must name a feature")
+
+    def output_options(self) -> dict:
+        return {"split": self.split, "label_offset": self.label_offset, "image_feature": self.image_feature,
+                "label_feature": self.label_feature, "synset_feature": self.synset_feature,
+                "filename_feature": self.filename_feature, **self.shard_options()}
+
+
+class ExampleError(Exception):
+    """A record's data is not a well-formed `tf.train.Example`; the message says where it broke."""
+
+
+def masked_crc(data: bytes | memoryview) -> int:
+    """TFRecord's CRC: CRC32C, rotated right by 15 bits, plus a constant."""
+    crc = google_crc32c.value(bytes(data))
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+# --- the Example protobuf: Example{features: Features{feature: map<string, Feature>}} -------------------------
+
+def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ExampleError("a varint runs past its message")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf: memoryview, start: int, end: int):
+    """(field number, wire type, value) of each field of the message in buf[start:end]; a length-delimited
+    value is (its start, its end), a varint an int, fixed-size values their bytes."""
+    pos = start
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+        elif wire == 2:
+            size, pos = _varint(buf, pos)
+            if pos + size > end:
+                raise ExampleError(f"field {number} is {size} bytes long, past its message's end")
+            value, pos = (pos, pos + size), pos + size
+        elif wire in (1, 5):
+            size = 8 if wire == 1 else 4
+            if pos + size > end:
+                raise ExampleError(f"field {number} runs past its message's end")
+            value, pos = bytes(buf[pos:pos + size]), pos + size
+        else:
+            raise ExampleError(f"field {number} has wire type {wire}, which an Example never holds")
+        yield number, wire, value
+
+
+@dataclass(frozen=True)
+class Feature:
+    kind: str  # bytes | int64 | float
+    values: tuple  # bytes features: (start, end) spans of the record's data; the others: numbers
+
+
+def parse_example(data: bytes | memoryview) -> dict[str, Feature]:
+    """The features of a serialized `tf.train.Example`, each as the spans (bytes) or numbers it holds."""
+    buf = memoryview(data)
+    features: dict[str, Feature] = {}
+    for number, wire, span in _fields(buf, 0, len(buf)):
+        if number != 1 or wire != 2:
+            continue
+        for entry_number, entry_wire, entry in _fields(buf, *span):
+            if entry_number != 1 or entry_wire != 2:
+                continue
+            key, feature = "", Feature("bytes", ())
+            for part_number, part_wire, part in _fields(buf, *entry):
+                if part_number == 1 and part_wire == 2:
+                    try:
+                        key = bytes(buf[part[0]:part[1]]).decode()
+                    except UnicodeDecodeError:
+                        raise ExampleError("a feature name is not UTF-8") from None
+                elif part_number == 2 and part_wire == 2:
+                    feature = _feature(buf, *part)
+            features[key] = feature
+    return features
+
+
+def _feature(buf: memoryview, start: int, end: int) -> Feature:
+    feature = Feature("bytes", ())  # a Feature with no list set: TensorFlow reads it as empty
+    for number, wire, span in _fields(buf, start, end):
+        if wire != 2 or number not in (1, 2, 3):
+            continue
+        values = []
+        for value_number, value_wire, value in _fields(buf, *span):
+            if value_number != 1:
+                continue
+            if number == 1 and value_wire == 2:
+                values.append(value)
+            elif number == 2:  # floats: packed (wire 2) or one by one (wire 5)
+                raw = bytes(buf[value[0]:value[1]]) if value_wire == 2 else value
+                values += struct.unpack(f"<{len(raw) // 4}f", raw[: len(raw) // 4 * 4])
+            elif number == 3 and value_wire == 2:  # int64s, packed
+                pos = value[0]
+                while pos < value[1]:
+                    v, pos = _varint(buf, pos)
+                    values.append(v - (1 << 64) if v >= 1 << 63 else v)
+            elif number == 3 and value_wire == 0:
+                values.append(value - (1 << 64) if value >= 1 << 63 else value)
+        feature = Feature({1: "bytes", 2: "float", 3: "int64"}[number], tuple(values))
+    return feature
+
+
+# --- listing: files, their split, their records ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Record:
+    """One record as the listing pass found it: where its data is (in the file read, which is the inflated
+    copy of a compressed file), what its label features say, and why it cannot be converted, if so."""
+
+    number: int  # 0-based, in its file
+    offset: int  # of the data, in the file read
+    length: int
+    label: int | None = None
+    synset: str | None = None
+    filename: str = ""
+    problem: str | None = None
+
+
+@dataclass(frozen=True)
+class Item:
+    """One record to encode: the source file (relative to SRC), the file read, the record, its label."""
+
+    relpath: str
+    read_path: str
+    record: Record
+    label: int
+    class_name: str
+    problem: str | None = None
+
+
+def find_files(src: Path) -> list[Path]:
+    """SRC itself, or every file under it (sorted, recursively), but index files."""
+    if src.is_file():
+        return [src]
+    found = []
+    for dirpath, dirnames, filenames in os.walk(src, followlinks=True):
+        dirnames.sort()
+        found += [Path(dirpath, name) for name in sorted(filenames) if not name.endswith(INDEX_SUFFIXES)]
+    if not found:
+        raise UsageError(f"{src}: no files in this folder (expected TFRecord files such as train-00000-of-01024)")
+    return found
+
+
+def split_of(name: str) -> str | None:
+    """The split a file's name says (`train-00000-of-01024` -> train, `validation-...` -> val): its part
+    before the first '-', '_' or '.', looked up as split folders are (SPLIT_NAMES)."""
+    stem = name.replace("_", "-").replace(".", "-").split("-", 1)[0].lower()
+    return SPLIT_NAMES.get(stem)
+
+
+def inflated_path(path: Path, job: int) -> Path:
+    """Where a compressed file's records are kept inflated: named by the file's path, size and mtime (a
+    changed file is inflated again) and the job (jobs on one machine each remove their own when done)."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{job}".encode()).hexdigest()[:20]
+    return Path(tempfile.gettempdir(), "dalifeed-inflated", f"{key}.tfrecord")
+
+
+def compression(path: Path) -> str | None:
+    """'gzip' or 'zlib' when the file is compressed, None for plain records (whose first length CRC holds)."""
+    with open(path, "rb") as f:
+        head = f.read(HEADER.size)
+    if len(head) == HEADER.size:
+        length, crc = HEADER.unpack(head)
+        if masked_crc(head[:8]) == crc:
+            return None
+    if head[:2] == b"\x1f\x8b":
+        return "gzip"
+    if len(head) >= 2 and (head[0] & 0x0F) == 8 and (head[0] << 8 | head[1]) % 31 == 0:
+        return "zlib"
+    return None
+
+
+def inflate(path: Path, dest: Path) -> str | None:
+    """Inflate a gzip or zlib file into `dest` (atomically; kept when already there); None, or why its
+    stream ended early (the records before that point are still read)."""
+    problem_note = dest.with_suffix(".problem")
+    if dest.is_file():
+        return problem_note.read_text() if problem_note.is_file() else None
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    inflater, problem = zlib.decompressobj(wbits=47), None  # 47: a gzip or zlib header, whichever it is
+    with open(path, "rb") as src, open(tmp, "wb") as out:
+        while chunk := src.read(1 << 22):
+            try:
+                out.write(inflater.decompress(chunk))
+            except zlib.error as e:
+                problem = f"compressed stream corrupt ({e})"
+                break
+        else:
+            out.write(inflater.flush())
+            if not inflater.eof:
+                problem = "compressed stream truncated"
+    if problem:
+        problem_note.write_text(problem)
+    os.replace(tmp, dest)
+    return problem
+
+
+@dataclass(frozen=True)
+class FileJob:
+    path: str
+    read_path: str
+    stream_problem: str | None  # a compressed file whose stream ended early
+    features: tuple[str, str, str]  # label, synset, filename
+
+
+def list_records(job: FileJob) -> list[Record]:
+    """Worker: frame every record of one file, check both CRCs and read its label features. A record that
+    fails is one Record with the problem; a broken length (which hides where the next record starts) ends
+    the file with one Record saying how many bytes were left unread."""
+    records: list[Record] = []
+    label_key, synset_key, filename_key = job.features
+    size = os.path.getsize(job.read_path)
+    with open(job.read_path, "rb") as f:
+        offset = 0
+        while offset < size:
+            number = len(records)
+            head = f.read(HEADER.size)
+            if len(head) < HEADER.size:
+                records.append(Record(number, offset, 0, problem=f"truncated: {size - offset} stray bytes at the end"))
+                break
+            length, crc = HEADER.unpack(head)
+            if masked_crc(head[:8]) != crc:
+                records.append(Record(number, offset, 0, problem=f"length CRC mismatch at byte {offset}: the rest of "
+                                                                 f"the file ({size - offset} bytes) cannot be framed"))
+                break
+            data_at = offset + HEADER.size
+            if data_at + length + FOOTER.size > size:
+                records.append(Record(number, data_at, 0, problem=f"truncated: {length} bytes of data announced, "
+                                                                  f"{max(0, size - data_at - FOOTER.size)} there"))
+                break
+            data = f.read(length)
+            (data_crc,) = FOOTER.unpack(f.read(FOOTER.size))
+            offset = data_at + length + FOOTER.size
+            if masked_crc(data) != data_crc:
+                records.append(Record(number, data_at, length, problem="data CRC mismatch (corrupt record)"))
+                continue
+            records.append(read_labels(number, data_at, data, label_key, synset_key, filename_key))
+    if job.stream_problem:
+        records.append(Record(len(records), -1, 0, problem=f"{job.stream_problem}: the records after it are lost"))
+    return records
+
+
+def read_labels(number: int, offset: int, data: bytes, label_key: str, synset_key: str, filename_key: str) -> Record:
+    try:
+        features = parse_example(data)
+    except ExampleError as e:
+        return Record(number, offset, len(data), problem=f"not a tf.train.Example: {e}")
+    label = features.get(label_key)
+    synset = _text(data, features.get(synset_key)) if synset_key else None
+    filename = _text(data, features.get(filename_key)) or ""
+    value = label.values[0] if label is not None and label.kind == "int64" and len(label.values) == 1 else None
+    return Record(number, offset, len(data), value, synset, filename)
+
+
+def _text(data: bytes, feature: Feature | None) -> str | None:
+    if feature is None or feature.kind != "bytes" or len(feature.values) != 1:
+        return None
+    start, end = feature.values[0]
+    try:
+        return data[start:end].decode()
+    except UnicodeDecodeError:
+        return None
+
+
+# --- classes and labels --------------------------------------------------------------------------------------
+
+@dataclass
+class Labelling:
+    classes: list[str]
+    label_offset: int | None  # with synsets: the file's label minus its synset's index (None: no labels seen)
+    by_synset: bool
+
+
+def label_records(found: dict[str, list[Record]], cfg: TFRecordConfig) -> Labelling:
+    """The classes and how each record is labelled. With synsets, the sorted synsets (torchvision
+    ImageFolder's order), and the file's own labels must agree with that order up to one constant offset;
+    without, the label feature plus --label-offset, classes named by their index."""
+    good = [r for records in found.values() for r in records if r.problem is None]
+    if cfg.synset_feature and any(r.synset is not None for r in good):
+        classes = sorted({r.synset for r in good if r.synset is not None})
+        index = {name: i for i, name in enumerate(classes)}
+        offset = None
+        for where, records in found.items():
+            for r in records:
+                if r.problem is None and r.synset is not None and r.label is not None:
+                    if offset is None:
+                        offset = r.label - index[r.synset]
+                        first = f"{where} record {r.number}"
+                    elif r.label - index[r.synset] != offset:
+                        raise ConversionFailed(
+                            f"{where} record {r.number}: {cfg.label_feature} {r.label} for synset {r.synset}, whose "
+                            f"index among the sorted synsets is {index[r.synset]}; {first} has the offset {offset}: "
+                            f"the file's labels are not the sorted synsets' order shifted by one constant")
+        if cfg.label_offset is not None and offset is not None and -offset != cfg.label_offset:
+            raise ConversionFailed(f"--label-offset {cfg.label_offset}, but the labels are the sorted synsets' indices "
+                                   f"{offset:+d} (drop --label-offset: with synsets the labels come from them)")
+        return Labelling(classes, offset, True)
+    labels = {r.label + (cfg.label_offset or 0) for r in good if r.label is not None}
+    top = max((v for v in labels if v >= 0), default=-1)
+    return Labelling([str(i) for i in range(top + 1)], cfg.label_offset or 0, False)
+
+
+def make_item(relpath: str, read_path: str, record: Record, labelling: Labelling, cfg: TFRecordConfig) -> Item:
+    if record.problem:
+        return Item(relpath, read_path, record, -1, "", record.problem)
+    if labelling.by_synset:
+        if record.synset is None:
+            return Item(relpath, read_path, record, -1, "", f"no {cfg.synset_feature} (other records have one)")
+        label = labelling.classes.index(record.synset)
+        return Item(relpath, read_path, record, label, record.synset)
+    if record.label is None:
+        return Item(relpath, read_path, record, -1, "", f"no single int64 {cfg.label_feature}")
+    label = record.label + (cfg.label_offset or 0)
+    if label < 0:
+        return Item(relpath, read_path, record, -1, "",
+                    f"{cfg.label_feature} {record.label} + --label-offset {cfg.label_offset or 0} is negative")
+    return Item(relpath, read_path, record, label, str(label))
+
+
+# --- the plan and the worker ---------------------------------------------------------------------------------
+
+def encode_item(item: Item, image_feature: str, quality: int, max_side: int | None, max_pixels: int) -> Sample | Skip:
+    """Worker: read one record by its offset, take its image, decode-check and (if needed) re-encode it."""
+    if item.problem:
+        return Skip(item.problem)
+    record = item.record
+    try:
+        with open(item.read_path, "rb") as f:
+            f.seek(record.offset)
+            data = f.read(record.length)
+    except OSError as e:
+        return Skip(f"unreadable: {e.strerror or e}")
+    if len(data) != record.length:
+        raise ConversionFailed(f"{item.relpath}: changed while being converted (record {record.number} is cut short)")
+    feature = parse_example(data).get(image_feature)
+    if feature is None or feature.kind != "bytes" or len(feature.values) != 1:
+        return Skip(f"no single bytes feature {image_feature}")
+    start, end = feature.values[0]
+    try:
+        image = to_jpeg(data[start:end], quality, max_side, max_pixels)
+    except ImageError as e:
+        return Skip(str(e))
+    meta = {"path": item.relpath, "record": record.number, "filename": record.filename, "class": item.class_name,
+            "label": item.label, "reencoded": image.reencoded or ""}
+    jpeg = SourceFile(item.read_path, end - start, record.offset + start) if image.reencoded is None else image.jpeg
+    members = [
+        (IMAGE_MEMBER, jpeg),
+        (CLASS_MEMBER, str(item.label).encode()),
+        (CLASS_I64_MEMBER, struct.pack("<q", item.label)),
+        (META_MEMBER, json.dumps(meta, sort_keys=True).encode()),
+    ]
+    return Sample(members, image.reencoded, classes=(item.label,))
+
+
+def describe_item(item: Item) -> str:
+    return f"{item.relpath} record {item.record.number}"
+
+
+@dataclass
+class Listing:
+    files: dict[str, list[Path]]  # split -> its files
+    skipped: list[dict]  # files that are not a split's
+    inflated: list[Path]  # the inflated copies this run reads
+
+
+def list_files(cfg: TFRecordConfig) -> Listing:
+    files: dict[str, list[Path]] = {}
+    skipped = []
+    root = cfg.src if cfg.src.is_dir() else cfg.src.parent
+    for path in find_files(cfg.src):
+        problem = stat_source(path).problem
+        split = cfg.split or split_of(path.name)
+        if problem or split is None:
+            reason = problem or ("not named like a split's file (train-*, validation-*, test-*): give --split to "
+                                 "convert it")
+            skipped.append({"path": path.relative_to(root).as_posix(), "reason": reason})
+            continue
+        files.setdefault(split, []).append(path)
+    if not files:
+        raise UsageError(f"{cfg.src}: no file named like a split's TFRecord file (train-*, validation-*, test-*); "
+                         f"give --split NAME to convert them all into one split")
+    order = {name: i for i, name in enumerate(SPLIT_ORDER)}
+    return Listing(dict(sorted(files.items(), key=lambda kv: (order.get(kv[0], 9), kv[0]))), skipped, [])
+
+
+def build_plan(cfg: TFRecordConfig) -> tuple[Plan, list[Path]]:
+    cfg.validate()
+    listing = list_files(cfg)
+    root = cfg.src if cfg.src.is_dir() else cfg.src.parent
+    jobs, relpaths, fingerprint, source_bytes = [], [], hashlib.sha256(), 0
+    for split, paths in listing.files.items():
+        for path in paths:
+            st = path.stat()
+            relpath = path.relative_to(root).as_posix()
+            fingerprint.update(f"{split}\0{relpath}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            source_bytes += st.st_size
+            read_path, stream_problem = path, None
+            if (kind := compression(path)) is not None:
+                read_path = inflated_path(path, cfg.job_index)
+                stream_problem = inflate(path, read_path)
+                listing.inflated.append(read_path)
+                stream_problem = stream_problem and f"{kind} {stream_problem}"
+            jobs.append(FileJob(str(path), str(read_path), stream_problem,
+                                (cfg.label_feature, cfg.synset_feature, cfg.filename_feature)))
+            relpaths.append((split, relpath))
+    records_of = ordered_map(list_records, jobs, cfg.workers, chunk=1)
+    found = {relpath: records for (_, relpath), records in zip(relpaths, records_of)}
+    labelling = label_records(found, cfg)
+    splits: dict[str, list[Item]] = {split: [] for split in listing.files}
+    entries: dict[str, list] = {split: [] for split in listing.files}
+    for (split, relpath), job in zip(relpaths, jobs):
+        for record in found[relpath]:
+            splits[split].append(make_item(relpath, job.read_path, record, labelling, cfg))
+            entries[split].append((f"{relpath}#{record.number}", record.length))
+    for name, items in splits.items():
+        random.Random(f"{cfg.seed}:{name}").shuffle(items)
+    source = str(cfg.src.resolve())
+    extra = {"tfrecord": {"files": {split: [p.relative_to(root).as_posix() for p in paths]
+                                    for split, paths in listing.files.items()},
+                          "classes_from": cfg.synset_feature if labelling.by_synset else cfg.label_feature,
+                          "label_offset": labelling.label_offset}}
+    plan = Plan(
+        kind="tfrecord", source=source, splits=splits, classes=labelling.classes,
+        encode=functools.partial(encode_item, image_feature=cfg.image_feature, quality=cfg.jpeg_quality,
+                                 max_side=cfg.max_side, max_pixels=cfg.max_pixels),
+        describe=describe_item,
+        fingerprint={"kind": "tfrecord", "source": source, "options": cfg.output_options(),
+                     "listing_sha256": fingerprint.hexdigest()},
+        listings={split: listing_digest(e) for split, e in entries.items()},
+        skipped=listing.skipped, found=sum(len(v) for v in splits.values()) + len(listing.skipped),
+        source_bytes=source_bytes, extra=extra,
+    )
+    return plan, listing.inflated
+
+
+def convert_tfrecord(cfg: TFRecordConfig) -> ShardManifest:
+    """Convert the TFRecord file or folder `cfg.src` to shards in `cfg.out`; resumes an interrupted run. The
+    inflated copies of compressed files are removed once the conversion is done (kept for a resume)."""
+    plan, inflated = build_plan(cfg)
+    manifest = convert(plan, cfg, "shard-convert tfrecord")
+    for path in inflated:
+        path.unlink(missing_ok=True)
+        path.with_suffix(".problem").unlink(missing_ok=True)
+    if inflated and not any(inflated[0].parent.iterdir()):
+        shutil.rmtree(inflated[0].parent, ignore_errors=True)
+    return manifest

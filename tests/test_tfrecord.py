@@ -1,0 +1,267 @@
+"""`shard-convert tfrecord`: TFRecord files of tf.train.Examples, written here by code that is not ours
+(TensorBoard's TFRecord writer for the framing, protobuf's own encoder for an Example built from the
+descriptor of TensorFlow's example.proto), become shards whose JPEG bytes are the records' bytes, whose
+classes are the sorted synsets, and which verify, plain webdataset and dali-train read."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset as wds
+from click.testing import CliRunner
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from PIL import Image
+from tensorboard.summary.writer.record_writer import RecordWriter
+
+import helpers
+from dalifeed.convert.cli import main as shard_convert
+from dalifeed.convert.tfrecord import TFRecordConfig, convert_tfrecord, parse_example
+from dalifeed.convert.verify import verify_shards
+from dalifeed.format import ShardManifest
+from fast_recipe import fast_args
+
+# synsets deliberately not in sorted order: their labels below are those of the sorted order, 1-based
+SYNSETS = ["n03000134", "n01440764", "n02102040"]
+SORTED = sorted(SYNSETS)
+
+
+def example_class():
+    """tf.train.Example, from TensorFlow's feature.proto and example.proto field numbers, through protobuf."""
+    f = descriptor_pb2.FileDescriptorProto(name="tfexample_for_tests.proto", package="tfx", syntax="proto3")
+    T = descriptor_pb2.FieldDescriptorProto
+
+    def message(name, *fields, nested=()):
+        m = f.message_type.add(name=name) if not nested else nested[0].nested_type.add(name=name)
+        for number, field_name, kind, label, type_name in fields:
+            fld = m.field.add(name=field_name, number=number, type=kind, label=label)
+            if type_name:
+                fld.type_name = type_name
+            if kind in (T.TYPE_FLOAT, T.TYPE_INT64) and label == T.LABEL_REPEATED:
+                fld.options.packed = True
+        return m
+
+    rep, opt = T.LABEL_REPEATED, T.LABEL_OPTIONAL
+    message("BytesList", (1, "value", T.TYPE_BYTES, rep, None))
+    message("FloatList", (1, "value", T.TYPE_FLOAT, rep, None))
+    message("Int64List", (1, "value", T.TYPE_INT64, rep, None))
+    feature = message("Feature", (1, "bytes_list", T.TYPE_MESSAGE, opt, ".tfx.BytesList"),
+                      (2, "float_list", T.TYPE_MESSAGE, opt, ".tfx.FloatList"),
+                      (3, "int64_list", T.TYPE_MESSAGE, opt, ".tfx.Int64List"))
+    feature.oneof_decl.add(name="kind")
+    for fld in feature.field:
+        fld.oneof_index = 0
+    features = message("Features", (1, "feature", T.TYPE_MESSAGE, rep, ".tfx.Features.FeatureEntry"))
+    entry = features.nested_type.add(name="FeatureEntry")
+    entry.options.map_entry = True
+    entry.field.add(name="key", number=1, type=T.TYPE_STRING, label=opt)
+    entry.field.add(name="value", number=2, type=T.TYPE_MESSAGE, label=opt, type_name=".tfx.Feature")
+    message("Example", (1, "features", T.TYPE_MESSAGE, opt, ".tfx.Features"))
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(f)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("tfx.Example"))
+
+
+Example = example_class()
+
+
+def example(**features) -> bytes:
+    """A serialized Example: bytes/str values as bytes_list, ints as int64_list, floats as float_list."""
+    ex = Example()
+    for key, value in features.items():
+        key = key.replace("__", "/")
+        if isinstance(value, (bytes, str)):
+            ex.features.feature[key].bytes_list.value.append(value.encode() if isinstance(value, str) else value)
+        elif isinstance(value, float):
+            ex.features.feature[key].float_list.value.append(value)
+        else:
+            ex.features.feature[key].int64_list.value.append(value)
+    return ex.SerializeToString()
+
+
+def write_records(path: Path, records: list[bytes], opener=open) -> Path:
+    with opener(path, "wb") as f:
+        writer = RecordWriter(f)
+        for record in records:
+            writer.write(record)
+    return path
+
+
+def imagenet_record(rng, synset: str, number: int, png: bool = False) -> tuple[bytes, bytes]:
+    label = SORTED.index(synset)
+    array = helpers.random_image(rng, (20 + number % 3, 24), label)
+    image = helpers.png_bytes(Image.fromarray(array)) if png else helpers.jpeg_bytes(array)
+    record = example(image__encoded=image, image__class__label=label + 1, image__class__synset=synset,
+                     image__class__text=f"class {synset}", image__format="PNG" if png else "JPEG",
+                     image__filename=f"{synset}_{number}.JPEG", image__height=array.shape[0],
+                     image__width=array.shape[1])
+    return record, image
+
+
+@pytest.fixture(scope="module")
+def imagenet(tmp_path_factory):
+    """ImageNet as build_imagenet_data.py writes it: two train files, one validation file gzip-compressed,
+    one PNG among the JPEGs, one record whose data is corrupted after writing; and what each record holds."""
+    root = tmp_path_factory.mktemp("tfr") / "imagenet"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    expected = {}  # filename -> (image bytes, synset)
+    for name, n, opener in [("train-00000-of-00002", 7, open), ("train-00001-of-00002", 6, open),
+                            ("validation-00000-of-00001", 5, gzip.open)]:
+        records = []
+        for i in range(n):
+            synset, number = SYNSETS[(i + len(expected)) % 3], len(expected)
+            record, image = imagenet_record(rng, synset, number, png=name.startswith("train-00001") and i == 2)
+            records.append(record)
+            expected[f"{synset}_{number}.JPEG"] = (image, synset)
+        write_records(root / name, records, opener)
+    # corrupt record 3 of the first train file: one byte of its image, so the data CRC fails
+    path = root / "train-00000-of-00002"
+    data = bytearray(path.read_bytes())
+    offset = 0
+    for _ in range(3):
+        (length,) = struct.unpack("<Q", data[offset:offset + 8])
+        offset += 12 + length + 4
+    data[offset + 12 + 40] ^= 0xFF
+    path.write_bytes(bytes(data))
+    (root / "train-00000-of-00002.idx").write_text("0 100\n")  # DALI's tfrecord2idx output: not a record file
+    (root / "README.txt").write_text("how these were made\n")
+    return root, expected
+
+
+def samples_of(out: Path) -> list[dict]:
+    return list(wds.WebDataset(sorted(str(p) for p in out.glob("*.tar")), shardshuffle=False, empty_check=False))
+
+
+def test_imagenet_tfrecords_become_shards_with_the_records_bytes_and_sorted_synsets(imagenet, tmp_path):
+    src, expected = imagenet
+    out = tmp_path / "shards"
+    result = CliRunner().invoke(shard_convert, ["tfrecord", str(src), str(out), "--workers", "2"])
+    assert result.exit_code == 0, result.output
+    manifest = ShardManifest.load(out)
+    assert manifest.kind == "tfrecord" and manifest.classes == SORTED
+    assert manifest.splits["train"].samples == 12 and manifest.splits["val"].samples == 5
+    assert manifest.extra["tfrecord"]["label_offset"] == 1  # the files' labels are 1-based
+    skipped = {s["path"]: s["reason"] for s in manifest.skipped}
+    assert skipped["train-00000-of-00002 record 3"] == "data CRC mismatch (corrupt record)"
+    assert "not named like a split's file" in skipped["README.txt"]
+    assert manifest.found == 7 + 6 + 5 + 1 and len(skipped) == 2
+    seen = set()
+    for sample in samples_of(out):
+        meta = json.loads(sample["json"])
+        image, synset = expected[meta["filename"]]
+        assert meta["class"] == synset and int(sample["cls"]) == SORTED.index(synset) == meta["label"]
+        assert struct.unpack("<q", sample["cls.i64"])[0] == meta["label"]
+        if meta["reencoded"]:
+            assert meta["reencoded"] == "png" and meta["path"] == "train-00001-of-00002"
+            got = np.asarray(Image.open(io.BytesIO(sample["jpg"])), np.float32)
+            assert np.abs(got - np.asarray(Image.open(io.BytesIO(image)).convert("RGB"), np.float32)).mean() < 8
+        else:
+            assert sample["jpg"] == image  # byte for byte
+        seen.add((meta["path"], meta["record"]))
+    assert len(seen) == 17 and ("train-00000-of-00002", 3) not in seen
+    assert ("validation-00000-of-00001", 4) in seen  # read through the gzip stream
+    report = verify_shards(out, decode=True)
+    assert report.ok, report.problems
+    again = tmp_path / "again"
+    convert_tfrecord(TFRecordConfig(src=src, out=again, workers=1, progress=False))
+    helpers.assert_same_folder(out, again)  # deterministic, whatever the workers
+    assert not list(Path(__import__("tempfile").gettempdir(), "dalifeed-inflated").glob("*.tfrecord"))
+
+
+def test_dali_train_trains_on_converted_tfrecords(imagenet, tmp_path):
+    src, _ = imagenet
+    out = tmp_path / "shards"
+    convert_tfrecord(TFRecordConfig(src=src, out=out, progress=False))
+    from dalifeed.train.cli import main as train_cli
+
+    run = tmp_path / "run"
+    result = CliRunner().invoke(train_cli, ["--data", str(out), "--out", str(run), "--epochs", "1",
+                                            *fast_args(width=16, batch_size=4)])
+    assert result.exit_code == 0, result.output
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    from dalifeed.train import checkpoint
+
+    assert record["val_samples"] == 5 and checkpoint.load(run / "last.pt")["classes"] == SORTED
+
+
+def test_labels_without_synsets_a_second_layout_zlib_and_one_split(tmp_path):
+    """tfds-style records (`image`, `label`, 0-based, no synsets) in a zlib file of any name: --split names
+    the split, --image-feature and --label-feature the features; a label made negative by --label-offset is
+    a skipped record, not a crash."""
+    rng = np.random.default_rng(1)
+    images = [helpers.jpeg_bytes(helpers.random_image(rng, (16, 16), i % 2)) for i in range(6)]
+    records = [example(image=img, label=i % 2 + 1, id=float(i)) for i, img in enumerate(images)]
+    records.append(example(image=images[0], label=0))
+    plain = write_records(tmp_path / "plain.bin", records)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "mydata.tfrecord.zz").write_bytes(zlib.compress(plain.read_bytes()))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(shard_convert, ["tfrecord", str(tmp_path / "src"), str(out), "--split", "train",
+                                                "--image-feature", "image", "--label-feature", "label",
+                                                "--label-offset", "-1", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    manifest = ShardManifest.load(out)
+    assert manifest.classes == ["0", "1"] and manifest.splits["train"].samples == 6
+    assert manifest.skipped == [{"path": "mydata.tfrecord.zz record 6",
+                                 "reason": "label 0 + --label-offset -1 is negative"}]
+    by_record = {json.loads(s["json"])["record"]: s for s in samples_of(out)}
+    assert {r: int(s["cls"]) for r, s in by_record.items()} == {i: i % 2 for i in range(6)}
+    assert all(by_record[i]["jpg"] == images[i] for i in range(6))
+    assert json.loads(by_record[0]["json"])["filename"] == ""
+    assert verify_shards(out).ok
+
+
+def test_labels_that_disagree_with_the_synsets_order_stop_the_conversion(tmp_path):
+    rng = np.random.default_rng(2)
+    records = [imagenet_record(rng, s, i)[0] for i, s in enumerate(SORTED)]
+    records.append(example(image__encoded=helpers.jpeg_bytes(helpers.random_image(rng)), image__class__label=1,
+                           image__class__synset=SORTED[2]))  # 1-based would be 3
+    write_records(tmp_path / "train-00000-of-00001", records)
+    result = helpers.shard_convert("tfrecord", tmp_path / "train-00000-of-00001", tmp_path / "out")
+    assert result.returncode == 1, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "train-00000-of-00001 record 3: image/class/label 1 for synset n03000134" in errors[0]
+    assert "Traceback" not in result.stderr and "please report" not in result.stderr
+
+
+def test_a_broken_length_loses_the_rest_of_its_file_and_says_so(tmp_path):
+    rng = np.random.default_rng(3)
+    path = write_records(tmp_path / "train-0", [imagenet_record(rng, s, i)[0] for i, s in enumerate(SORTED)])
+    data = bytearray(path.read_bytes())
+    (first,) = struct.unpack("<Q", data[:8])
+    data[12 + first + 4] ^= 0x01  # record 1's length
+    path.write_bytes(bytes(data) + b"\0\0")
+    out = tmp_path / "out"
+    convert_tfrecord(TFRecordConfig(src=path, out=out, workers=1, progress=False))
+    manifest = ShardManifest.load(out)
+    assert manifest.splits["train"].samples == 1 and manifest.found == 2
+    (skip,) = manifest.skipped
+    assert skip["path"] == "train-0 record 1" and skip["reason"].startswith("length CRC mismatch at byte")
+    assert f"({len(data) + 2 - 12 - first - 4} bytes) cannot be framed" in skip["reason"]
+
+
+def test_usage_errors_are_one_line(tmp_path):
+    (tmp_path / "src").mkdir()
+    write_records(tmp_path / "src" / "shard0", [example(image__encoded=b"x", image__class__label=1)])
+    result = helpers.shard_convert("tfrecord", tmp_path / "src", tmp_path / "out")
+    assert result.returncode == 2 and "give --split NAME" in result.stderr
+    missing = helpers.shard_convert("tfrecord", tmp_path / "nope", tmp_path / "out")
+    assert missing.returncode == 2 and "source does not exist" in missing.stderr
+
+
+def test_parse_example_reads_what_protobuf_wrote():
+    data = example(a=b"\x00\xff", b=-3, c=1.5, d="n01")
+    features = parse_example(data)
+    assert features["b"].values == (-3,) and features["c"].values == (1.5,) and features["b"].kind == "int64"
+    start, end = features["a"].values[0]
+    assert data[start:end] == b"\x00\xff"
+    ex = Example()
+    ex.features.feature["many"].int64_list.value.extend([1, 2**40, -1])
+    assert parse_example(ex.SerializeToString())["many"].values == (1, 2**40, -1)
