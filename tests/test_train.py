@@ -202,7 +202,7 @@ def test_two_rank_gloo_ddp_keeps_ranks_identical_and_counts_val_once(shards, tmp
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # per-rank batch 8 on 2 ranks: global batch 16; 45 samples -> 22 a rank -> 2 steps an epoch
-    cfg = fast_config(shards, tmp_path / "ddp", epochs=3, workers=1)
+    cfg = fast_config(shards, tmp_path / "ddp", epochs=3, workers=1, swa_start=1)  # SWA's BatchNorm pass too
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_ddp_rank, args=(r, 2, port, cfg, tmp_path)) for r in range(2)]
     for p in procs:
@@ -216,6 +216,8 @@ def test_two_rank_gloo_ddp_keeps_ranks_identical_and_counts_val_once(shards, tmp
     # every validation image counted exactly once across the two ranks, the same numbers on both
     assert r0["metrics"]["val_samples"] == r1["metrics"]["val_samples"] == 21
     assert r0["metrics"]["top1"] == r1["metrics"]["top1"]
+    assert r0["metrics"]["swa_top1"] == r1["metrics"]["swa_top1"]
+    assert checkpoint.load(tmp_path / "ddp" / "swa.pt")["swa"]["epochs_averaged"] == 2
     records = metrics(tmp_path / "ddp")  # only rank 0 writes
     assert [r["epoch"] for r in records] == [0, 1, 2]
     saved = torch.load(tmp_path / "ddp" / "last.pt", weights_only=False)["model"]

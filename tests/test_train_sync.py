@@ -94,7 +94,8 @@ def count_syncs(monkeypatch, run) -> list[tuple[int, str, str]]:
 @pytest.mark.parametrize("amp", ["bf16", "fp16", "off"])
 def test_no_host_sync_between_checks(shards, tmp_path, monkeypatch, amp, mixing):
     """Two epochs of 12 optimizer steps with every option that runs per step on (--ema, --clip-grad,
-    --accum-steps, channels-last, label smoothing; mixup/cutmix's soft targets, or the hard labels' loss),
+    --accum-steps, channels-last, label smoothing, --swa-lr's schedule; mixup/cutmix's soft targets, or the hard
+    labels' loss),
     progress lines and TensorBoard points at every step: only the check after each epoch's first step (one
     read: its all-reduced tallies) and each epoch's end (the check's read and the loss sum's) read the device,
     in Python; below Python, nothing does.
@@ -104,7 +105,8 @@ def test_no_host_sync_between_checks(shards, tmp_path, monkeypatch, amp, mixing)
     cfg = fast_config(shards, tmp_path / "run", width=8, amp=amp, ema=0.9, clip_grad=1.0,
                       mixup_alpha=0.2 if mixing else 0.0, cutmix_alpha=1.0 if mixing else 0.0, channels_last=True,
                       label_smoothing=0.1, accum_steps=2, progress_every=1e-6, tensorboard_every=1,
-                      max_bad_steps=10**6)  # a skipped step is one of the paths: it must not sync either
+                      max_bad_steps=10**6,  # a skipped step is one of the paths: it must not sync either
+                      epochs=2, swa_start=1, swa_lr=0.01, swa_anneal_epochs=0.5)  # SWA's schedule is per step
     cfg.validate()
     Path(cfg.out).mkdir()
     run = build_run(cfg, Dist(0, 1, 0, torch.device("cpu")), resume=None)

@@ -130,6 +130,15 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
               help="Gradient accumulation micro-steps.")
 @click.option("--clip-grad", type=float, default=d("clip_grad"), help="Clip the gradient norm to this value.")
 @click.option("--ema", type=float, default=d("ema"), help="Keep an EMA of the weights with this decay (e.g. 0.9998).")
+@click.option("--swa-start", type=int, default=d("swa_start"),
+              help="Stochastic weight averaging: from this epoch (0-based) on, average the weights after every epoch; "
+                   "after the last, recompute the average's BatchNorm statistics over the training data, evaluate it "
+                   "(swa_top1) and save it as RUN/swa.pt. The paper's setting: the last 25%% of the epochs.")
+@click.option("--swa-lr", type=float, default=d("swa_lr"),
+              help="The learning rate from --swa-start on (per 256 images, scaled like --lr), constant after "
+                   "--swa-anneal-epochs. Default: the schedule goes on as without SWA.")
+@click.option("--swa-anneal-epochs", type=float, default=d("swa_anneal_epochs"), show_default=True,
+              help="Anneal from the schedule's lr to --swa-lr over this many epochs (SWALR's cosine); 0: at once.")
 @click.option("--amp", type=click.Choice(["auto", "bf16", "fp16", "off"]), default=d("amp"), show_default=True,
               help="auto: bf16 on a GPU with native bf16 (sm80+: A100, H100, L4), fp16 on older ones (V100, "
                    "T4), off on the CPU. fp16 adds a GradScaler (and is slow on a CPU: a warning says so).")

@@ -86,6 +86,9 @@ class TrainConfig:
     accum_steps: int = 1
     clip_grad: float | None = None
     ema: float | None = None  # e.g. 0.9999: keep an exponential moving average of the weights
+    swa_start: int | None = None  # SWA: average the weights after every epoch from this one (0-based) on
+    swa_lr: float | None = None  # SWA's lr from --swa-start on, per 256 images as --lr (None: the schedule's)
+    swa_anneal_epochs: float = 0.0  # SWALR's cosine from the schedule's lr to --swa-lr over this many epochs
     amp: str = "auto"  # auto | bf16 | fp16 | off; auto = bf16 on sm80+, fp16 on older GPUs, off on the CPU
     channels_last: bool = False
     compile: bool = False
@@ -270,6 +273,13 @@ def option_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}"),
         (cfg.clip_grad is None or cfg.clip_grad > 0, f"--clip-grad must be > 0, got {cfg.clip_grad}"),
         (cfg.ema is None or 0 < cfg.ema < 1, f"--ema must be in (0, 1), got {cfg.ema}"),
+        (cfg.swa_start is None or 0 <= cfg.swa_start < cfg.epochs,
+         f"--swa-start must be an epoch of the run, 0 to {cfg.epochs - 1} (--epochs {cfg.epochs}), "
+         f"got {cfg.swa_start}"),
+        (cfg.swa_lr is None or cfg.swa_lr > 0, f"--swa-lr must be > 0, got {cfg.swa_lr}"),
+        (cfg.swa_start is not None or (cfg.swa_lr is None and not cfg.swa_anneal_epochs),
+         "--swa-lr and --swa-anneal-epochs set SWA's learning rate: give --swa-start too"),
+        (cfg.swa_anneal_epochs >= 0, f"--swa-anneal-epochs must be >= 0, got {cfg.swa_anneal_epochs}"),
         (0 < cfg.crop_scale[0] <= cfg.crop_scale[1] <= 1,
          f"--crop-scale must be MIN,MAX with 0 < MIN <= MAX <= 1, got {cfg.crop_scale}"),
         (cfg.image_size >= 8, f"--image-size must be >= 8, got {cfg.image_size}"),

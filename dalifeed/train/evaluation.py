@@ -17,20 +17,25 @@ def validation_record(run: Run) -> dict:
     and with --ema the averaged weights' too, prefixed ema_."""
     if run.val_loader is None:
         return {}
-    if run.cfg.task == "multilabel":
-        def measure(model):
-            return evaluate_multilabel(model, run.val_loader, run.dist, run.dtype)
-    else:
-        def measure(model):
-            if hasattr(run.val_loader, "per_dataset"):  # several datasets (--data A --data B): each apart
-                return evaluate_each(lambda part: evaluate(model, part, run.dist, run.dtype, len(run.classes)),
-                                     run.val_loader)
-            return evaluate(model, run.val_loader, run.dist, run.dtype, len(run.classes))
+    measure = measurer(run)
     record = measure(run.train_model)
     if run.ema is not None:
         ema = measure(run.ema.module)
         record.update({f"ema_{name}": v for name, v in ema.items() if name != "val_samples"})
     return record
+
+
+def measurer(run: Run):
+    """model -> the validation split's metrics for this run's task (and each dataset's, mixed)."""
+    if run.cfg.task == "multilabel":
+        return lambda model: evaluate_multilabel(model, run.val_loader, run.dist, run.dtype)
+
+    def measure(model):
+        if hasattr(run.val_loader, "per_dataset"):  # several datasets (--data A --data B): each apart
+            return evaluate_each(lambda part: evaluate(model, part, run.dist, run.dtype, len(run.classes)),
+                                 run.val_loader)
+        return evaluate(model, run.val_loader, run.dist, run.dtype, len(run.classes))
+    return measure
 
 
 def autocast(dist: Dist, dtype: torch.dtype | None):

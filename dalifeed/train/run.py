@@ -64,6 +64,7 @@ class Run:
     val_loader: object | None = None
     dtype: torch.dtype | None = None  # autocast's; None: full precision
     ema: torch.nn.Module | None = None
+    swa: torch.nn.Module | None = None  # --swa-start's average (swa.py)
     classes: list[str] = field(default_factory=list)
     train_model: torch.nn.Module | None = None  # what trains: DDP and/or torch.compile around `model` (None: it)
     state: TrainState = field(default_factory=TrainState)
@@ -135,7 +136,8 @@ class Run:
         return {
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-            "ema": self.ema.state_dict() if self.ema is not None else None, "state": asdict(self.state),
+            "ema": self.ema.state_dict() if self.ema is not None else None,
+            "swa": self.swa.state_dict() if self.swa is not None else None, "state": asdict(self.state),
             "rng": checkpoint.rng_state(), "config": self.cfg.to_json(), "classes": self.classes,
             "metrics": metrics, "world_size": self.dist.world_size, "data": self.data,
             "data_changed": self.data_changed,

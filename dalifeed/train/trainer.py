@@ -48,12 +48,13 @@ from .data import (
     open_data,
 )
 from .distributed import Dist, log, setup, teardown
-from .evaluation import autocast, validation_record
+from .evaluation import autocast, measurer, validation_record
 from .mixup import BatchMixer, soft_cross_entropy
 from .progress import EpochProgress
 from .resume import check_same_data
 from .run import EpochStats, Run, RunLog, SampleLog, TrainState
 from .stop import TrainingStopped, agree_to_skip
+from .swa import finish_swa, make_swa, swa_path, swa_payload, swa_schedule
 
 
 class TrainingDiverged(Exception):
@@ -104,6 +105,9 @@ def fit(run: Run) -> TrainResult:
     with run.profiler or nullcontext(), stop.listening():
         for epoch in range(state.epoch, cfg.epochs):
             state.epoch = epoch
+            if run.swa is not None and epoch == cfg.swa_start and run.midway is None:
+                log(f"epoch {epoch}: SWA from here on, the weights averaged after every epoch"
+                    + (f", lr {cfg.swa_lr:g} per 256 images" if cfg.swa_lr else ""))
             stats = train_one_epoch(run, run.start_epoch(epoch))
             if stop.agreed and stats.steps < run.steps_per_epoch:
                 raise TrainingStopped(stop.agreed, run.where(f"epoch {epoch}, step {stats.steps} of "
@@ -112,12 +116,20 @@ def fit(run: Run) -> TrainResult:
                       "images_per_s": stats.images * run.dist.world_size / stats.seconds,
                       "epoch_seconds": stats.seconds, "data_wait_share": stats.data_wait / stats.seconds,
                       "bad_steps": stats.bad_steps}
+            swa_done = run.swa is not None and epoch >= cfg.swa_start
+            if swa_done:
+                run.swa.update_parameters(run.model)
             record.update(validation_record(run))
+            swa_done = swa_done and epoch == cfg.epochs - 1
+            if swa_done:
+                record.update(finish_swa(run, measurer(run)))
             record.update(gpu_stats(run.dist.device))
             if run.data_changed is not None:  # the log says which epoch first trained on other shards
                 record["data_changed"], run.data_changed = run.data_changed, None
             state.epoch = epoch + 1
             run.finish_epoch(record)
+            if swa_done and run.dist.is_main:
+                run.save(swa_path(cfg.out), swa_payload(run, record))
             if stop.agreed or stop.requested and not run.dist.enabled:
                 raise TrainingStopped(stop.agreed or stop.requested, run.where(f"the end of epoch {epoch}"))
     run.run_log.close()
@@ -313,6 +325,7 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
         torch.backends.cudnn.benchmark = True
 
     model, ema = make_model(cfg, dist, data.num_classes)
+    swa = make_swa(cfg, model, dist)
     train_loader, val_loader = make_loaders(cfg, data, options)
     if (lanes := describe_lanes(train_loader)) is not None:
         log(lanes)
@@ -322,12 +335,15 @@ def build_run(cfg: TrainConfig, dist: Dist, resume: dict | None) -> Run:
     global_batch = cfg.batch_size * dist.world_size * cfg.accum_steps
     lr = cfg.lr * global_batch / 256
     optimizer = build_optimizer(cfg, model, lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(
-        cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch), cfg.min_lr_ratio))
+    factor = warmup_cosine(cfg.epochs * steps_per_epoch, round(cfg.warmup_epochs * steps_per_epoch), cfg.min_lr_ratio)
+    if swa is not None:
+        factor = swa_schedule(factor, cfg.swa_start * steps_per_epoch, round(cfg.swa_anneal_epochs * steps_per_epoch),
+                              cfg.swa_lr / cfg.lr if cfg.swa_lr else None)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     scaler = torch.amp.GradScaler(dist.device.type, enabled=dtype == torch.float16)
 
     run = Run(cfg, dist, model, optimizer, scheduler, scaler, train_loader, val_loader=val_loader, dtype=dtype,
-              ema=ema, classes=data.classes, profiler=make_profiler(cfg, dist), data=contents,
+              ema=ema, swa=swa, classes=data.classes, profiler=make_profiler(cfg, dist), data=contents,
               data_changed=data_changed)
     if resume is not None:
         restore(run, resume)
@@ -504,6 +520,8 @@ def restore(run: Run, saved: dict) -> None:
     run.scaler.load_state_dict(saved["scaler"])
     if run.ema is not None:
         run.ema.load_state_dict(saved["ema"])
+    if run.swa is not None and saved.get("swa") is not None:
+        run.swa.load_state_dict(saved["swa"])
     run.state = TrainState.from_checkpoint(saved["state"])
     run.midway = saved.get("midway")
     checkpoint.restore_rng(saved["rng"])

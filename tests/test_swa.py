@@ -1,0 +1,131 @@
+"""dali-train --swa-start: the weights averaged after every epoch from that one on, BatchNorm recomputed over the
+training data through the DALI loader, swa_* metrics and RUN/swa.pt; a SIGTERM in the SWA phase and a resume
+give the same average, bit for bit, as a run never stopped."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dalifeed.train import checkpoint
+from dalifeed.train.cli import main as train_cli
+from dalifeed.train.distributed import Dist
+from dalifeed.train.stop import StepChecks
+from dalifeed.train.swa import swa_schedule, update_bn
+from dalifeed.train.trainer import warmup_cosine
+from fast_recipe import fast_args
+
+
+@pytest.fixture(scope="module")
+def shards(make_shards) -> Path:
+    """3 colour-coded classes: 45 train images (5 steps of 8 an epoch), 21 val."""
+    _, shards = make_shards({"train": {"red": 17, "green": 15, "blue": 13}, "val": {"red": 7, "green": 7, "blue": 7}},
+                            samples_per_shard=10)
+    return shards
+
+
+def swa_args(shards: Path, out: Path, *more: str) -> list[str]:
+    return ["--data", str(shards), "--out", str(out), *fast_args(epochs=4, width=16), "--swa-start", "1",
+            "--swa-lr", "0.01", "--swa-anneal-epochs", "1", *more]
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_swa_averages_the_epochs_evaluates_and_saves_swa_pt(shards, tmp_path):
+    run = tmp_path / "run"
+    result = CliRunner().invoke(train_cli, swa_args(shards, run, "--ema", "0.9"))
+    assert result.exit_code == 0, result.output
+    records = metrics(run)
+    assert [("swa_top1" in r) for r in records] == [False, False, False, True]
+    last = records[-1]
+    assert {"swa_top1", "swa_top5", "swa_val_loss", "ema_top1"} <= set(last) and 0 <= last["swa_top1"] <= 1
+    assert "swa_top1" in result.output and "SWA: the average of 3 epochs (1 to 3)" in result.output
+    assert [r["lr"] for r in records][1:] == pytest.approx([0.01 * 8 / 256] * 3)  # constant after the anneal
+    saved = checkpoint.load(run / "swa.pt")
+    assert saved["swa"] == {"start": 1, "epochs_averaged": 3} and saved["classes"] == ["blue", "green", "red"]
+    weights = saved["model"]
+    assert any(torch.count_nonzero(w != 0) for k, w in weights.items() if "running_mean" in k)
+    model_weights = checkpoint.load(run / "last.pt")["model"]
+    differs = [k for k in weights if weights[k].is_floating_point() and not torch.equal(weights[k], model_weights[k])]
+    assert differs  # an average of three epochs, not the last one's weights
+    again = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(tmp_path / "ft"), "--pretrained",
+                                           str(run / "swa.pt"), *fast_args(epochs=1, width=16)])
+    assert again.exit_code == 0, again.output  # swa.pt is a checkpoint --pretrained reads
+
+
+def test_a_sigterm_in_the_swa_phase_resumes_to_the_same_swa_pt(shards, tmp_path, monkeypatch):
+    straight = tmp_path / "straight"
+    assert CliRunner().invoke(train_cli, swa_args(shards, straight)).exit_code == 0
+
+    real_count, steps = StepChecks.count, []
+
+    def count_then_sigterm(self, skipped):
+        real_count(self, skipped)
+        steps.append(1)
+        if len(steps) == 12:  # epoch 2, step 2: inside the SWA phase, one average taken
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(StepChecks, "count", count_then_sigterm)
+        stopped = CliRunner().invoke(train_cli, swa_args(shards, run))
+    assert stopped.exit_code == 143, stopped.output
+    saved = checkpoint.load(run / "last.pt")
+    # stopped at the next check: inside epoch 2 (one average taken) or at its end (two)
+    assert saved["state"]["epoch"] in (2, 3) and int(saved["swa"]["n_averaged"]) == saved["state"]["epoch"] - 1
+    assert not (run / "swa.pt").exists()
+    resumed = CliRunner().invoke(train_cli, ["--resume", str(run)])
+    assert resumed.exit_code == 0, resumed.output
+    a, b = checkpoint.load(straight / "swa.pt"), checkpoint.load(run / "swa.pt")
+    assert a["swa"] == b["swa"] and a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert metrics(run)[-1]["swa_top1"] == metrics(straight)[-1]["swa_top1"]
+
+
+def test_update_bn_is_torchs_update_bn():
+    """Over the same batches, in one process without autocast: the statistics torch's update_bn gives."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.Conv2d(4, 4, 3), torch.nn.BatchNorm2d(4))
+    batches = [(torch.randn(5, 3, 8, 8) * (i + 1), torch.zeros(5)) for i in range(4)]
+
+    class Loader(list):
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+    ours, torchs = copy.deepcopy(model), copy.deepcopy(model)
+    loader = Loader(batches)
+    read = update_bn(ours, loader, Dist(0, 1, 0, torch.device("cpu")), None, channels_last=False, epoch=7)
+    torch.optim.swa_utils.update_bn(batches, torchs)
+    assert read == 4 and loader.epoch == 7
+    for a, b in zip(ours.buffers(), torchs.buffers()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(m.momentum == 0.1 for m in ours.modules() if isinstance(m, torch.nn.BatchNorm2d))
+
+
+def test_swa_schedule_anneals_from_the_schedule_to_the_swa_lr():
+    base = warmup_cosine(100, 10, 0.0)
+    factor = swa_schedule(base, swa_step=60, anneal_steps=10, swa_ratio=0.05)
+    assert [factor(s) for s in range(60)] == [base(s) for s in range(60)]
+    values = [factor(s) for s in range(60, 75)]
+    assert base(60) > values[0] > values[4] > values[8] and values[9:] == [0.05] * 6
+    assert swa_schedule(base, 60, 0, 0.05)(60) == 0.05 and swa_schedule(base, 60, 10, None) is base
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--swa-lr", "0.01"], "--swa-lr and --swa-anneal-epochs set SWA's learning rate: give --swa-start too"),
+    (["--swa-start", "4"], "--swa-start must be an epoch of the run, 0 to 3 (--epochs 4), got 4"),
+])
+def test_swa_usage_errors(shards, tmp_path, args, message):
+    result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(tmp_path / "r"), "--epochs", "4",
+                                           *args])
+    assert result.exit_code == 2 and message in result.output
