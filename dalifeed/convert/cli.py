@@ -141,13 +141,7 @@ def imagefolder_cmd(src, out, quiet, debug, **options):
     from any machine; see --staging and docs/storage.md.
     """
     cfg = ConvertConfig(src=src, out=out, progress=not quiet and sys.stderr.isatty(), **options)
-    click.echo(f"shard-convert imagefolder: {json.dumps(cfg.to_json())}", err=True)
-    manifest = run_command(
-        lambda: convert_imagefolder(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
-        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError, OSError),
-        log=lambda: cfg.folder / "convert-error.log",
-        stopped=lambda e: f"finished shards in {out} are kept; run the same command again to resume")
-    click.echo(describe_result(manifest))
+    manifest = run_conversion("imagefolder", convert_imagefolder, cfg, debug)
     exit_if_nothing_converted(manifest)
 
 
@@ -188,13 +182,7 @@ def coco_cmd(out, quiet, debug, **options):
     from .coco import CocoConfig, convert_coco  # here, not at the top: numpy, which no other command needs
 
     cfg = CocoConfig(out=out, progress=not quiet and sys.stderr.isatty(), **options)
-    click.echo(f"shard-convert coco: {json.dumps(cfg.to_json())}", err=True)
-    manifest = run_command(
-        lambda: convert_coco(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
-        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError, OSError),
-        log=lambda: cfg.folder / "convert-error.log",
-        stopped=lambda e: f"finished shards in {out} are kept; run the same command again to resume")
-    click.echo(describe_result(manifest))
+    manifest = run_conversion("coco", convert_coco, cfg, debug)
     counts = manifest.extra.get("counts", {})
     if manifest.kind == "coco" and manifest.summary.status in ("fresh", "resume", "merged"):
         click.echo(f"Boxes: {counts.get('boxes', 0)} training targets, {counts.get('crowd_boxes', 0)} crowd, "
@@ -245,13 +233,7 @@ def tfrecord_cmd(src, out, quiet, debug, **options):
     from .tfrecord import TFRecordConfig, convert_tfrecord
 
     cfg = TFRecordConfig(src=src, out=out, progress=not quiet and sys.stderr.isatty(), **options)
-    click.echo(f"shard-convert tfrecord: {json.dumps(cfg.to_json())}", err=True)
-    manifest = run_command(
-        lambda: convert_tfrecord(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
-        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError, OSError),
-        log=lambda: cfg.folder / "convert-error.log",
-        stopped=lambda e: f"finished shards in {out} are kept; run the same command again to resume")
-    click.echo(describe_result(manifest))
+    manifest = run_conversion("tfrecord", convert_tfrecord, cfg, debug)
     exit_if_nothing_converted(manifest)
 
 
@@ -279,6 +261,19 @@ def export_coco_cmd(out: Path | str, dest: Path, split: str | None):
                       runtime_errors=(StorageError, OSError, DiskFull), stopped=lambda e: "nothing was written")
     click.echo(f"{dest}: {len(doc['images'])} images, {len(doc['annotations'])} annotations, "
                f"{len(doc['categories'])} categories")
+
+
+def run_conversion(kind: str, convert, cfg, debug: bool) -> ShardManifest:
+    """A converter's run as every `shard-convert <kind>` command makes it: its config printed, errors in one
+    line (the traceback in OUT's convert-error.log), the result described."""
+    click.echo(f"shard-convert {kind}: {json.dumps(cfg.to_json())}", err=True)
+    manifest = run_command(
+        lambda: convert(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
+        runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError, OSError),
+        log=lambda: cfg.folder / "convert-error.log",
+        stopped=lambda e: f"finished shards in {cfg.location} are kept; run the same command again to resume")
+    click.echo(describe_result(manifest))
+    return manifest
 
 
 def exit_if_nothing_converted(manifest: ShardManifest) -> None:
