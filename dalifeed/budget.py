@@ -11,14 +11,12 @@ where more threads stop helping:
   the reader and Huffman-decode the share of JPEGs not sent to the hardware decoder. (DALI's own examples
   use 3-4, DeepLearningExamples 5.) Each mixed-decoder thread also holds its own nvJPEG buffers, so threads
   beyond the need cost GPU and pinned memory (docs/gpu.md).
-- `cpu` and `hybrid` (libjpeg-turbo decoding on the CPU): 16. Here the CPU threads are the decoder:
-  ~520 images/s per thread for RandomResizedCrop(224) (decode, resize, normalise; docs/benchmarks.md:
-  1,042 images/s on 2 threads), so one GPU training ResNet-50 at ~2,500 images/s (an A100) needs about 5
-  and 16 feed three times that; past that, threads only contend with the trainer for the CPUs.
+- `cpu` and `hybrid` (libjpeg-turbo decoding on the CPU): 16. Here the CPU threads are the decoder, and 16
+  decode several times what one GPU training ResNet-50 takes (docs/benchmarks.md); past that, threads only
+  contend with the trainer for the CPUs.
 
-`make_loader(num_threads=)` and `dali-train --dali-threads` override it. (dali-bench does not use it: its
-`--workers`, default every usable CPU, gives every loader it races the same threads, DALI's and the
-DataLoader's alike.)
+`make_loader(num_threads=)` and `dali-train --dali-threads` override it; dali-bench does not use it (its
+`--workers` gives every loader it races the same threads).
 """
 
 from __future__ import annotations

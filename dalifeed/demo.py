@@ -37,7 +37,7 @@ class Steps:
     def run(self, *args: str) -> None:
         """`args` as typed at a shell, run by the console script's own function in this process: the same
         code, options and output as the installed command, without a new interpreter importing torch,
-        torchvision and DALI again for each command (4.9 s of dali-train's start on the Xeon). A command
+        torchvision and DALI again for each command (seconds at every start). A command
         that fails has printed its one line: the demo stops with its exit code."""
         click.secho(f"$ {shlex.join(args)}", fg="cyan", err=True)
         (script,) = entry_points(group="console_scripts", name=args[0])
@@ -61,22 +61,18 @@ class Steps:
         return ", ".join(f"{name} {s:.0f} s" for name, s in self.seconds.items())
 
 
-# The digits recipe. ResNet-10 (resnet10_cifar, this recipe since issue 29's eleventh stop), seeds 0-4 under
-# AVX-512, AVX2 and SSE4.1 kernels (ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA) on a 2-core Intel Xeon: top-1
-# 99.16-100%, mean 99.50% (0-3 of 359 validation images wrong; >= 99% is at most 3), as ResNet-18 measured
-# (99.16-100%, mean 99.54%, on a 2-core AMD EPYC) in half the time of a training step: on AVX2 kernels the
-# whole dali-train takes 43 s on the Xeon, ResNet-18's 75 s (medians of 3; docs/benchmarks.md, "A faster demo").
+# The digits recipe. ResNet-10 (resnet10_cifar) reaches ResNet-18's accuracy over seeds and CPU kernels
+# (AVX-512, AVX2, SSE4.1) in about half the training time, so the demo ends sooner (docs/training.md, "Measured").
 # - The digits are framed by a 2-pixel black margin (12x12, as MNIST centres its digits in a box; see
 #   make_digits_imagefolder) and trained at 16 px by a ResNet with a CIFAR stem (3x3 stride-1 convolution, no
 #   max-pool) at width 16 (stages 16..128 channels), one basic block a stage. torchvision's stem (7x7 stride 2,
 #   then a max-pool) shrinks 32 px to 8x8 before the first stage; this one keeps 16x16 there.
-# - ResNet-18 (resnet18_cifar, two blocks a stage; the recipe before): the same accuracy, 1.8x the CPU time.
-# - The recipe before that (no margin; torchvision's stem at width 32 and 32 px; the rest as below): 98.3-99.7%,
-#   mean 99.0% (1-6 wrong), 7 of 15 runs >= 99%. Without a margin the digits touch their top and bottom
-#   rows, and the random crops (and validation's centre crop) cut strokes off them.
-# - Screened on AVX-512, seeds 0-3 (wrong of 359): margin alone (width 32, 32 px): 5 / 0 / 2 / 1; margin + CIFAR
-#   stem at width 32: 16 px 1 / 2 / 2 / 3 but twice the CPU time (too slow for the demo), 15 epochs of it
-#   4 / 3, 12 px 4 / 2 / 3 / 3; at width 16 (ResNet-18's recipe) 1 / 0 / 2 / 2 in the time of the one before.
+# - ResNet-18 (resnet18_cifar, two blocks a stage; the recipe before): the same accuracy, more CPU time.
+# - The recipe before that (no margin; torchvision's stem at width 32 and 32 px; the rest as below) was less
+#   accurate: without a margin the digits touch their top and bottom rows, and the random crops (and
+#   validation's centre crop) cut strokes off them.
+# - Screened and set aside, less accurate or slower than width 16: the margin alone (width 32, 32 px), and the
+#   margin with the CIFAR stem at width 32 (16 px too slow for the demo; 15 epochs, or 12 px, less accurate).
 # - Tried before, for the previous recipe, and no better or slower: crops 0.25-1 or 0.5-1, 15 or 40 epochs,
 #   batch 32, batch 128 (45 epochs), lr 0.8, AdamW, no label smoothing, weight decay 1e-3, EMA of the weights,
 #   width 16 for 60 epochs, width 64, 24 or 48 px.
@@ -87,15 +83,11 @@ RECIPE = ["--model", "resnet10_cifar", "--width", "16", "--image-size", "16", "-
 
 
 # The demo's race: what `dali-bench` measures with its default windows, in less time. A timed window must
-# not begin with batches made before it (dali-bench's warm-up drains each loader's read-ahead: the
-# DataLoader's 8 prefetched batches made a 0.75 s window look 40% faster), and it takes dali-bench's default
-# batch of 64, as the long bench it stands for: on the demo's 208 training photos, batches of 32 (the demo's
-# before) measured the baseline faster than batches of 64 do (a DataLoader hands batches to its workers in
-# turn: an epoch's 3 batches of 64 go two to one, its 6 batches of 32 three and three). dali-cpu's median
-# ratio to the baseline on those photos, on a 2-core Intel Xeon whose speed moved with its host's load
-# (docs/benchmarks.md, "The demo's numbers"): batches of 32 in 2 s windows 1.22 (17 runs), batches of 64 in
-# 2 s windows 1.35 (10 runs), the default windows (batches of 64, 3 x 10 s) 1.42 (8 runs). `make bench`
-# races every loader and the peers.
+# not begin with batches made before it (dali-bench's warm-up drains each loader's read-ahead, which would
+# make a short window look faster), and it takes dali-bench's default batch of 64, as the long bench it stands
+# for: on the demo's 208 training photos, batches of 32 (the demo's before) made the baseline look faster than
+# batches of 64 do (a DataLoader hands batches to its workers in turn: an epoch's 3 batches of 64 go two to
+# one, its 6 batches of 32 three and three). `make bench` races every loader and the peers (docs/benchmarks.md).
 BENCH = ["--seconds", "2", "--repeats", "3", "--loaders", "baseline,dali-cpu"]
 
 
@@ -118,7 +110,7 @@ def main(workdir: Path, seed: int, epochs: int) -> None:
 
     steps.part("bench", "2. photos: ImageNet-like 500x375 JPEGs, shards, and the loader race")
     # a process per core writes the photos (the same files as one: each class has its own seeded generator),
-    # about 2 s sooner on 2 cores (docs/benchmarks.md, "The demo's data in less time")
+    # sooner on several cores
     photos = make_photos_imagefolder(workdir / "photos", per_class=32, workers=usable_cores())
     steps.run("shard-convert", "imagefolder", str(photos), str(workdir / "photos-shards"), "--samples-per-shard", "32")
     steps.run("dali-bench", "--imagefolder", str(photos / "train"), "--shards", str(workdir / "photos-shards"),

@@ -81,7 +81,7 @@ _clients: dict = {}
 
 def client():
     """A boto3 S3 client from the standard AWS configuration, with short timeouts and few retries (one per
-    configuration seen in this process: boto3 clients are thread-safe, making one costs ~50 ms)."""
+    configuration seen in this process: boto3 clients are thread-safe, and making one is not free)."""
     key = tuple(os.environ.get(name) for name in _ENV)
     if key not in _clients:
         import boto3

@@ -1,11 +1,9 @@
 """Whether this node's NVIDIA driver, torch and DALI fit together, and where `--device auto` runs: one decision.
 
-A CUDA program runs on a driver of its own CUDA major or a newer one (NVIDIA's minor version compatibility,
-docs.nvidia.com/deploy/cuda-compatibility/minor-version-compatibility.html, Table 1: CUDA 12.x needs a driver
->= 525, CUDA 13.x >= 580; the CUDA 12.0 and 13.0 release notes give the Linux floors 525.60.13 and 580.65.06).
-torch from PyPI is built for CUDA 13.0 from 2.11 on, DALI for the major its package names (nvidia-dali-cuda120,
-nvidia-dali-cuda130), so the wrong pair on an R535-R575 driver (the common one on clusters) leaves
-`torch.cuda.is_available()` False: before this check, `--device auto` then trained on the CPU without a word.
+A CUDA program runs on a driver of its own CUDA major or a newer one (CUDA 12.x needs a driver >= 525, 13.x
+>= 580); torch from PyPI is built for CUDA 13.0 from 2.11 on and DALI for the major its package names, so the
+wrong pair on an R535-R575 driver leaves `torch.cuda.is_available()` False: before this check, `--device auto`
+then trained on the CPU without a word.
 
 - `probe()` reads what this process has: NVML's driver and GPUs, the NVIDIA device files, torch's and DALI's
   versions, CUDA builds and device counts. The only function here that looks at the machine.
@@ -15,15 +13,9 @@ nvidia-dali-cuda130), so the wrong pair on an R535-R575 driver (the common one o
   node without; on a node with GPUs and a stack that does not fit it raises `StackMismatch` (one line) instead
   of falling back to the CPU.
 
-A GPU node is one whose GPUs this process can use: NVML answering with GPUs, or a `/dev/nvidia<N>` this process
-can open (what a container runtime injects, or a job's cgroup allows). The host's `/proc/driver/nvidia/gpus`
-alone, or device files it may not open, are a container or job given no GPU (a `docker build`, a CPU pod on a
-GPU node, a Slurm job without `--gres=gpu`): libnvidia-container masks `/proc/driver/nvidia` only where it
-injects GPUs, and Docker's default masked paths leave it. There `--device auto` runs on the CPU with a note
-(`StackReport.notes`) saying how to be given the GPUs. The loaders (`resolve_device`), dali-train
-(`distributed.setup`), dali-bench and gpu-check all ask `choose_device`.
-
-`dalifeed doctor` prints all of it (dalifeed/doctor.py).
+A GPU node is one whose GPUs this process can use (NVML, or a `/dev/nvidia<N>` it can open); elsewhere `--device
+auto` runs on the CPU with a note saying how to be given the GPUs. The loaders, dali-train, dali-bench and
+gpu-check all ask `choose_device`; `dalifeed doctor` prints all of it (dalifeed/doctor.py).
 """
 
 from __future__ import annotations
@@ -389,8 +381,8 @@ def can_open(path: Path) -> bool:
 
 def dali_distributions(paths: list[str] | None = None) -> tuple[str, ...]:
     """The installed nvidia-dali-*cuda<NNN> distributions, from their dist-info folders on sys.path (a glob:
-    importlib.metadata.distributions() reads every package's metadata, 0.13 s here, and the loaders ask this
-    for every 'auto' loader)."""
+    importlib.metadata.distributions() reads every package's metadata, and the loaders ask this for every
+    'auto' loader)."""
     names = set()
     for entry in sys.path if paths is None else paths:
         for info in Path(entry or ".").glob("nvidia_dali*.dist-info"):

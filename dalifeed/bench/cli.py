@@ -1,7 +1,7 @@
 """`dali-bench`: the DALI pipelines against a tuned torch DataLoader, same data, same augmentation.
 
 The click command only: the options become a `BenchConfig` (config.py), `run_bench` (run.py) races the
-loaders, `report.py` renders and writes what they measured."""
+loaders, `report.py` renders and writes their results."""
 
 from __future__ import annotations
 
@@ -228,7 +228,7 @@ def remove_dead_races_folders(tmp: Path) -> None:
 
 
 def sizes_summary(sizes: list[int], reports: list[dict]) -> dict:
-    """Each loader's images/s at each size, and what each size gives against the first (a schedule's saving)."""
+    """Each loader's throughput at each size, and what each size gives against the first (a schedule's saving)."""
     rates = {size: {r["loader"]: r["images_per_s"] for r in report["results"]} for size, report in zip(sizes, reports)}
     first = rates[sizes[0]]
     return {"image_sizes": sizes,

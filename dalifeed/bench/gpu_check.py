@@ -1,30 +1,14 @@
-"""`make gpu-check`: prove the GPU stack of one node in one command, and write down what it measured.
+"""`make gpu-check`: prove the GPU stack of one node in one command, and write down what it found.
 
     python -m dalifeed.bench.gpu_check --workdir build/gpu-check          # what `make gpu-check` runs
     python -m dalifeed.bench.gpu_check --steps loaders,hw-decoder         # some steps; the report merges
 
-Steps, in order (each adds its section to WORKDIR/gpu-check.json and gpu-check.md):
-
-- tests       the `gpu`-marked tests (pytest -m gpu), from a source checkout
-- loaders     dali-bench with every loader on the ImageNet-like photo set: batch 256, 224 px, fp16 output
-- hw-decoder  dali-gpu at each --hw-loads value, at the DALI threads one rank of dali-train gets on this node
-              (budget.thread_budget with one rank per GPU, not every core), with NVML's JPEG-engine utilisation:
-              whether the hardware decoder is used, and the best share for this GPU and this rank's threads
-- defaults    the training graph on the GPU at 4, 6 and 8 DALI threads (as the rank's CPUs allow) and prefetch
-              queues of 2 and 5: the best, against the published defaults dalifeed uses (dalifeed/defaults.py)
-- train       a slice of dali-train (ResNet-50, --amp bf16 --channels-last) on the shards, run as the node runs
-              it (torchrun, one rank per GPU), against the same command with --synthetic (one batch repeated):
-              images/s of the node, data wait, GPU utilisation
-- recipe-imagenet, recipe-ra, recipe-ta_wide, recipe-erase, recipe-mixup-cutmix, recipe-torchvision-resnet50,
-  multilabel, detection
-              each recipe the graphs run (gpu_recipes.py), over every output the loader hands out (float32 and
-              float16, NCHW and NHWC): images/s on the GPU, and a checksum of its first batch against the CPU
-              path's (the hybrid loader: CPU decoding, the GPU's kernels, the same random draws); the
-              torchvision-resnet50 step also runs a training slice of `dali-train --recipe torchvision-resnet50`
-- checkpoint  a `mixed` loader's DALI checkpoint: time to save and restore, and whether the restored
-              batches are bit-identical to the ones an uninterrupted loader yields
-- nccl        the collective code path (all-reduce, gather, DDP backward) at world size 1: one GPU cannot
-              run two NCCL processes
+Each step adds its section to WORKDIR/gpu-check.json and gpu-check.md, in order: `tests` (the `gpu`-marked
+tests), `loaders` (dali-bench, every loader), `hw-decoder` (dali-gpu at each --hw-loads value), `defaults` (DALI
+threads and prefetch queues against dalifeed/defaults.py), `train` (a slice of dali-train against --synthetic),
+one step per training recipe (gpu_recipes.py: each output on the GPU, its first batch checked against the CPU
+path's), `checkpoint` (a restored DALI checkpoint, bit for bit) and `nccl` (the collectives at world size 1).
+`main`'s --help lists them.
 
 Where there is no GPU it stops with exit 2 unless --allow-cpu (then it runs every step that can run on
 the CPU: that is how the check itself is tested).

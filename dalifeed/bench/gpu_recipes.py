@@ -4,7 +4,7 @@ One step per recipe (`RECIPES`: the three policies, random erasing, mixup/cutmix
 `--recipe torchvision-resnet50`, multi-label and detection on COCO shards), each over every output the loader
 hands out (float32 and float16, NCHW and NHWC; detection has one, float32 CHW). For each such case:
 
-- **images/s**: a `gpu` loader (nvJPEG decoding) for `--recipe-batches` batches after a first one (the build,
+- **throughput**: a `gpu` loader (nvJPEG decoding) for `--recipe-batches` batches after a first one (the build,
   left out), mixing on the device where the recipe mixes, one synchronisation at the end;
 - **checksum against the CPU**: the first batch of a `hybrid` loader (the CPU decoder, every later operator on
   the GPU) against the first batch of a `cpu` loader with the same seed. The two graphs are the same operators
@@ -174,7 +174,7 @@ def mixed(case: Case, batch, step: int, num_classes: int):
 
 
 def timed_rate(loader, count: int, device: str, images_of: Callable[[int, object], int] = lambda step, b: len(b[0])):
-    """images/s of `count` batches of `loader` after the first (which includes the pipeline's build);
+    """Images per second over `count` batches of `loader` after the first (which includes the pipeline's build);
     `images_of(step, batch)` does what the step does with a batch and says how many images it held."""
     stream = batches(loader, count + 1)
     next(stream)
@@ -187,7 +187,7 @@ def timed_rate(loader, count: int, device: str, images_of: Callable[[int, object
 
 
 def images_per_s(case: Case, data: Path, device: str, count: int, num_classes: int) -> float:
-    """images/s of the case's loader on `device`, mixing on the device included."""
+    """Images per second of the case's loader on `device`, mixing on the device included."""
     return timed_rate(case.loader(data, device), count, device,
                       lambda step, batch: len(mixed(case, batch, step, num_classes)[0]))
 
@@ -212,7 +212,7 @@ def compare(batch: tuple[torch.Tensor, torch.Tensor], reference: tuple[torch.Ten
 
 
 def run_case(case: Case, data: Path, has_gpu: bool, count: int, num_classes: int) -> dict:
-    """One case: its images/s on the GPU (the CPU without one) and its first batch against the CPU path's."""
+    """One case: its throughput on the GPU (the CPU without one) and its first batch against the CPU path's."""
     device = "gpu" if has_gpu else "cpu"
     result = {"output": output_name(case.dtype, case.channels_last), "device": device,
               "images_per_s": images_per_s(case, data, device, count, num_classes)}

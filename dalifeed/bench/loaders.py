@@ -117,8 +117,8 @@ DEFAULT_AHEAD = 8
 def batches_ahead(loader) -> int:
     """How many batches `loader` can hold ready before it is asked for them: a DataLoader's workers x
     prefetch_factor, a DALI loader's prefetch queue. A timed window that began with them full would count
-    them as made inside it (a 0.75 s window of the demo read 8 prefetched DataLoader batches, most of what it
-    counted), so the warm-up drains them first (`measure.time_loader`)."""
+    them as made inside it (in a short window, such as the demo's, they can be most of what it counts), so the
+    warm-up drains them first (`measure.time_loader`)."""
     inner = getattr(loader, "loader", loader)  # run.on_device's
     if isinstance(inner, TorchLoader):
         return inner.dataloader.num_workers * (inner.dataloader.prefetch_factor or 0)

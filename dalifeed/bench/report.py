@@ -37,7 +37,7 @@ def render_table(report: dict) -> str:
 
 def epoch_start_cell(record: dict) -> str:
     """The pause before an epoch's first batch, in batch times ("-": no epoch began in the timed windows)."""
-    value = record.get("epoch_start_batch_times")  # absent from reports written before it was measured
+    value = record.get("epoch_start_batch_times")  # absent from reports written before the field existed
     return "-" if value is None else f"{value:.1f}"
 
 
@@ -61,7 +61,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def figure(report: dict):
-    """bench.png's figure: images/s per loader (median, min-max, speed-up over the baseline) and, with
+    """bench.png's figure: throughput per loader (median, min-max, speed-up over the baseline) and, with
     --model, the training steps/s each loader sustains next to synthetic data."""
     import matplotlib
 
@@ -84,7 +84,7 @@ def figure(report: dict):
 
 
 def loading_bars(ax, results: list[dict], colours: list[str]) -> None:
-    """images/s per loader: the median, the runs' min-max as error bars, the speed-up over the baseline."""
+    """Throughput per loader: the median, the runs' min-max as error bars, the speed-up over the baseline."""
     medians = [r["images_per_s"] for r in results]
     low = [m - min(r["images_per_s_runs"]) for m, r in zip(medians, results)]
     high = [max(r["images_per_s_runs"]) - m for m, r in zip(medians, results)]

@@ -24,7 +24,7 @@ from .peers import peer_loader
 
 
 def environment() -> dict:
-    """Versions, cores, CPU and GPU of this machine: every report carries them."""
+    """Versions, cores, CPU and GPU of the host: every report carries them."""
     import nvidia.dali
     import torchvision
     import webdataset

@@ -49,7 +49,7 @@ def make_digits_imagefolder(out: Path, size: int = 32, seed: int = 0, val_fracti
 
 
 # scikit-learn's digits and sample photos are read from the files it ships, the way its loaders read them:
-# importing scikit-learn (scipy and the rest) takes 2.8 s on a 2-core machine, for two files it only reads.
+# importing scikit-learn (scipy and the rest) is slow, for two files it only reads.
 # Where a release moves them, its loaders are used (tests/test_sample_data.py compares both).
 
 

@@ -1,4 +1,4 @@
-"""What a measured window costs the machine: CPU seconds of this process tree, and probes read every 100 ms
+"""What a timed window costs the machine: CPU seconds of this process tree, and probes read every 100 ms
 on a thread (the tree's resident memory always; GPU and JPEG-engine utilisation where NVML answers).
 
 dali-bench's loader timings (measure.time_loader) and gpu-check's hw-decoder and training steps use the

@@ -33,7 +33,7 @@ def cut_pipeline(paths, index_paths, cfg: AugmentConfig, device: str, stage: int
 
 def stage_rates(shards: Path | str | ShardManifest, split: str = "train", *, batch_size: int = 64, threads: int = 2,
                 image_size: int = 224, batches: int = 30, device: str = "cpu") -> dict[str, float]:
-    """images/s of the pipeline ending after each stage (DALI alone: no PyTorch iterator, no copy out).
+    """Throughput of the pipeline ending after each stage (DALI alone: no PyTorch iterator, no copy out).
     `shards` may be s3://bucket/prefix, or its manifest already opened."""
     manifest = open_shard_folder(shards)
     check_split(manifest, split)  # in a store: fetches the indexes into the cache

@@ -178,7 +178,7 @@ def merge_if_complete(out: Path | str) -> ShardManifest | None:
 @contextmanager
 def take_lease(lease: Lease | None, opts: ShardOptions):
     """Hold `lease` (None: a local OUT, nothing to hold) for the block. A refusal leaves no default staging
-    folder behind (this run holds its lock: no other run on this machine uses it)."""
+    folder behind (this run holds its lock: no other run on this host uses it)."""
     if lease is None:
         yield
         return
@@ -270,7 +270,7 @@ def write_all(plan: Plan, opts: ShardOptions, fingerprint: dict, lease: Lease | 
     store.start(fingerprint)
     ranges = {split: job_positions(len(items), opts) for split, items in plan.splits.items()}
     part = Part({}, plan_share(plan, opts))
-    from tqdm import tqdm  # here: 30 ms of every shard-convert start otherwise, index and verify's too
+    from tqdm import tqdm  # here: at the top it would slow every shard-convert start, index and verify's too
 
     bar = tqdm(total=sum(len(r) for r in ranges.values()) + len(part.plan.skipped), unit="img", desc="shard-convert",
                disable=not opts.progress, dynamic_ncols=True, mininterval=0.5)

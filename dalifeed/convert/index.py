@@ -9,16 +9,9 @@ written beside the tar (or into `--index-dir`) lists the kept samples only, whic
 stay out of training without touching the tar. Compressed tars, which DALI cannot read, are named with the
 command that decompresses them. The manifest (kind `webdataset`) is written last.
 
-How DALI gets the label without a binary member (DALI returns raw bytes, and a `.cls` is ASCII):
-
-- `.cls` labels (webdataset's convention, ASCII decimal): the index lists the `.cls` member as it is (its
-  line is the one `wds2idx` writes; trailing whitespace is cut off by the size) and the graph turns the
-  ASCII digits into an int64 (`dalifeed.pipelines.textlabels`).
-- any other label (a key of the `.json`, a class name in a `.txt`): the index gives each kept sample one
-  more, empty, component `dalifeed.label` whose name field ends in the class index as ten digits; DALI
-  reports a component's index name as the end of its `source_info`, and the graph parses those digits.
-  Nothing is read from the tar for it. (DALI 2.4 refuses index offsets that are not multiples of 512, so
-  the index cannot point at a value inside a `.json`.)
+Labels without a binary member: a `.cls` member is listed in the index as it is and the graph parses its ASCII
+digits (`dalifeed.pipelines.textlabels`); any other label becomes an empty index component `dalifeed.label`
+whose name ends in the class index, which the graph reads from DALI's `source_info`.
 """
 
 from __future__ import annotations

@@ -128,7 +128,7 @@ class ShardOptions:
 
 
 def default_staging(url: str) -> Path:
-    """A staging folder named after the destination, so that a re-run on this machine finds it (and its
+    """A staging folder named after the destination, so that a re-run on the same host finds it (and its
     lock refuses a second conversion to the same place)."""
     digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / f"dalifeed-staging-{digest}"

@@ -7,11 +7,8 @@ same progress records, same resume). Three things differ, all here:
   folder's own state is dropped and the store's progress records and manifest are copied into it, so a
   fresh staging folder (another machine, a wiped /tmp) resumes as well as the old one; multipart uploads
   a killed run left unfinished are aborted.
-- `StoreProgress`, the run's progress store: when a shard is finished it uploads its index and tar (in a
-  background thread, at most `MAX_PENDING` shards behind, so the staging folder holds a few shards at
-  most), deletes them locally, then mirrors the shard's progress record to the store. A shard counts as
-  finished on resume only if the store holds both files with the manifest's sizes and sha256s; one
-  already there (a kill between upload and record) is not uploaded again.
+- `StoreProgress`, the run's progress store: uploads each finished shard's index and tar in the background
+  (at most `MAX_PENDING` shards behind), deletes them locally, then mirrors its progress record to the store.
 - `publish`: `convert.json`, then `manifest.json`, last: a reader never sees a partial dataset.
 
 One of N jobs (`--num-jobs`) does the same with its own progress records (`.dalifeed-progress/job-IIII/`) and

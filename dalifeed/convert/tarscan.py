@@ -5,19 +5,13 @@ local file, an object streamed from a store); nothing is read twice and nothing 
 (of CHUNK bytes, or of the largest member asked for).
 
 Why not `tarfile`: on ShardWriter's tars (a pax header before every member) its header parsing and stream
-layer took about half of the 2.6 s CPU `index` spent on 10,000 photos (1.1 GB), more than reading and
-hashing them (docs/benchmarks.md, "shard-convert index against DALI's wds2idx"). This reads the same
-headers with a few slices each.
+layer cost more CPU than reading and hashing them (docs/benchmarks.md, "shard-convert index against DALI's
+wds2idx"). This reads the same headers with a few slices each.
 
-The headers are read as POSIX (ustar, pax) and GNU tar write them and as `tarfile` reads them: a name of up
-to 100 bytes, with the ustar prefix before it, or a GNU long name (`L`) or a pax `path` record; the size in
-octal or GNU's base-256, or a pax `size` record; a global pax header (`g`) applying to every member after it.
-Regular files (types `0`, NUL, `7`) are the members; links, directories and devices have no data; GNU sparse
-files are skipped with their data (their bytes in the tar are not the file's, and DALI reads a member's
-bytes as they are), as wds2idx skips them. The first zero block, or the file's end at a header, ends the
-archive. Anything else -- a header whose checksum is wrong, a member or header cut short -- is `TarDamaged`
-naming the member, or the byte and the member before it, where `tarfile` would silently end the archive at
-a bad header.
+The headers are read as POSIX (ustar, pax) and GNU tar write them and as `tarfile` reads them; regular files
+are the members, GNU sparse files are skipped as wds2idx skips them, and the first zero block ends the archive.
+Anything else -- a bad checksum, a member or header cut short -- is `TarDamaged` naming the member, where
+`tarfile` would silently end the archive at a bad header.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ NO_DATA = (b"1", b"2", b"3", b"4", b"5", b"6")  # hard and symbolic link, device
 PAX_LOCAL, PAX_GLOBAL, PAX_SOLARIS = b"x", b"g", b"X"
 GNU_LONGNAME, GNU_LONGLINK, GNU_SPARSE = b"L", b"K", b"S"
 USTAR_MAGIC = b"ustar\x0000"  # POSIX: the 155-byte prefix field is a name prefix (GNU's `ustar  ` uses it for times)
-CHUNK = 1 << 20  # bytes asked of the stream at a time; 64 KiB to 4 MiB read and hash alike (measured)
+CHUNK = 1 << 20  # bytes asked of the stream at a time; any size from 64 KiB to 4 MiB reads and hashes alike
 
 
 class TarDamaged(Exception):

@@ -2,20 +2,15 @@
 
 `train_augment` (graphs.py) calls `apply_policy` on the uint8 HWC images after RandomResizedCrop (before the
 fused flip + normalise) and `random_erase` on the normalised float32 output (cast to float16 after it when the
-loader hands out float16: ERASE_DTYPE), which is where torchvision's
-ClassificationPresetTrain puts `AutoAugment` / `RandAugment` / `TrivialAugmentWide` and `RandomErasing`. The one
-difference in order: torchvision flips before the policy, we flip after it (in crop_mirror_normalize, fused with
-the normalisation); every policy draws its signed magnitudes with random sign, so the two orders give the same
-distribution of images.
+loader hands out float16: ERASE_DTYPE), which is where torchvision's ClassificationPresetTrain puts
+`AutoAugment` / `RandAugment` / `TrivialAugmentWide` and `RandomErasing`. The one difference in order:
+torchvision flips before the policy, we flip after it (in crop_mirror_normalize, fused with the normalisation);
+every policy draws its signed magnitudes with random sign, so the two orders give the same distribution of
+images.
 
-The operations are DALI's (`nvidia.dali.auto_aug.augmentations`, which run on the CPU and the GPU; five written
-again for speed or current operators: `_current_ops`); what each policy does with them is torchvision's, not
-DALI's own suites: DALI's `auto_augment_image_net` is the paper's (TensorFlow's) ImageNet policy with
-`solarize_add`, torchvision's is a different list of 25 sub-policies (no translations, no solarize_add);
-DALI's suites translate by fixed pixel counts (RandAugment: 100 px, torchvision: 150/331 of the image side),
-start the enhance ranges of TrivialAugmentWide at 0.01 (torchvision: 0) and fill with grey 128 (torchvision:
-0). `torchvision_space` below writes torchvision's magnitude bins out (tests/test_recipes.py compares them with
-torchvision's own tables) and `dali_op` maps each of its operations to DALI's.
+The operations are DALI's (five written again: `_current_ops`); what each policy does with them is
+torchvision's, not DALI's own suites, whose policies, translations, ranges and fill differ (docs/pipelines.md).
+`torchvision_space` below writes torchvision's magnitude bins out and `dali_op` maps its operations to DALI's.
 
 The policies choose an operation per sample with `if` in the graph: the pipeline needs
 `enable_conditionals=True`, which `graphs.shard_pipeline` turns on only when a policy is set. AutoAugment runs
@@ -174,8 +169,8 @@ TORCHVISION_IMAGENET_POLICY = [
 ]
 
 
-# torchvision's shear by tangent m (about the top-left corner) is DALI's fn.transforms.shear by -m: measured on
-# photos, the same images with -m, 60-90 grey levels apart on average with +m (tests/test_recipes.py)
+# torchvision's shear by tangent m (about the top-left corner) is DALI's fn.transforms.shear by -m: on photos,
+# -m gives the same images and +m does not (tests/test_recipes.py)
 def _shear_x(m):
     return [-m, 0.0]
 
@@ -205,10 +200,10 @@ def _current_ops():
 
     - `equalize` and `sharpness` call fn.experimental.equalize / filter, deprecated aliases of fn.equalize /
       fn.filter (tests/test_gpu_graphs.py refuses deprecated operators): the same on the current operators.
-    - `solarize` in half the element passes: 16 CPU ms per 64 photos of 224 px against DALI's 35, the same
-      images bit for bit (tests/test_recipes.py).
-    - `color` and `contrast` without float -> uint8 conversions (`_blend_uint8`): 33-38 CPU ms per 64 photos
-      of 224 px against DALI's 56-83, and closer to torchvision's images than DALI's (tests/test_recipes.py)."""
+    - `solarize` in half the element passes, so in less CPU than DALI's, the same images bit for bit
+      (tests/test_recipes.py).
+    - `color` and `contrast` without float -> uint8 conversions (`_blend_uint8`): less CPU than DALI's, and
+      closer to torchvision's images than DALI's (tests/test_recipes.py; the costs: docs/benchmarks.md)."""
     from nvidia.dali.auto_aug import augmentations as a
     from nvidia.dali.auto_aug.core import augmentation
 
@@ -255,10 +250,9 @@ def _blend_uint8(data, factor, rest):
     """uint8 `data * factor + rest` (`rest`: int16, the other image's share, broadcast over the channels), in
     the passes DALI's CPU kernels make fast: brightness_contrast reads uint8 at the speed of a copy whatever
     it writes, and int16 -> uint8 is a cheap saturating cast, where DALI's own Color and Contrast compute in
-    float and convert float -> uint8 element by element (measured: the conversion alone 28 of the 37 CPU ms a
-    float `x * s` -> uint8 takes per 64 photos of 224 px). Each share is rounded: within half a grey level
-    of torchvision's on average at every magnitude, where DALI's own ops were up to 1.2 above it
-    (tests/test_recipes.py)."""
+    float and convert float -> uint8 element by element (the conversion is most of what a float `x * s` ->
+    uint8 costs). Each share is rounded: within half a grey level of torchvision's on average at every
+    magnitude, where DALI's own ops were further from it (tests/test_recipes.py)."""
     share = fn.brightness_contrast(data, contrast=factor, contrast_center=0.0, dtype=types.INT16)
     return fn.cast(share + rest, dtype=types.UINT8)
 
@@ -269,10 +263,8 @@ def _precomputed_augmentation_cls():
     DALI maps every magnitude bin of every operation (both signs) through `mag_to_param` while the graph is
     defined, and with conditionals on (every policy) AutoGraph converts that mapping too: each of the ~600
     little numpy calls of a TrivialAugmentWide suite went through `converted_call` and its source-map
-    bookkeeping, 0.5-0.7 s of one core per pipeline definition, against 0.01 s for the graph without a policy.
-    The loader defines a fresh pipeline every epoch (a thread one epoch ahead, on the same cores): on
-    `make bench`'s 30-batch epochs, ~3.6 s at the policy graph's steady rate, defining it took 0.7 s of CPU,
-    two thirds of that this mapping (issue 29, docs/benchmarks.md "Where a policy's time goes").
+    bookkeeping, most of what defining a policy's graph costs, on the cores the loader decodes on (issue 29,
+    docs/benchmarks.md "Where a policy's time goes").
     The tables hold no DALI nodes (DALI refuses a `mag_to_param` that returns one), so converting them buys
     nothing, and the same table gives the same constant: cached by operation and magnitudes. `_get_param` reads
     the parameter with a lookup instead of a constant table (`_lookup_param`). The methods overridden and the
@@ -337,11 +329,10 @@ def _lookup_param(table: np.ndarray, index):
     DALI's `_get_param` makes it `types.Constant(table)[index]`. Under a policy's `if`s that is more operators
     than it looks: a node without inputs is made at the top of the graph for the whole batch, so every `if` on
     the way down to the operation's branch splits it again (4 splits in TrivialAugmentWide's tree of 14), and
-    DALI's CPU executor spends time on every operator whatever it computes (a chain of 200 scalar additions:
-    20 CPU ms per batch of 64). `index` is already in the branch, so a lookup on it is one operator (a pair:
-    two more, stacking index and index + len(table)). The policies' graphs lose 17-19% of their operators
-    (TrivialAugmentWide 180 -> 149); on 16 px images, where only that bookkeeping costs, the policies took
-    20-25% less CPU (docs/benchmarks.md). Same values: the table in float32, as the constant held it."""
+    DALI's CPU executor spends time on every operator whatever it computes. `index` is already in the branch,
+    so a lookup on it is one operator (a pair: two more, stacking index and index + len(table)). The policies'
+    graphs lose about a sixth of their operators, and the CPU those cost (docs/benchmarks.md). Same values:
+    the table in float32, as the constant held it."""
     if table.dtype.kind != "f" or table.ndim not in (1, 2) or (table.ndim == 2 and table.shape[1] != 2):
         return None
     values = table.astype(np.float32).T.ravel().tolist()  # column by column: key k + c * len(table)
@@ -497,8 +488,8 @@ def _source_matrices(table: np.ndarray, first: int, bins: int, op_idx, magnitude
 def _one_warp(data, *, matrix, fill_value, interp_type, **_):
     """The five geometric operations as one branch: one warp_affine with the sample's matrix. In branches of
     their own each was a lookup, a transform and a warp behind four more `if`s per choice, whose splits and
-    merges DALI's executor runs as operators of their own (docs/benchmarks.md, "One warp for five
-    operations")."""
+    merges DALI's executor runs as operators of their own (docs/benchmarks.md, "Where a policy's
+    time goes")."""
     return fn.warp_affine(data, matrix=matrix, fill_value=fill_value, interp_type=interp_type)
 
 
@@ -582,8 +573,8 @@ def random_erase_box(side: int, probability: float):
     1 - `probability`, or no draw of 10 fitted the image).
 
     Written in few operators, each over all 10 draws at once: DALI's CPU executor spends about as much on a
-    scalar operator as on its arithmetic (0.1 ms a batch), and a box written draw by draw and side by side
-    was 54 operators, 4.3 ms of every batch of 64, against 26 and 1.8-2.4 ms for this one (docs/benchmarks.md)."""
+    scalar operator as on its arithmetic, and a box written draw by draw and side by side took about twice
+    the operators and twice the time of this one (docs/benchmarks.md)."""
     n = RANDOM_ERASE_ATTEMPTS
     area = float(side * side)
     erased_area = fn.random.uniform(range=[s * area for s in RANDOM_ERASE_SCALE], shape=[n])  # area * scale

@@ -4,8 +4,8 @@ DALI's iterator keeps `prefetch_queue_depth` runs scheduled ahead of the batch i
 at an epoch's end the pipeline is already preparing the next epoch's first batches (the reader wraps around),
 ready for `reset()`. The loader never resets: it builds a pipeline per epoch (each epoch's shard order is given
 to the reader when the pipeline is built) and drops it when the epoch ends. Those runs were thrown away, and
-dropping the pipeline waited for them: 2 runs on the CPU (0.2-0.45 s with a policy on 2 cores, most of the
-pause before the next epoch's first batch), 5 with GPU decoding. `EpochIterator` schedules no run past the
+dropping the pipeline waited for them: 2 runs on the CPU (with a policy, most of the pause before the next
+epoch's first batch), 5 with GPU decoding. `EpochIterator` schedules no run past the
 epoch's last: the runs that read the epoch, the partial batch dropped at its end included, are all scheduled as
 before, and the pipeline is idle when the last one is handed out.
 

@@ -1,14 +1,12 @@
 """Lanes: one rank's epoch read by several pipelines, whole batches taken from each in turn.
 
 Why: on the CPU, one DALI pipeline leaves cores idle, the more so the more operators its graph has. Its executor
-spends ~0.1 ms of one thread on every operator of every batch (docs/benchmarks.md), and a policy's
-operators each run on the few samples of their branch, so its threads wait on each other at every operator. A
-policy graph with erasing kept 2 cores 85-90% busy with one pipeline of 2 threads, and 97-100% with two
-pipelines of 1 thread each, which gave 9-34% more images/s on the same 2 cores (ta_wide, ra, imagenet with
-erasing; docs/benchmarks.md, "Lanes"). The graph is the same: only how many run it and on which samples. A
-lane's first batch is a whole batch of its one thread, so the loader starts the next epoch's lanes before an
-epoch ends, and uses two from epochs of 24 batches (`loader.default_lanes`; docs/benchmarks.md, "One
-definition per loader").
+spends a fixed cost of one thread on every operator of every batch (docs/benchmarks.md), and a policy's
+operators each run on the few samples of their branch, so its threads wait on each other at every operator.
+Two pipelines of one thread each keep the same cores busier than one of two threads, and so make more batches
+on them (docs/benchmarks.md, "Lanes, and one definition per loader"). The graph is the same: only how many
+run it and on which samples. A lane's first batch is a whole batch of its one thread, so the loader starts the
+next epoch's lanes before an epoch ends, and uses two from epochs of 24 batches (`loader.default_lanes`).
 
 How: lane k of rank r reads DALI shard r * K + k of world * K, and the union of a rank's K lane shards is
 exactly the shard it reads alone (DALI splits N samples at N * i // shards). Each lane makes whole batches of

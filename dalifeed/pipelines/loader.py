@@ -1,51 +1,21 @@
 """`make_loader`: shards -> DALI pipeline -> DALI's PyTorch iterator -> `(images, labels)` torch batches.
 
-Epoch semantics (what a trainer may rely on):
+The epoch contract a trainer may rely on (in full: docs/pipelines.md, "The loader's contract"):
 
-- Validation (`train=False`): every sample of the split is yielded exactly once per epoch across all
-  ranks. Rank r reads DALI shard r (a contiguous 1/world of the samples); the last batch of a rank may be
-  partial; padding (`pad_last_batch`) is trimmed by `LastBatchPolicy.PARTIAL` and never counted.
-- Training (`train=True`): every rank yields exactly `len(loader)` = floor(floor(N / world) / batch) full
-  batches, so no DDP rank waits on another at the end of an epoch. DALI's per-rank shards differ in size
-  by one sample; a rank whose shard holds one more batch decodes it and drops it rather than hang the
-  others (`LastBatchPolicy.DROP`, at most one batch per epoch).
-- Shuffling: the epoch's order is a pure function of `(seed, epoch)`: the tar files are visited in a
-  seeded permutation (so each rank gets a different slice every epoch) and DALI shuffles samples within
-  a buffer of `initial_fill`. Iterating again starts the next epoch; `set_epoch(e)` jumps to epoch e, which
-  is how a resumed run replays exactly the order an uninterrupted one would have seen.
-- Bad data is one line: before reading, every shard of the split is checked against the manifest (size
-  and index always, sha256 with `check="sha256"`); a sample DALI cannot decode, or a tar that does not
-  match its index, raises `ShardDataError` naming the tar and, where it can be found, the sample key
-  (with DALI's error as its cause), never DALI's multi-line pipeline traceback alone.
-- Mid-epoch resume (`checkpointing=True`): `state_dict()` taken between batches holds DALI's checkpoint
-  of the reader and random generators after the last batch handed out; a fresh loader given it by
-  `load_state_dict` yields exactly the rest of that epoch, then carries on as usual. The reader
-  fast-forwards through the tar index without decoding what was already seen.
-- Elastic resume (another number of ranks, the same global batch): a checkpointing training loader records
-  the samples it hands out (`SAMPLE_SOURCES`), its state holds them, and the state `elastic.merge_rank_states`
-  makes of every rank's, loaded by each new rank, reads the epoch's samples not yet consumed through index
-  files listing only them (elastic.py): every sample of the epoch once, floor(N / global batch) batches in
-  all.
-- One pipeline per epoch, defined once: each epoch reads through its own DALI pipeline, built for its
-  `(seed, epoch)` order and freed when the epoch ends; a training loader builds the next epoch's near the end
-  of each epoch and starts their first runs, so that its first batch is ready when it begins (docs/gpu.md,
-  "Memory per rank", counts what a rank then holds). The graph is defined once and serialized; every later
-  epoch's pipeline is that definition with its own reader arguments, made on a background thread
-  (definitions.py, serialized.py).
-- Lanes (`LoaderOptions.lanes`, lanes.py): CPU training reads the rank's shard in two pipelines of half the
-  threads, whole batches from each in turn; the contract above holds the same.
-- Progressive resizing (`make_loader(..., size_schedule=)`): the graph of epoch e is built for the image size
-  of epoch e (a function of the epoch alone: resolution.py), so the epoch defined ahead, one set by
-  `set_epoch` and one restored mid-epoch all train at the size an uninterrupted run would have.
+- validation yields every sample of the split once per epoch across all ranks; training yields exactly
+  `len(loader)` full batches on every rank, so no DDP rank waits on another at the end of an epoch;
+- the epoch's order is a pure function of `(seed, epoch)`, and `set_epoch(e)` jumps to epoch e;
+- bad data is one line: shards are checked against the manifest first, and `ShardDataError` names the tar;
+- `state_dict()` / `load_state_dict` resume mid-epoch exactly, on as many ranks or (elastic.py) on others;
+- each epoch reads through its own pipeline, made from one serialized definition and started ahead; CPU
+  training may read in two lanes (lanes.py); progressive resizing (`size_schedule=`) keeps each epoch's size.
 
-Which splits train: `train=None` (the default) means a split whose name starts with "train" trains (`train`,
-COCO's `train2017`, `training`, `trainval`) and any other is read as validation (`val`, `test`, `mini`).
+A split whose name starts with "train" trains (`train=None`, the default); any other is read as validation.
 
-The parts: `DaliLoader` is the thin iterator with `state_dict` (the epoch contract above); what an epoch reads
-(which tars, in which order, which samples per rank and lane) is its `plan.EpochPlan`; its pipelines are made
-by `definitions.EpochDefinitions` from a graph function (`graphs.shard_pipeline` for classification,
-`detection.detection_pipeline` for detection); where it is in the data is its `cursor.EpochCursor`. The
-factories that build loaders from a dataset and options are in factory.py.
+The parts: `DaliLoader` is the thin iterator with `state_dict`; what an epoch reads is its `plan.EpochPlan`;
+its pipelines are made by `definitions.EpochDefinitions` from a graph function (`graphs.shard_pipeline`,
+`detection.detection_pipeline`); where it is in the data is its `cursor.EpochCursor`; factory.py builds
+loaders from a dataset and options.
 """
 
 from __future__ import annotations
@@ -152,19 +122,18 @@ class LoaderOptions:
                        prefetch_queue_depth=self.prefetch_queue_depth or defaults.prefetch_queue_depth(device))
 
 
-# The epochs long enough for two lanes to pay (default_lanes): make bench's 30-batch epochs gain 14-33%; the
+# The epochs long enough for two lanes to pay (default_lanes): make bench's 30-batch epochs gain from them; the
 # demo's training epochs (22 batches) keep one lane
 LANES_MIN_BATCHES = 24
 
 
 def default_lanes(options: LoaderOptions, batches: int) -> int:
     """Pipelines per rank (lanes.py) for epochs of `batches` batches: two for CPU training with two threads or
-    more and epochs of LANES_MIN_BATCHES or more, else one. Two keep 2 cores busy where one pipeline leaves
-    them 10-15% idle: on make bench's 30-batch epochs with erasing, ta_wide 651 -> 813 images/s, ra 540 ->
-    722, imagenet 743 -> 850, and 920, 791, 864 with the next epoch's lanes started ahead
-    (docs/benchmarks.md, "One definition per loader"). That needed each epoch's
-    pipelines made from the first, serialized, not defined again (0.3-0.5 CPU s each, two per epoch), and
-    the next epoch's lanes started before this one ends (a lane's first batch is a whole batch of one thread).
+    more and epochs of LANES_MIN_BATCHES or more, else one. Two keep the cores busy where one pipeline leaves
+    them partly idle: more lanes keep a costly policy's CPU work in parallel (docs/benchmarks.md, "Lanes, and
+    one definition per loader"). That needed each epoch's pipelines made from the first, serialized, not defined
+    again (defining one is costly CPU work, two per epoch), and the next epoch's lanes started before this one
+    ends (a lane's first batch is a whole batch of one thread).
     One on the GPU (one decoder's memory and CUDA streams per rank), for validation (read once an epoch,
     plain) and with one thread."""
     two = options.device == "cpu" and options.train and options.num_threads >= 2 and batches >= LANES_MIN_BATCHES

@@ -2,32 +2,14 @@
 
 DALI has no operator for it (users are told to write an ExternalSource), so each dataset keeps its own
 pipeline (a `DaliLoader` of its own, with its own label source) and this module interleaves their batches
-in torch. The contract, extending `dalifeed.pipelines.loader`'s:
+in torch. The contract extends `dalifeed.pipelines.loader`'s (in full: docs/pipelines.md):
 
-- **Batches**: every batch of `batch_size` holds `shares[i]` samples of dataset i, the weights rounded to
-  whole samples by largest remainder (weights 3,1 and batch 256: 192 + 64). The realised proportion is
-  `shares[i] / batch_size`, within `1 / batch_size` of the weight's; a weight too small to give a dataset
-  one sample per batch is refused. ShardData i's pipeline runs with batch `shares[i]`.
-- **Epoch**: defined by the samples drawn, `sum of the datasets' train samples` (as if they were one
-  dataset), so every rank yields `len(loader) = floor(total / world / batch_size)` batches, the same on
-  every rank. A dataset whose share needs more samples than it holds repeats (its own loader runs several
-  of its epochs); one that needs fewer is cut short, its order moving on with the next epoch.
-- **Order**: in epoch e dataset i's loader runs its own epochs `e * R_i, e * R_i + 1, ...`, with `R_i` the
-  most it can need per epoch: the order is a function of `(seed, epoch)` only, and `set_epoch` jumps.
-- **Classes**: the union of the datasets' class names, sorted as ImageFolder sorts folders; each dataset's
-  own indices are mapped to it (`Source.remap`, dataset.py) on the batch's device.
-- **Progressive resizing** (`make_loader(..., size_schedule=)`): dataset i's own epoch s trains at the size of
-  mixed epoch s // R_i, so all parts of a batch have the mixed epoch's size.
-- **Resume**: `state_dict()` between two batches holds its cursor (the epoch and the samples of it consumed
-  by all ranks, `cursor.EpochCursor`, as every loader counts) and every dataset loader's own state (DALI
-  checkpoints: `checkpointing=True`); a fresh loader given it yields exactly the rest of the epoch.
-- **Evaluation** (`train=False`): every sample of every dataset once, dataset after dataset, labels mapped;
-  `per_dataset` holds one loader per dataset so that each is evaluated and reported apart.
-- **Threads and decoders**: the datasets' training pipelines run at once, so they share the rank's one DALI
-  thread budget in proportion to their shares (`share_threads`), each at least one thread. N datasets still
-  hold N decoders (each its own instance, streams and state), but their per-thread buffers and hardware
-  decoder batch pools add up to one pipeline's at the budget and the whole batch (docs/gpu.md, "Memory per
-  rank"). Evaluation reads one dataset at a time, each with the whole budget.
+- every batch holds `shares[i]` samples of dataset i, the weights rounded to whole samples;
+- an epoch is the datasets' training samples summed, the same `len(loader)` on every rank; a dataset repeats
+  or is cut short to give its share, in an order that is a function of `(seed, epoch)` only;
+- the classes are the union of the datasets' class names, each dataset's own indices mapped to it;
+- `state_dict()` resumes mid-epoch exactly; evaluation reads every dataset once, one after the other;
+- the training pipelines share the rank's DALI thread budget in proportion to their shares (`share_threads`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """An epoch's pipeline made from the loader's first, serialized, with the epoch's reader arguments.
 
 Every epoch needs its own pipeline: its shard order is a list the reader is given when the pipeline is built
-(loader.py). Defining the graph again is Python, 0.26-0.54 CPU s for a policy's graph on this machine, half of
-it DALI recording where each operator was defined: on the bench's 30-batch epochs a tenth of the CPU, twice
-that with two lanes (docs/benchmarks.md, "One definition per loader"). DALI's own serialization avoids it: the
-first pipeline is serialized (DALI's protobuf `PipelineDef`, dali/pipeline/proto/dali.proto) and every later
-one is that definition with the reader's `paths`, `index_paths`, `shard_id` and `num_shards` replaced (1-2 CPU
-ms), built by `Pipeline.deserialize_and_build` in C++ (11-33 CPU ms, as a defined pipeline's build).
+(loader.py). Defining the graph again is Python, a visible share of a short epoch's CPU for a policy's graph,
+half of it DALI recording where each operator was defined (docs/benchmarks.md, "Lanes, and one definition
+per loader").
+DALI's own serialization avoids it: the first pipeline is serialized (DALI's protobuf `PipelineDef`,
+dali/pipeline/proto/dali.proto) and every later one is that definition with the reader's `paths`,
+`index_paths`, `shard_id` and `num_shards` replaced (cheap), built by `Pipeline.deserialize_and_build` in C++
+(as a defined pipeline's build).
 
 What makes the two the same pipeline: the serialized graph holds every argument given at definition time and no
 operator seed (DALI's executor draws those from the pipeline's seed when it builds, in operator order, and a
@@ -135,8 +136,8 @@ def with_reader_arguments(serialized: bytes, **values: int | list[str]) -> bytes
 
 def without_origins(serialized: bytes) -> bytes:
     """`serialized` without DALI's record of where each operator was defined (the `_origin_stack_*` arguments,
-    four fifths of a policy graph's 750 kB): it only adds that place to DALI's own error messages, and reading
-    it took 25 of the 40 ms that making a policy's pipeline takes (parsed 7 ms, built 14 ms without it)."""
+    most of a policy graph's bytes): it only adds that place to DALI's own error messages, and reading it was
+    most of the time that making a policy's pipeline takes."""
     out = []
     for number, _, value, raw in wire_fields(serialized):
         if number == PIPELINE_OP:

@@ -11,18 +11,9 @@ files of their size (no disk blocks, never read: `stick_to_shard` keeps the read
 the epoch runs, the next epoch's tars are fetched in the background (its order is a function of
 (seed, epoch + 1)), so only the first epoch waits for the store. docs/storage.md has the measurements.
 
-Sharing and bounds, all through file locks (flock) in the cache folder, so they hold across the ranks
-(processes) of a node:
-- `locks/<name>.lock`, one per tar: held exclusively while fetching it (another rank waits on it, then
-  finds the tar there: one GET per node), shared while a rank uses it (pinned: not evicted).
-- `space.lock`: held while space is counted, made (evicting) and reserved (the temporary file allocated
-  at its full size), so two ranks never both count the same free bytes.
-- A tar lands as `<name>.part` (allocated, written, hashed as it streams, its size and sha256 checked
-  against the manifest: a mismatch is refused and nothing stored) and is renamed to `<name>.tar`: a killed
-  download leaves a `.part` that is never read, and that the next fetch of that tar (or an eviction)
-  replaces.
-- Eviction: unpinned tars, least recently used first (a tar's mtime is touched when pinned); shards read
-  in earlier epochs are the unpinned ones.
+Sharing and bounds go through file locks (flock) in the cache folder, so they hold across a node's ranks: a
+lock per tar (one GET per node; a tar in use is pinned), `space.lock` for counting and reserving space,
+`<name>.part` renamed to `<name>.tar` once checked against the manifest, and least recently used eviction.
 """
 
 from __future__ import annotations

@@ -3,21 +3,9 @@ its own native format and run the way its own documentation says to run it fast,
 augmentation (`loaders.train_transform`), batch size, cores (`workers`) and output (normalised float batches
 on the model's device, `loaders.Normalize`).
 
-    spdl       SPDL's thread pipeline (spdl.pipeline.PipelineBuilder) over the shard folder's tars: tars read
-               with spdl.io.iter_tarfile, each JPEG decoded, cropped, resized and flipped by one FFmpeg filter
-               graph (spdl.io.decode_packets with filter_desc, outside the GIL; the crop box drawn by
-               torchvision's RandomResizedCrop), policy and erasing as torchvision ops on the tensor, `workers`
-               threads. Following
-               https://facebookresearch.github.io/spdl/latest (examples/webdataset_pipeline.py and
-               examples/multi_thread_preprocessing.py of facebookresearch/spdl). No conversion: tars of
-               JPEGs are what SPDL's own webdataset example reads.
-    streaming  Mosaic streaming: MDS shards written by MDSWriter (the JPEG bytes as they are, a `bytes` column:
-               its `jpeg` column would re-encode bytes it has no file name for), read by StreamingDataset
-               (shuffle, batch_size given to it as its docs ask) + torch DataLoader with `workers` workers.
-               https://docs.mosaicml.com/projects/streaming/en/latest/distributed_training/performance_tuning.html
-    litdata    LitData: chunks written by litdata.optimize (litdata.Jpeg keeps the JPEG bytes), read by
-               StreamingDataset (its serializer decodes with torchvision.io.decode_jpeg to a tensor) +
-               StreamingDataLoader with `workers` workers. https://lightning.ai/docs/litdata/quick-start
+    spdl       SPDL's thread pipeline over the shard folder's tars (no conversion), FFmpeg decoding
+    streaming  Mosaic streaming: MDSWriter shards, StreamingDataset + torch DataLoader
+    litdata    LitData: litdata.optimize chunks, StreamingDataset + StreamingDataLoader
 
 Each native copy is written once per split and shard folder content, under OUT/peers/ (OUT: dali-bench's
 --out), to a temporary name renamed when complete. The packages are the optional extra `peers`
