@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 BUILD  ?= build
 
-.PHONY: venv demo test test-fast test-kernels test-seeds test-gpu gpu-lint gpu-check lint bench docker clean
+.PHONY: venv docs demo test test-fast test-kernels test-seeds test-gpu gpu-lint gpu-check lint bench docker clean
 
 venv: $(STAMP)
 
@@ -80,14 +80,21 @@ test-gpu: $(GPU_CHECK_DEPS)
 gpu-lint: venv
 	$(PY) -m pytest -q tests/test_gpu_graphs.py $(PYTEST_ARGS)
 
-# The Python code (ruff: pyflakes, pycodestyle, import order, bugbear, pyupgrade; pyproject.toml), the shell
-# scripts and the Dockerfile, checked with the tools the dev extra installs (no Docker needed).
+# The Python code (ruff: pyflakes, pycodestyle, import order, bugbear, pyupgrade; pyproject.toml), the docs site
+# (mkdocs.yml, strict: a broken link or API reference fails it; into build/site), the shell scripts and the
+# Dockerfile, checked with the tools the dev extra installs (no Docker needed).
 SHELL_SCRIPTS := $(wildcard examples/slurm/*.sbatch) .ci/run
 lint: venv
 	$(VENV)/bin/ruff check dalifeed tests examples
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 	for f in $(SHELL_SCRIPTS); do bash -n "$$f" || exit 1; done
 	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)
 	$(VENV)/bin/hadolint docker/Dockerfile
+
+# The reference site (docs/ and the API pages generated from the docstrings) into build/site.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	@echo "docs: $(BUILD)/site/index.html"
 
 # On a GPU node: the gpu tests, every loader, hw_decoder_load, a ResNet-50 training slice, a mixed checkpoint
 # round trip, the collectives, every training recipe per dtype and layout -> build/gpu-check/gpu-check.{json,md}
