@@ -91,6 +91,23 @@ def test_a_sigterm_in_the_swa_phase_resumes_to_the_same_swa_pt(shards, tmp_path,
     assert metrics(run)[-1]["swa_top1"] == metrics(straight)[-1]["swa_top1"]
 
 
+def test_a_run_that_fails_before_its_last_checkpoint_writes_swa_pt_on_resume(shards, tmp_path):
+    """swa.pt is written before the last epoch's last.pt: a failure between them (here swa.pt cannot be
+    written) leaves last.pt at the epoch before, and the resume replays the last epoch and writes it. With
+    --val-split none, best.pt keeps the lowest train loss from the first epoch on, even one above 1."""
+    run = tmp_path / "run"
+    (run / "swa.pt").mkdir(parents=True)
+    args = ["--data", str(shards), "--out", str(run), *fast_args(epochs=2, width=16), "--swa-start", "1",
+            "--val-split", "none"]
+    failed = CliRunner().invoke(train_cli, args)
+    assert failed.exit_code == 1 and checkpoint.load(run / "last.pt")["state"]["epoch"] == 1
+    assert checkpoint.load(run / "best.pt")["metrics"]["epoch"] == 0
+    (run / "swa.pt").rmdir()
+    resumed = CliRunner().invoke(train_cli, ["--resume", str(run)])
+    assert resumed.exit_code == 0, resumed.output
+    assert checkpoint.load(run / "swa.pt")["swa"]["epochs_averaged"] == 1
+
+
 def test_update_bn_is_torchs_update_bn():
     """Over the same batches, in one process without autocast: the statistics torch's update_bn gives."""
     torch.manual_seed(0)
@@ -124,6 +141,8 @@ def test_swa_schedule_anneals_from_the_schedule_to_the_swa_lr():
 @pytest.mark.parametrize("args, message", [
     (["--swa-lr", "0.01"], "--swa-lr and --swa-anneal-epochs set SWA's learning rate: give --swa-start too"),
     (["--swa-start", "4"], "--swa-start must be an epoch of the run, 0 to 3 (--epochs 4), got 4"),
+    (["--swa-start", "2", "--swa-anneal-epochs", "1"],
+     "--swa-anneal-epochs anneals the learning rate to --swa-lr: give --swa-lr too"),
 ])
 def test_swa_usage_errors(shards, tmp_path, args, message):
     result = CliRunner().invoke(train_cli, ["--data", str(shards), "--out", str(tmp_path / "r"), "--epochs", "4",

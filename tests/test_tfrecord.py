@@ -144,10 +144,11 @@ def test_imagenet_tfrecords_become_shards_with_the_records_bytes_and_sorted_syns
     out = tmp_path / "shards"
     result = CliRunner().invoke(shard_convert, ["tfrecord", str(src), str(out), "--workers", "2"])
     assert result.exit_code == 0, result.output
+    assert "Converted 17 of 19 records into 2 shards" in result.output
     manifest = ShardManifest.load(out)
     assert manifest.kind == "tfrecord" and manifest.classes == SORTED
     assert manifest.splits["train"].samples == 12 and manifest.splits["val"].samples == 5
-    assert manifest.extra["tfrecord"]["label_offset"] == 1  # the files' labels are 1-based
+    assert manifest.extra["tfrecord"]["label_offset"] == -1  # the files' labels are 1-based
     skipped = {s["path"]: s["reason"] for s in manifest.skipped}
     assert skipped["train-00000-of-00002 record 3"] == "data CRC mismatch (corrupt record)"
     assert "not named like a split's file" in skipped["README.txt"]
@@ -247,11 +248,38 @@ def test_a_broken_length_loses_the_rest_of_its_file_and_says_so(tmp_path):
     assert f"({len(data) + 2 - 12 - first - 4} bytes) cannot be framed" in skip["reason"]
 
 
+def test_every_gzip_member_is_read_and_what_is_not_is_said(tmp_path):
+    """A file of two gzip members (as `cat a.gz b.gz` makes, and `gzip -d` reads whole) gives both members'
+    records; bytes after the last stream that start no other one are a skipped entry; a record whose
+    float list holds a varint is one skipped record, not a failed run."""
+    rng = np.random.default_rng(4)
+    records = [imagenet_record(rng, s, i)[0] for i, s in enumerate(SORTED * 2)]
+    odd = Example()
+    odd.features.feature["image/encoded"].bytes_list.value.append(b"x")
+    data = bytearray(odd.SerializeToString())
+    bad = bytes(data) + b"\x0a\x0b\x0a\x09\x0a\x01z\x12\x04\x12\x02\x08\x01"  # feature z: float list of varints
+    plain = [write_records(tmp_path / f"part{i}", part).read_bytes() for i, part in
+             enumerate([records[:4], records[4:] + [bad]])]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train-0.gz").write_bytes(gzip.compress(plain[0]) + gzip.compress(plain[1]))
+    (tmp_path / "src" / "train-1.gz").write_bytes(gzip.compress(plain[0]) + b"not a stream")
+    out = tmp_path / "out"
+    convert_tfrecord(TFRecordConfig(src=tmp_path / "src", out=out, workers=1, progress=False))
+    manifest = ShardManifest.load(out)
+    assert manifest.splits["train"].samples == 6 + 4
+    skipped = {s["path"]: s["reason"] for s in manifest.skipped}
+    assert skipped["train-0.gz record 6"].startswith("not a tf.train.Example: a float list holds a value of wire")
+    assert skipped["train-1.gz record 4"] == ("gzip file: 12 bytes after the compressed stream start no other stream: "
+                                             "the records after it are lost")
+
+
 def test_usage_errors_are_one_line(tmp_path):
     (tmp_path / "src").mkdir()
     write_records(tmp_path / "src" / "shard0", [example(image__encoded=b"x", image__class__label=1)])
     result = helpers.shard_convert("tfrecord", tmp_path / "src", tmp_path / "out")
     assert result.returncode == 2 and "give --split NAME" in result.stderr
+    bad_split = helpers.shard_convert("tfrecord", tmp_path / "src", tmp_path / "out", "--split", "a/b")
+    assert bad_split.returncode == 2 and "--split 'a/b': not a split name" in bad_split.stderr
     missing = helpers.shard_convert("tfrecord", tmp_path / "nope", tmp_path / "out")
     assert missing.returncode == 2 and "source does not exist" in missing.stderr
 

@@ -321,7 +321,7 @@ def describe_result(manifest: ShardManifest) -> str:
     skipped = "; ".join(f"{n} {r}" for r, n in skip_reasons(manifest.skipped).items()) or "none"
     resumed = " (resumed)" if s.status == "resume" else ""
     warnings = f" {len(manifest.warnings)} warning(s): see shard-convert info." if manifest.warnings else ""
-    found = "image records" if manifest.kind == "coco" else "files"
+    found = {"coco": "image records", "tfrecord": "records"}.get(manifest.kind, "files")
     return (f"Converted {s.samples} of {manifest.found} {found} into {s.shards} shards ({splits}), "
             f"{s.bytes / 2**20:.1f} MiB, {len(manifest.classes)} classes, {s.reencoded} re-encoded, "
             f"skipped {s.skipped} ({skipped}), in {s.seconds:.1f} s = {s.images_per_s:.0f} images/s{resumed}. "

@@ -28,7 +28,15 @@ from pathlib import Path
 
 import google_crc32c
 
-from ..format import CLASS_I64_MEMBER, CLASS_MEMBER, IMAGE_MEMBER, META_MEMBER, ShardManifest, listing_digest
+from ..format import (
+    CLASS_I64_MEMBER,
+    CLASS_MEMBER,
+    IMAGE_MEMBER,
+    META_MEMBER,
+    ShardManifest,
+    check_split_name,
+    listing_digest,
+)
 from .core import Plan, convert, stat_source
 from .imagefolder import SPLIT_NAMES, SPLIT_ORDER
 from .images import ImageError, to_jpeg
@@ -63,6 +71,11 @@ class TFRecordConfig(ShardOptions):
             raise UsageError(f"{self.folder}: output folder must not be inside the source folder {self.src}")
         if not self.image_feature or not self.label_feature:
             raise UsageError("--image-feature and --label-feature must name a feature")
+        if self.split is not None:
+            try:
+                check_split_name(self.split)
+            except ValueError as e:
+                raise UsageError(f"--split {e}") from None
 
     def output_options(self) -> dict:
         return {"split": self.split, "label_offset": self.label_offset, "image_feature": self.image_feature,
@@ -157,7 +170,10 @@ def _feature(buf: memoryview, start: int, end: int) -> Feature:
         for value_number, value_wire, value in _fields(buf, *span):
             if value_number != 1:
                 continue
-            if number == 1 and value_wire == 2:
+            if (number, value_wire) not in ((1, 2), (2, 2), (2, 5), (3, 2), (3, 0)):
+                raise ExampleError(f"a {('bytes', 'float', 'int64')[number - 1]} list holds a value of wire type "
+                                   f"{value_wire}")
+            if number == 1:
                 values.append(value)
             elif number == 2:  # floats: packed (wire 2) or one by one (wire 5)
                 raw = bytes(buf[value[0]:value[1]]) if value_wire == 2 else value
@@ -221,11 +237,11 @@ def split_of(name: str) -> str | None:
     return SPLIT_NAMES.get(stem)
 
 
-def inflated_path(path: Path, job: int) -> Path:
+def inflated_path(path: Path, out: str, job: int) -> Path:
     """Where a compressed file's records are kept inflated: named by the file's path, size and mtime (a
-    changed file is inflated again) and the job (jobs on one machine each remove their own when done)."""
+    changed file is inflated again), OUT and the job (each conversion removes its own when done)."""
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{job}".encode()).hexdigest()[:20]
+    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{out}\0{job}".encode()).hexdigest()[:20]
     return Path(tempfile.gettempdir(), "dalifeed-inflated", f"{key}.tfrecord")
 
 
@@ -237,6 +253,11 @@ def compression(path: Path) -> str | None:
         length, crc = HEADER.unpack(head)
         if masked_crc(head[:8]) == crc:
             return None
+    return compression_of(head[:2])
+
+
+def compression_of(head: bytes) -> str | None:
+    """'gzip' or 'zlib' when the two bytes start such a stream."""
     if head[:2] == b"\x1f\x8b":
         return "gzip"
     if len(head) >= 2 and (head[0] & 0x0F) == 8 and (head[0] << 8 | head[1]) % 31 == 0:
@@ -246,28 +267,42 @@ def compression(path: Path) -> str | None:
 
 def inflate(path: Path, dest: Path) -> str | None:
     """Inflate a gzip or zlib file into `dest` (atomically; kept when already there); None, or why its
-    stream ended early (the records before that point are still read)."""
+    stream ended early (the records before that point are still read). Streams one after another (gzip's
+    members, as `gzip -d` reads them) are inflated in turn; bytes after them that start no stream are a problem."""
     problem_note = dest.with_suffix(".problem")
     if dest.is_file():
         return problem_note.read_text() if problem_note.is_file() else None
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
-    inflater, problem = zlib.decompressobj(wbits=47), None  # 47: a gzip or zlib header, whichever it is
-    with open(path, "rb") as src, open(tmp, "wb") as out:
-        while chunk := src.read(1 << 22):
-            try:
-                out.write(inflater.decompress(chunk))
-            except zlib.error as e:
-                problem = f"compressed stream corrupt ({e})"
-                break
-        else:
-            out.write(inflater.flush())
-            if not inflater.eof:
-                problem = "compressed stream truncated"
-    if problem:
-        problem_note.write_text(problem)
-    os.replace(tmp, dest)
+    try:
+        with open(path, "rb") as src, open(tmp, "wb") as out:
+            problem = inflate_streams(src, out, os.path.getsize(path))
+        if problem:
+            problem_note.write_text(problem)
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)  # interrupted: a full-size temporary file must not stay behind
     return problem
+
+
+def inflate_streams(src, out, size: int) -> str | None:
+    inflater, pending = zlib.decompressobj(wbits=47), b""  # 47: a gzip or zlib header, whichever it is
+    while chunk := pending or src.read(1 << 22):
+        pending = b""
+        try:
+            out.write(inflater.decompress(chunk))
+        except zlib.error as e:
+            return f"compressed stream corrupt ({e})"
+        if inflater.eof:
+            pending = inflater.unused_data or src.read(1 << 22)
+            if not pending:
+                return None
+            if compression_of(pending[:2]) is None:
+                left = len(pending) + size - src.tell()
+                return f"{left} bytes after the compressed stream start no other stream"
+            inflater = zlib.decompressobj(wbits=47)
+    out.write(inflater.flush())
+    return None if inflater.eof else "compressed stream truncated"
 
 
 @dataclass(frozen=True)
@@ -342,7 +377,7 @@ def _text(data: bytes, feature: Feature | None) -> str | None:
 @dataclass
 class Labelling:
     classes: list[str]
-    label_offset: int | None  # with synsets: the file's label minus its synset's index (None: no labels seen)
+    label_offset: int | None  # what the file's labels were shifted by to be class indices (None: no labels seen)
     by_synset: bool
 
 
@@ -369,7 +404,7 @@ def label_records(found: dict[str, list[Record]], cfg: TFRecordConfig) -> Labell
         if cfg.label_offset is not None and offset is not None and -offset != cfg.label_offset:
             raise ConversionFailed(f"--label-offset {cfg.label_offset}, but the labels are the sorted synsets' indices "
                                    f"{offset:+d} (drop --label-offset: with synsets the labels come from them)")
-        return Labelling(classes, offset, True)
+        return Labelling(classes, None if offset is None else -offset, True)
     labels = {r.label + (cfg.label_offset or 0) for r in good if r.label is not None}
     top = max((v for v in labels if v >= 0), default=-1)
     return Labelling([str(i) for i in range(top + 1)], cfg.label_offset or 0, False)
@@ -404,10 +439,13 @@ def encode_item(item: Item, image_feature: str, quality: int, max_side: int | No
             f.seek(record.offset)
             data = f.read(record.length)
     except OSError as e:
-        return Skip(f"unreadable: {e.strerror or e}")
+        raise ConversionFailed(f"{item.relpath}: vanished while being converted ({e.strerror or e})") from None
     if len(data) != record.length:
         raise ConversionFailed(f"{item.relpath}: changed while being converted (record {record.number} is cut short)")
-    feature = parse_example(data).get(image_feature)
+    try:
+        feature = parse_example(data).get(image_feature)
+    except ExampleError as e:
+        return Skip(f"not a tf.train.Example: {e}")
     if feature is None or feature.kind != "bytes" or len(feature.values) != 1:
         return Skip(f"no single bytes feature {image_feature}")
     start, end = feature.values[0]
@@ -471,10 +509,10 @@ def build_plan(cfg: TFRecordConfig) -> tuple[Plan, list[Path]]:
             source_bytes += st.st_size
             read_path, stream_problem = path, None
             if (kind := compression(path)) is not None:
-                read_path = inflated_path(path, cfg.job_index)
+                read_path = inflated_path(path, cfg.location, cfg.job_index)
                 stream_problem = inflate(path, read_path)
                 listing.inflated.append(read_path)
-                stream_problem = stream_problem and f"{kind} {stream_problem}"
+                stream_problem = stream_problem and f"{kind} file: {stream_problem}"
             jobs.append(FileJob(str(path), str(read_path), stream_problem,
                                 (cfg.label_feature, cfg.synset_feature, cfg.filename_feature)))
             relpaths.append((split, relpath))

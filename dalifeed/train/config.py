@@ -279,6 +279,8 @@ def option_checks(cfg: TrainConfig) -> list[tuple[bool, str]]:
         (cfg.swa_lr is None or cfg.swa_lr > 0, f"--swa-lr must be > 0, got {cfg.swa_lr}"),
         (cfg.swa_start is not None or (cfg.swa_lr is None and not cfg.swa_anneal_epochs),
          "--swa-lr and --swa-anneal-epochs set SWA's learning rate: give --swa-start too"),
+        (cfg.swa_lr is not None or not cfg.swa_anneal_epochs,
+         "--swa-anneal-epochs anneals the learning rate to --swa-lr: give --swa-lr too"),
         (cfg.swa_anneal_epochs >= 0, f"--swa-anneal-epochs must be >= 0, got {cfg.swa_anneal_epochs}"),
         (0 < cfg.crop_scale[0] <= cfg.crop_scale[1] <= 1,
          f"--crop-scale must be MIN,MAX with 0 < MIN <= MAX <= 1, got {cfg.crop_scale}"),

@@ -38,7 +38,7 @@ class TrainState:
 
     epoch: int = 0  # the next epoch to run
     step: int = 0  # optimizer steps taken
-    best_score: float = -1.0  # the best `epoch_score` so far: what best.pt holds
+    best_score: float = float("-inf")  # the best `epoch_score` so far (minus a train loss may be below -1)
     bad_streak: int = 0
 
     @classmethod

@@ -127,9 +127,9 @@ def fit(run: Run) -> TrainResult:
             if run.data_changed is not None:  # the log says which epoch first trained on other shards
                 record["data_changed"], run.data_changed = run.data_changed, None
             state.epoch = epoch + 1
-            run.finish_epoch(record)
-            if swa_done and run.dist.is_main:
+            if swa_done and run.dist.is_main:  # before last.pt: a run that fails in between replays this epoch
                 run.save(swa_path(cfg.out), swa_payload(run, record))
+            run.finish_epoch(record)
             if stop.agreed or stop.requested and not run.dist.enabled:
                 raise TrainingStopped(stop.agreed or stop.requested, run.where(f"the end of epoch {epoch}"))
     run.run_log.close()
