@@ -94,9 +94,11 @@ def finish_swa(run, measure: Callable[[torch.nn.Module], dict]) -> dict:
 
 def swa_payload(run, metrics: dict) -> dict:
     """RUN/swa.pt: the averaged weights as `model` (what --pretrained and checkpoint.load read), the classes,
-    the config, the last metrics line and how many epochs the average holds."""
+    the config, the average's metrics and how many epochs it holds: nothing timed, so that a resumed run
+    writes the same bytes as an uninterrupted one."""
+    kept = {k: v for k, v in metrics.items() if k.startswith("swa_") or k == "epoch"}
     return {"model": run.swa.module.state_dict(), "classes": run.classes, "config": run.cfg.to_json(),
-            "metrics": metrics, "swa": {"start": run.cfg.swa_start, "epochs_averaged": int(run.swa.n_averaged)}}
+            "metrics": kept, "swa": {"start": run.cfg.swa_start, "epochs_averaged": int(run.swa.n_averaged)}}
 
 
 def swa_path(out: str) -> Path:
