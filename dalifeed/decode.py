@@ -144,8 +144,10 @@ class DaliDecoder:
         """The decoding pipeline, defined but not built (tests/test_gpu_graphs.py checks its GPU graph)."""
         from nvidia.dali import fn, pipeline_def, types  # here: the base install has no DALI (docs/gpu.md)
 
+        # the executor the loaders run (definitions.py): DALI's legacy one, which exec_async=False picks,
+        # crashed once in its Shutdown of a pipeline whose run had failed, while the failed loader's lived
         @pipeline_def(batch_size=self.batch_size, num_threads=self.num_threads, device_id=self.device_id,
-                      prefetch_queue_depth=1, exec_async=False, exec_pipelined=False)
+                      prefetch_queue_depth=1, exec_dynamic=True)
         def decode():
             encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
             return fn.decoders.image(encoded, device=decoder_device(self.device), output_type=types.RGB,
