@@ -39,9 +39,9 @@ DEFAULT_HW_DECODER_LOAD = defaults.HW_DECODER_LOAD
 # num_threads) one device buffer of `device_memory_padding` bytes and two pinned host buffers of
 # `host_memory_padding` bytes and returns them to DALI's memory pools, which keep them; nvJPEG then adds the same
 # paddings to every buffer it grows (nvjpegSetDeviceMemoryPadding / nvjpegSetPinnedMemoryPadding). The values
-# DALI's ResNet-50 example used to pass, 211025920 and 140544512 (ImageNet's largest image, 5980 x 6430 px), cost
-# 201 MiB of GPU and 268 MiB of pinned memory per thread: 13.5 GB + 18 GB for a rank with 64 threads. Its current
-# version passes no paddings (DALI's defaults: 16 MiB and 8 MiB). We size them for an image of
+# DALI's ResNet-50 example used to pass (sized for ImageNet's largest image) reserve hundreds of MiB per thread,
+# tens of GB for a rank with many threads (docs/gpu.md, "Memory per rank"). Its current version passes no
+# paddings (DALI's defaults). We size them for an image of
 # DECODER_SIZED_FOR_SIDE^2 pixels at the bytes per pixel DALI's numbers imply, at most 64 MiB each: a larger
 # image makes nvJPEG grow that thread's buffer once, which is all a padding saves (docs/gpu.md). No
 # preallocate_width/height_hint: with them the hardware decoder preallocates a whole batch of images that size

@@ -62,20 +62,13 @@ class Steps:
 
 
 # The digits recipe. ResNet-10 (resnet10_cifar) reaches ResNet-18's accuracy over seeds and CPU kernels
-# (AVX-512, AVX2, SSE4.1) in about half the training time, so the demo ends sooner (docs/training.md, "Measured").
+# (AVX-512, AVX2, SSE4.1) with one block a stage, so the demo ends sooner (docs/training.md, "Measured").
 # - The digits are framed by a 2-pixel black margin (12x12, as MNIST centres its digits in a box; see
 #   make_digits_imagefolder) and trained at 16 px by a ResNet with a CIFAR stem (3x3 stride-1 convolution, no
 #   max-pool) at width 16 (stages 16..128 channels), one basic block a stage. torchvision's stem (7x7 stride 2,
 #   then a max-pool) shrinks 32 px to 8x8 before the first stage; this one keeps 16x16 there.
-# - ResNet-18 (resnet18_cifar, two blocks a stage; the recipe before): the same accuracy, more CPU time.
-# - The recipe before that (no margin; torchvision's stem at width 32 and 32 px; the rest as below) was less
-#   accurate: without a margin the digits touch their top and bottom rows, and the random crops (and
+# - The margin matters: without it the digits touch their top and bottom rows, and the random crops (and
 #   validation's centre crop) cut strokes off them.
-# - Screened and set aside, less accurate or slower than width 16: the margin alone (width 32, 32 px), and the
-#   margin with the CIFAR stem at width 32 (16 px too slow for the demo; 15 epochs, or 12 px, less accurate).
-# - Tried before, for the previous recipe, and no better or slower: crops 0.25-1 or 0.5-1, 15 or 40 epochs,
-#   batch 32, batch 128 (45 epochs), lr 0.8, AdamW, no label smoothing, weight decay 1e-3, EMA of the weights,
-#   width 16 for 60 epochs, width 64, 24 or 48 px.
 # - batch 64 at lr 0.4 per 256 (SGD, Nesterov, label smoothing 0.1, weight decay 5e-4), 1 warm-up epoch,
 #   30 epochs, crops of scale 0.35-1, no flips (a flipped digit is another glyph).
 RECIPE = ["--model", "resnet10_cifar", "--width", "16", "--image-size", "16", "--crop-scale", "0.35,1", "--no-flip",
@@ -85,9 +78,9 @@ RECIPE = ["--model", "resnet10_cifar", "--width", "16", "--image-size", "16", "-
 # The demo's race: what `dali-bench` measures with its default windows, in less time. A timed window must
 # not begin with batches made before it (dali-bench's warm-up drains each loader's read-ahead, which would
 # make a short window look faster), and it takes dali-bench's default batch of 64, as the long bench it stands
-# for: on the demo's 208 training photos, batches of 32 (the demo's before) made the baseline look faster than
-# batches of 64 do (a DataLoader hands batches to its workers in turn: an epoch's 3 batches of 64 go two to
-# one, its 6 batches of 32 three and three). `make bench` races every loader and the peers (docs/benchmarks.md).
+# for: on the demo's few training photos the batch size changes how evenly a DataLoader's workers share an
+# epoch (it hands them batches in turn), so the baseline must be timed at the bench's batch. `make bench` races
+# every loader and the peers (docs/benchmarks.md).
 BENCH = ["--seconds", "2", "--repeats", "3", "--loaders", "baseline,dali-cpu"]
 
 

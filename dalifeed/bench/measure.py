@@ -108,7 +108,7 @@ def train_steps_per_s(model: torch.nn.Module, batches: Iterator, device: torch.d
         t0 = time.perf_counter()
         images, labels = next(batches)
         waited += time.perf_counter() - t0
-        # bf16 autocast on a GPU only: on a CPU without AVX-512 BF16 it is emulated and far slower than fp32
+        # bf16 autocast on a GPU only: on a CPU without AVX-512 BF16 it is emulated
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp and device.type == "cuda"):
             loss = loss_fn(model(images), labels)
         optimizer.zero_grad(set_to_none=True)

@@ -14,7 +14,7 @@ from dalifeed.usage import output_folder_problem
 
 NO_SPLIT = ("none", "")  # --val-split values that mean: train without evaluation
 
-# --recipe: torchvision's current ResNet-50 recipe (80.858% top-1; docs/training.md), from the command in
+# --recipe: torchvision's current ResNet-50 recipe (its published accuracy: docs/training.md), from the command in
 # torchvision's classification README: --batch-size 128 (x 8 GPUs) --lr 0.5 --lr-scheduler cosineannealinglr
 # --lr-warmup-epochs 5 --auto-augment ta_wide --epochs 600 --random-erase 0.1 --weight-decay 0.00002
 # --norm-weight-decay 0.0 --label-smoothing 0.1 --mixup-alpha 0.2 --cutmix-alpha 1.0 --train-crop-size 176
@@ -22,8 +22,8 @@ NO_SPLIT = ("none", "")  # --val-split values that mean: train without evaluatio
 # at 176 and evaluates at 224 after a resize to 232: --image-size 176 --val-image-size 224 --val-resize 232 say
 # it, but the recipe keeps --image-size for the user) and the repeated-augmentation sampler (dalifeed has none).
 #
-# --recipe fast-resnet50: FFCV's ResNet-50 recipe, libffcv/ffcv-imagenet rn50_configs/rn50_88_epochs.yaml (78.4%
-# top-1 in 77 minutes on 8 A100s, its README): epochs 88; resolution min_res 160, max_res 192, start_ramp 65,
+# --recipe fast-resnet50: FFCV's ResNet-50 recipe, libffcv/ffcv-imagenet rn50_configs/rn50_88_epochs.yaml (its
+# published accuracy and time: docs/training.md): epochs 88; resolution min_res 160, max_res 192, start_ramp 65,
 # end_ramp 76 (train_imagenet.py get_resolution: --progressive-resize 160:192:65:76); label_smoothing 0.1; sgd,
 # momentum 0.9 (torch's SGD: no Nesterov), weight_decay 1e-4, bn_wd 0 (dali-train never decays norm weights);
 # lr 1.7 for batch_size 512 x world_size 8 = 4096 images (1.7 * 256 / 4096 = 0.10625 per 256); lr_schedule_type

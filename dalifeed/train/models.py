@@ -15,8 +15,8 @@ from dalifeed.usage import first_line
 class WidthResNet(ResNet):
     """torchvision's ResNet with stage widths (w, 2w, 4w, 8w) instead of (64, 128, 256, 512): the same blocks,
     `forward` and initialisation. On tiny images (digits, 32 px thumbnails) ResNet-18 at width 32 learns as
-    well as at 64 with a quarter of the weights, and trains several times faster on a CPU, where the backward
-    pass of the 512-channel convolutions dominates."""
+    well as at 64 with a quarter of the weights, and the backward pass of the 512-channel convolutions, which
+    dominates on a CPU, shrinks with them."""
 
     def __init__(self, block, layers: list[int], width: int, num_classes: int):
         super().__init__(block, layers, num_classes=num_classes)

@@ -24,7 +24,7 @@ from .distributed import all_reduce_max
 
 # Seconds of training between two checks. A check drains the device's queue of work: the next step's kernels
 # start only once the host has launched them, a gap of about one step's launch time (milliseconds for a
-# ResNet-50 step) every CHECK_SECONDS, well under 1% of the time. It is also how late a stop signal can be
+# ResNet-50 step) every CHECK_SECONDS, small beside the steps between. It is also how late a stop signal can be
 # acted on: torchrun gives its workers 30 s after forwarding SIGTERM before it kills them, Slurm's KillWait
 # is 30 s by default, and the mid-epoch checkpoint has to be written within that.
 CHECK_SECONDS = 2.0
