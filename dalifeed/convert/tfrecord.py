@@ -77,6 +77,11 @@ class TFRecordConfig(ShardOptions):
             except ValueError as e:
                 raise UsageError(f"--split {e}") from None
 
+    @property
+    def root(self) -> Path:
+        """What the files' names in the manifest are relative to: SRC, or the folder of a SRC file."""
+        return self.src if self.src.is_dir() else self.src.parent
+
     def output_options(self) -> dict:
         return {"split": self.split, "label_offset": self.label_offset, "image_feature": self.image_feature,
                 "label_feature": self.label_feature, "synset_feature": self.synset_feature,
@@ -308,8 +313,8 @@ def inflate_streams(src, out, size: int) -> str | None:
 @dataclass(frozen=True)
 class FileJob:
     path: str
-    read_path: str
-    stream_problem: str | None  # a compressed file whose stream ended early
+    read_path: str  # the file itself, or where a compressed one is inflated to
+    compression: str | None  # gzip | zlib | None
     features: tuple[str, str, str]  # label, synset, filename
 
 
@@ -317,6 +322,7 @@ def list_records(job: FileJob) -> list[Record]:
     """Worker: frame every record of one file, check both CRCs and read its label features. A record that
     fails is one Record with the problem; a broken length (which hides where the next record starts) ends
     the file with one Record saying how many bytes were left unread."""
+    stream_problem = job.compression and inflate(Path(job.path), Path(job.read_path))
     records: list[Record] = []
     label_key, synset_key, filename_key = job.features
     size = os.path.getsize(job.read_path)
@@ -345,8 +351,9 @@ def list_records(job: FileJob) -> list[Record]:
                 records.append(Record(number, data_at, length, problem="data CRC mismatch (corrupt record)"))
                 continue
             records.append(read_labels(number, data_at, data, label_key, synset_key, filename_key))
-    if job.stream_problem:
-        records.append(Record(len(records), -1, 0, problem=f"{job.stream_problem}: the records after it are lost"))
+    if stream_problem:
+        records.append(Record(len(records), -1, 0,
+                              problem=f"{job.compression} file: {stream_problem}: the records after it are lost"))
     return records
 
 
@@ -479,7 +486,7 @@ class Listing:
 def list_files(cfg: TFRecordConfig) -> Listing:
     files: dict[str, list[Path]] = {}
     skipped = []
-    root = cfg.src if cfg.src.is_dir() else cfg.src.parent
+    root = cfg.root
     for path in find_files(cfg.src):
         problem = stat_source(path).problem
         split = cfg.split or split_of(path.name)
@@ -499,7 +506,7 @@ def list_files(cfg: TFRecordConfig) -> Listing:
 def build_plan(cfg: TFRecordConfig) -> tuple[Plan, list[Path]]:
     cfg.validate()
     listing = list_files(cfg)
-    root = cfg.src if cfg.src.is_dir() else cfg.src.parent
+    root = cfg.root
     jobs, relpaths, fingerprint, source_bytes = [], [], hashlib.sha256(), 0
     for split, paths in listing.files.items():
         for path in paths:
@@ -507,13 +514,11 @@ def build_plan(cfg: TFRecordConfig) -> tuple[Plan, list[Path]]:
             relpath = path.relative_to(root).as_posix()
             fingerprint.update(f"{split}\0{relpath}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
             source_bytes += st.st_size
-            read_path, stream_problem = path, None
-            if (kind := compression(path)) is not None:
+            read_path, kind = path, compression(path)
+            if kind is not None:  # inflated by the listing worker, in parallel with the other files
                 read_path = inflated_path(path, cfg.location, cfg.job_index)
-                stream_problem = inflate(path, read_path)
                 listing.inflated.append(read_path)
-                stream_problem = stream_problem and f"{kind} file: {stream_problem}"
-            jobs.append(FileJob(str(path), str(read_path), stream_problem,
+            jobs.append(FileJob(str(path), str(read_path), kind,
                                 (cfg.label_feature, cfg.synset_feature, cfg.filename_feature)))
             relpaths.append((split, relpath))
     records_of = ordered_map(list_records, jobs, cfg.workers, chunk=1)
