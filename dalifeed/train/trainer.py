@@ -116,11 +116,11 @@ def fit(run: Run) -> TrainResult:
                       "images_per_s": stats.images * run.dist.world_size / stats.seconds,
                       "epoch_seconds": stats.seconds, "data_wait_share": stats.data_wait / stats.seconds,
                       "bad_steps": stats.bad_steps}
-            swa_done = run.swa is not None and epoch >= cfg.swa_start
-            if swa_done:
+            averaging = run.swa is not None and epoch >= cfg.swa_start
+            if averaging:
                 run.swa.update_parameters(run.model)
             record.update(validation_record(run))
-            swa_done = swa_done and epoch == cfg.epochs - 1
+            swa_done = averaging and epoch == cfg.epochs - 1
             if swa_done:
                 record.update(finish_swa(run, measurer(run)))
             record.update(gpu_stats(run.dist.device))
