@@ -73,8 +73,10 @@ def verdict(report: StackReport) -> str:
     if report.problems:
         return f"NOT OK: --device auto stops on this node ({len(report.problems)} problem(s) below)"
     if stack.gpu_node:
+        driver = (f"driver {stack.driver}, CUDA {stack.driver_cuda}" if stack.driver
+                  else "no NVML: driver not read, note below")
         return (f"OK: --device auto runs on the GPU (torch sees {stack.torch_gpus}, DALI sees {stack.dali_gpus}; "
-                f"driver {stack.driver}, CUDA {stack.driver_cuda})")
+                f"{driver})")
     why = (f"CUDA_VISIBLE_DEVICES={stack.cuda_visible_devices!r} hides the GPUs" if stack.gpus_hidden
            else "this container or job was given no GPU (note below)" if report.notes else "no NVIDIA GPU here")
     return f"OK: {why}; --device auto runs on the CPU"
@@ -87,6 +89,7 @@ def render(doc: dict) -> str:
     if s["dali_cuda_build"]:
         dali_build += f", __cuda_version__ {s['dali_cuda_build']}"
     driver = (f"{s['driver']} (runs CUDA up to {s['driver_cuda']})" if s["driver"] else
+              f"not read: NVML does not answer ({s['nvml_error'] or 'no libnvidia-ml.so.1'})" if s["gpu_node"] else
               "none answers (NVML: no libnvidia-ml.so.1)")
     hidden = f"; CUDA_VISIBLE_DEVICES={s['cuda_visible_devices']!r}" if s["cuda_visible_devices"] is not None else ""
     lines = [
@@ -100,6 +103,7 @@ def render(doc: dict) -> str:
         f"  driver       {driver}",
         f"  GPUs         NVML: {', '.join(s['nvml_gpus']) or 'none'}; device files: "
         f"{', '.join(s['device_files']) or 'none'}{hidden}",
+        *([f"{'':15}NVML lists, will not open or name: {', '.join(s['nvml_closed'])}"] if s["nvml_closed"] else []),
         *([f"{'':15}not openable here: {', '.join(s['closed_device_files'])}"] if s["closed_device_files"] else []),
         *([f"{'':15}the host's (/proc): {', '.join(s['host_gpus'])}"] if s["host_gpus"] else []),
         f"  CPU          {cpu['model'] or '?'}; {cpu['usable_cores']} of {cpu['machine_cpus']} CPUs usable; torch "

@@ -14,8 +14,11 @@ then trained on the CPU without a word.
   of falling back to the CPU.
 
 A GPU node is one whose GPUs this process can use (NVML, or a `/dev/nvidia<N>` it can open); elsewhere `--device
-auto` runs on the CPU with a note saying how to be given the GPUs. The loaders, dali-train, dali-bench and
-gpu-check all ask `choose_device`; `dalifeed doctor` prints all of it (dalifeed/doctor.py).
+auto` runs on the CPU with a note saying how to be given the GPUs. NVML counts every GPU of the machine and refuses
+a handle to those a job's cgroup denies (Slurm's ConstrainDevices): those are another job's, not a missing driver.
+A container without NVML (NVIDIA_DRIVER_CAPABILITIES=compute) whose torch and DALI see GPUs is a GPU node too; it
+only has no GPU statistics. The loaders, dali-train, dali-bench and gpu-check all ask `choose_device`; `dalifeed
+doctor` prints all of it (dalifeed/doctor.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import re
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 # The oldest Linux driver each CUDA major runs on (NVIDIA's tables, above), and the driver branch it ships in.
 DRIVER_FLOOR = {12: "525.60.13", 13: "580.65.06"}
@@ -47,9 +51,11 @@ class StackMismatch(Exception):
 class Stack:
     """What this process has, as `probe` reads it; every field can be given by hand (the tests do)."""
 
-    driver: str | None = None  # NVML's driver version ("535.104.05"); None: no NVIDIA driver answered
+    driver: str | None = None  # NVML's driver version ("535.104.05"); None: NVML did not answer
     driver_cuda: str | None = None  # the newest CUDA the driver runs ("12.2", nvmlSystemGetCudaDriverVersion)
-    nvml_gpus: tuple[str, ...] = ()  # the names of the GPUs NVML lists (all of the machine's)
+    nvml_gpus: tuple[str, ...] = ()  # the names of the GPUs NVML lists and lets this process open
+    nvml_closed: tuple[str, ...] = ()  # "GPU <i>: <NVML error>" for each GPU NVML lists but will not open or name
+    nvml_error: str | None = None  # why NVML did not answer ("NVML Shared Library Not Found": no libnvidia-ml.so.1)
     device_files: tuple[str, ...] = ()  # /dev/nvidia<N> this process can open: GPUs even where NVML is silent
     closed_device_files: tuple[str, ...] = ()  # /dev/nvidia<N> it may not open (a job's cgroup device rules)
     host_gpus: tuple[str, ...] = ()  # /proc/driver/nvidia/gpus/<bus id>: the host's, seen also by a container without
@@ -88,18 +94,25 @@ class Stack:
 
     @property
     def gpu_count(self) -> int:
-        """The GPUs this process can use: NVML's count, else the /dev/nvidia<N> files it can open."""
-        return len(self.nvml_gpus) or len(self.device_files)
+        """The GPUs this process can use: those NVML lets it open, else the /dev/nvidia<N> files it can open, else
+        the most torch or DALI counts (CUDA without NVML and without device files, as under WSL)."""
+        return len(self.nvml_gpus) or len(self.device_files) or max(self.torch_gpus, self.dali_gpus)
 
     @property
     def gpu_node(self) -> bool:
         """Whether this process is on a node with NVIDIA GPUs it can use and is meant to."""
-        return bool(self.nvml_gpus or self.device_files) and not self.gpus_hidden
+        return self.gpu_count > 0 and not self.gpus_hidden
 
     @property
     def given_no_gpu(self) -> bool:
         """A container or job on a GPU host that was given none of its GPUs (module docstring)."""
-        return not (self.nvml_gpus or self.device_files) and bool(self.host_gpus or self.closed_device_files)
+        return self.gpu_count == 0 and bool(self.host_gpus or self.closed_device_files or self.nvml_closed)
+
+    @property
+    def cuda_without_nvml(self) -> bool:
+        """NVML does not answer but torch or DALI counts GPUs: CUDA runs on this driver, NVML's library is missing
+        (a container started with NVIDIA_DRIVER_CAPABILITIES=compute, without `utility`)."""
+        return self.driver is None and bool(self.torch_gpus or self.dali_gpus)
 
 
 @dataclass
@@ -107,7 +120,8 @@ class StackReport:
     stack: Stack
     problems: list[str] = field(default_factory=list)  # each stops --device auto (and gpu) on this node
     warnings: list[str] = field(default_factory=list)  # a stack that would not run on a GPU node, here on the CPU
-    notes: list[str] = field(default_factory=list)  # why --device auto runs on the CPU where GPUs are near
+    notes: list[str] = field(default_factory=list)  # why --device auto runs on the CPU where GPUs are near; what a
+    # GPU node without NVML lacks
 
     @property
     def ok(self) -> bool:
@@ -153,13 +167,29 @@ def check(stack: Stack) -> StackReport:
     report.problems += _versions_fit(stack)
     if not report.problems:  # versions that fit; whether each library really sees the GPUs
         report.problems += _libraries_see_gpus(stack)
+    if stack.cuda_without_nvml:
+        report.notes.append(nvml_missing_note(stack))
     return report
+
+
+NVML_MISSING = ("NVML not available: no GPU statistics; the container needs "
+                "NVIDIA_DRIVER_CAPABILITIES=compute,utility for them")
+LIBRARY_NOT_FOUND = "NVML Shared Library Not Found"  # str(pynvml.NVMLError_LibraryNotFound())
+
+
+def nvml_missing_note(stack: Stack) -> str:
+    """The one line for a GPU node whose CUDA answers and whose NVML does not: training runs, without NVML's figures."""
+    if stack.nvml_error in (None, LIBRARY_NOT_FOUND):
+        return NVML_MISSING
+    return f"NVML not available ({stack.nvml_error}): no GPU statistics"
 
 
 def not_given_note(stack: Stack) -> str:
     """Why a process on a GPU host runs on the CPU: the GPUs it sees but was not given, and how to be given them."""
-    if stack.closed_device_files:
-        seen = f"{', '.join(stack.closed_device_files[:2])} cannot be opened by this process"
+    if stack.closed_device_files or stack.nvml_closed:
+        seen = (f"{', '.join(stack.closed_device_files[:2])} cannot be opened by this process"
+                if stack.closed_device_files else f"NVML lists {len(stack.nvml_closed)} GPU(s) this process may not "
+                                                  f"open")
         how = ("ask the job for GPUs (Slurm: --gres=gpu:N or --gpus N; a container: --gpus all)")
     else:
         seen = f"the host lists {len(stack.host_gpus)} NVIDIA GPU(s) in /proc/driver/nvidia/gpus"
@@ -191,10 +221,17 @@ def _versions_fit(stack: Stack) -> list[str]:
     """The problems of a GPU node's versions: no driver answering, a driver too old for torch's or DALI's CUDA
     major, a CPU-only torch, torch and DALI of two CUDA majors."""
     gpus = f"{stack.gpu_count} NVIDIA GPU(s)"
-    if stack.driver is None:
+    if stack.driver is None and not stack.cuda_without_nvml:
         return [f"this node has {gpus} ({', '.join(stack.device_files[:2])}) but NVML does not answer: load the "
                 f"NVIDIA driver (nvidia-smi shows whether it runs); in a container, run it with --gpus all "
                 f"(the NVIDIA Container Toolkit mounts the driver)"]
+    if stack.driver is None:  # no driver version to compare: a library that counts the GPUs runs on this driver
+        if stack.torch_major is None:
+            return [f"torch {stack.torch} is a CPU-only build (torch.version.cuda is None) on a node with {gpus}: "
+                    f"{_torch_fix(_fitting_major(stack))}"]
+        if stack.dali_majors and stack.dali_majors != (stack.torch_major,):
+            return [_majors_differ(stack, stack.torch_major)]
+        return []
     driver = f"driver {stack.driver} runs CUDA up to {stack.driver_cuda}"
     if stack.driver_major is not None and stack.driver_major < 12:
         return [f"{driver}; torch and DALI need CUDA 12 (driver >= {DRIVER_FLOOR[12]}) or 13 (>= "
@@ -227,7 +264,8 @@ def _majors_differ(stack: Stack, major: int) -> str:
 
 
 def _libraries_see_gpus(stack: Stack) -> list[str]:
-    nvml = f"NVML lists {len(stack.nvml_gpus)}"  # versions that fit: NVML answered
+    nvml = (f"NVML lists {len(stack.nvml_gpus)}" if stack.nvml_gpus else f"DALI sees {stack.dali_gpus}"
+            if stack.dali_gpus else f"this process can open {', '.join(stack.device_files[:2])}")
     visible = (f", CUDA_VISIBLE_DEVICES={stack.cuda_visible_devices}" if stack.cuda_visible_devices is not None else "")
     if stack.torch_gpus == 0:
         return [f"torch {stack.torch} sees no GPU although {nvml}{visible}: CUDA's own error: python -c "
@@ -308,13 +346,14 @@ def is_dali_missing(error: ImportError) -> bool:
 
 def probe(environ=os.environ, root: Path = Path("/")) -> Stack:
     """This process's `Stack`. Never raises: what cannot be read is None or 0 (no driver, no DALI)."""
-    driver, driver_cuda, names = nvml_driver()
+    nvml = nvml_driver()
     torch_version, torch_cuda, torch_gpus = torch_stack()
     dali, packages, build, dali_gpus = dali_stack()
     devices = nvidia_device_files(root)
-    # NVML listing GPUs settles it; else each file is opened, as CUDA would open it
-    opened = devices if names else tuple(d for d in devices if can_open(root / d.lstrip("/")))
-    return Stack(driver=driver, driver_cuda=driver_cuda, nvml_gpus=names, device_files=opened,
+    # NVML opening every GPU it lists settles it; else each file is opened, as CUDA would open it
+    opened = devices if nvml.gpus and not nvml.closed else tuple(d for d in devices if can_open(root / d.lstrip("/")))
+    return Stack(driver=nvml.driver, driver_cuda=nvml.cuda, nvml_gpus=nvml.gpus, nvml_closed=nvml.closed,
+                 nvml_error=nvml.error, device_files=opened,
                  closed_device_files=tuple(d for d in devices if d not in opened), host_gpus=host_gpu_entries(root),
                  cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"), torch=torch_version, torch_cuda=torch_cuda,
                  torch_gpus=torch_gpus, dali=dali, dali_packages=packages, dali_cuda_build=build, dali_gpus=dali_gpus)
@@ -325,23 +364,43 @@ def stack_report() -> StackReport:
     return check(probe())
 
 
-def nvml_driver() -> tuple[str | None, str | None, tuple[str, ...]]:
-    """(driver version, the newest CUDA it runs as "12.2", GPU names) from NVML, or (None, None, ()) where NVML
-    does not answer (no driver: libnvidia-ml.so.1 is missing)."""
+class NvmlAnswer(NamedTuple):
+    """What NVML tells this process: the driver's version and newest CUDA ("12.2"), the names of the GPUs it may
+    open, "GPU <i>: <error>" for those it may not, and why NVML did not answer at all (None when it did)."""
+
+    driver: str | None = None
+    cuda: str | None = None
+    gpus: tuple[str, ...] = ()
+    closed: tuple[str, ...] = ()
+    error: str | None = None
+
+
+def nvml_driver() -> NvmlAnswer:
+    """NVML's answer (`NvmlAnswer`). The driver's figures are kept whenever nvmlInit and the system calls answer; a
+    GPU whose handle or name NVML refuses is another job's (NVML_ERROR_NO_PERMISSION under a cgroup), not a
+    missing driver. No driver, no libnvidia-ml.so.1 or no nvidia-ml-py: an answer with only `error`."""
     try:
         import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # NVMLError_LibraryNotFound without a driver; ImportError without nvidia-ml-py
-        return None, None, ()
+    except ImportError as e:
+        return NvmlAnswer(error=f"nvidia-ml-py is not installed ({e})")
     try:
-        driver = _text(pynvml.nvmlSystemGetDriverVersion())
-        cuda = pynvml.nvmlSystemGetCudaDriverVersion()  # 12020 for CUDA 12.2, as cudaDriverGetVersion gives it
-        names = tuple(_text(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i)))
-                      for i in range(pynvml.nvmlDeviceGetCount()))
-        return driver, f"{cuda // 1000}.{cuda % 1000 // 10}", names
-    except Exception:  # a call this driver lacks: what was read so far is not worth a half answer
-        return None, None, ()
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound in a container without `utility`; DriverNotLoaded
+        return NvmlAnswer(error=str(e))
+    try:
+        try:
+            driver = _text(pynvml.nvmlSystemGetDriverVersion())
+            cuda = pynvml.nvmlSystemGetCudaDriverVersion()  # 12020 for CUDA 12.2, as cudaDriverGetVersion gives it
+            count = pynvml.nvmlDeviceGetCount()  # _v2: every GPU of the machine, also those this process may not open
+        except Exception as e:  # a system call this driver lacks: no version is worth a guess
+            return NvmlAnswer(error=str(e))
+        names, closed = [], []
+        for i in range(count):
+            try:
+                names.append(_text(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))))
+            except Exception as e:
+                closed.append(f"GPU {i}: {e}")
+        return NvmlAnswer(driver, f"{cuda // 1000}.{cuda % 1000 // 10}", tuple(names), tuple(closed))
     finally:
         try:
             pynvml.nvmlShutdown()
