@@ -22,6 +22,7 @@ import dalifeed.stack
 from dalifeed.cli import main as dalifeed_cli
 from dalifeed.nvml import find_gpu, nvml_stats
 from dalifeed.stack import NVML_MISSING, check, choose_device, probe
+from dalifeed.train.distributed import GpuAssignmentError, refuse_shared_gpus
 
 GiB = 2**30
 
@@ -187,7 +188,10 @@ def test_one_gpu_of_four_under_a_cgroup_is_a_gpu_node_with_its_driver_and_its_ow
 
 @pytest.mark.parametrize("own, visible", [({5}, "0"), ({2, 3}, "0,1")], ids=["gpus-per-task-1", "gres-gpu-2"])
 def test_slurm_constrain_devices_on_an_eight_gpu_node_is_usable(node, own, visible):
-    """`srun --gpus-per-task 1` and `--gres=gpu:2` under ConstrainDevices=yes: NVML counts 8, opens the job's."""
+    """`srun --gpus-per-task 1` and `--gres=gpu:2` under ConstrainDevices=yes: NVML counts 8, opens the job's.
+    The first is what dali-train's refusal of ranks sharing a GPU advises."""
+    with pytest.raises(GpuAssignmentError, match=r"srun --gpus-per-task 1\)$"):
+        refuse_shared_gpus(["node0 1b1b", "node0 1b1b"])
     gpus = machine(8, denied=set(range(8)) - own)
     report = check(node(fake_nvml(gpus), gpus_seen=len(own), devices=8, openable=own, visible=visible))
     assert report.ok and report.device == "gpu" and report.stack.driver == "580.65.06"

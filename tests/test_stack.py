@@ -140,6 +140,26 @@ def test_device_files_without_nvml_say_how_to_start_the_container():
         "mounts the driver)"]
 
 
+def test_cuda_without_nvml_is_a_gpu_node_whose_libraries_are_still_checked():
+    """No libnvidia-ml.so.1 (a container with NVIDIA_DRIVER_CAPABILITIES=compute): no driver version to compare,
+    but torch's and DALI's own device counts show their CUDA runs; two majors or a CPU-only torch still stop it.
+    The injected-NVML cases are in tests/test_nvml_injected.py."""
+    files = dict(device_files=("/dev/nvidia0",))
+    fits = check(Stack(**files, **TORCH_CU130, **DALI_130, torch_gpus=1, dali_gpus=1))
+    assert fits.ok and fits.device == "gpu" and fits.notes == [
+        "NVML not available: no GPU statistics; the container needs NVIDIA_DRIVER_CAPABILITIES=compute,utility for "
+        "them"]
+    other = check(Stack(**files, **TORCH_CU130, **DALI_130, torch_gpus=1, dali_gpus=1, nvml_error="Driver Not Loaded"))
+    assert other.ok and other.notes == ["NVML not available (Driver Not Loaded): no GPU statistics"]
+    two_majors = check(Stack(**files, **TORCH_CU130, **DALI_120, torch_gpus=1, dali_gpus=1))
+    assert two_majors.device == "refused" and two_majors.problems[0].startswith(
+        "torch 2.14.1+cu130 is built for CUDA 13.0 but DALI 2.4.0 (nvidia-dali-cuda120) for CUDA 12")
+    cpu_torch = check(Stack(**files, torch="2.14.1+cpu", **DALI_130, dali_gpus=1))
+    assert cpu_torch.problems == ["torch 2.14.1+cpu is a CPU-only build (torch.version.cuda is None) on a node with 1 "
+                                  "NVIDIA GPU(s): pip install --force-reinstall torch torchvision --index-url "
+                                  "https://download.pytorch.org/whl/cu130"]
+
+
 def test_a_cuda_11_driver_is_told_to_upgrade():
     report = check(Stack(driver="470.256.02", driver_cuda="11.4", nvml_gpus=EIGHT, **TORCH_CU126, **DALI_120))
     assert report.problems == ["driver 470.256.02 runs CUDA up to 11.4; torch and DALI need CUDA 12 (driver >= "
