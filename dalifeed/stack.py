@@ -120,8 +120,7 @@ class StackReport:
     stack: Stack
     problems: list[str] = field(default_factory=list)  # each stops --device auto (and gpu) on this node
     warnings: list[str] = field(default_factory=list)  # a stack that would not run on a GPU node, here on the CPU
-    notes: list[str] = field(default_factory=list)  # why --device auto runs on the CPU where GPUs are near; what a
-    # GPU node without NVML lacks
+    notes: list[str] = field(default_factory=list)  # why auto runs on the CPU near GPUs; what a GPU node lacks
 
     @property
     def ok(self) -> bool:
@@ -391,16 +390,20 @@ def nvml_driver() -> NvmlAnswer:
         try:
             driver = _text(pynvml.nvmlSystemGetDriverVersion())
             cuda = pynvml.nvmlSystemGetCudaDriverVersion()  # 12020 for CUDA 12.2, as cudaDriverGetVersion gives it
-            count = pynvml.nvmlDeviceGetCount()  # _v2: every GPU of the machine, also those this process may not open
         except Exception as e:  # a system call this driver lacks: no version is worth a guess
             return NvmlAnswer(error=str(e))
+        cuda = f"{cuda // 1000}.{cuda % 1000 // 10}"
+        try:
+            count = pynvml.nvmlDeviceGetCount()  # _v2: every GPU of the machine, also those this process may not open
+        except Exception as e:
+            return NvmlAnswer(driver, cuda, closed=(f"nvmlDeviceGetCount: {e}",))
         names, closed = [], []
         for i in range(count):
             try:
                 names.append(_text(pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(i))))
             except Exception as e:
                 closed.append(f"GPU {i}: {e}")
-        return NvmlAnswer(driver, f"{cuda // 1000}.{cuda % 1000 // 10}", tuple(names), tuple(closed))
+        return NvmlAnswer(driver, cuda, tuple(names), tuple(closed))
     finally:
         try:
             pynvml.nvmlShutdown()
