@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import io
+import os
 import re
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -116,3 +120,51 @@ def test_the_readmes_python_example_runs_on_the_demos_data(tmp_path):
     exec(compile(example, "README.md", "exec"), scope)
     assert len(scope["loader"]) == 1438 // 64 and scope["epoch"] == 1  # every batch of two epochs went by
     assert scope["images"].shape == (64, 3, 224, 224) and scope["labels"].dtype == torch.int64
+
+
+COMMAND_PAGES = sorted((ROOT / "docs" / "commands").glob("*.md"))
+RENDER_WITH_CPUS = """
+import os, sys
+import dalifeed.runtime
+n = int(sys.argv[1])
+os.cpu_count = lambda: n
+os.sched_getaffinity = lambda pid: set(range(n))
+dalifeed.runtime.usable_cores = lambda **kwargs: n
+sys.path.insert(0, "docs")
+import hooks
+for page in sys.argv[2:]:
+    print(hooks.on_page_markdown(open(page).read(), None, None, None))
+"""
+
+
+def render_command_pages(cpus: int) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CPUS_PER_TASK"} | {"PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", RENDER_WITH_CPUS, str(cpus), *map(str, COMMAND_PAGES)], cwd=ROOT,
+                          env=env, check=True, capture_output=True, text=True, timeout=120).stdout
+
+
+def test_command_pages_state_no_machines_cpu_count():
+    """The pages rendered as if on 3 and on 37 CPUs: the same text, each --workers default given as its rule."""
+    on_3, on_37 = render_command_pages(3), render_command_pages(37)
+    assert on_3 == on_37
+    assert "<!-- command-reference" not in on_3 and not re.search(r"(?<!\\)\[default: ", on_3)
+    workers = re.findall(r"^#+ `--workers` \{#([\w-]+)\}\n\n(.*)$", on_3, re.MULTILINE)
+    stated = [anchor for anchor, facts in workers if "Default:" in facts]
+    assert stated == ["workers", "coco-workers", "imagefolder-workers", "tfrecord-workers"], workers
+    assert all("the CPUs this process may use" in facts for _, facts in workers if "Default:" in facts)
+
+
+def test_every_option_has_its_own_anchor():
+    text = render_command_pages(2)
+    anchors = re.findall(r"^#+ .*\{#([\w-]+)\}$", text, re.MULTILINE)
+    assert "tfrecord-image-feature" in anchors and "swa-start" in anchors and "doctor-json" in anchors
+    for page in COMMAND_PAGES:  # ids are unique within each page
+        ids = re.findall(r"\{#([\w-]+)\}", render_one(page))
+        assert len(ids) == len(set(ids)), page.name
+
+
+def render_one(page: Path) -> str:
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks.on_page_markdown(page.read_text(), None, None, None)
