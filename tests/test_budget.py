@@ -238,7 +238,7 @@ def memory_table_rows(gpus: int = 8, nodes_cores=(64, 224)) -> list[str]:
 
 
 def test_docs_memory_table_is_what_the_budget_and_decoder_memory_give():
-    doc = (Path(__file__).parents[1] / "docs" / "gpu.md").read_text()
+    doc = (Path(__file__).parents[1] / "docs" / "development" / "gpu-evidence.md").read_text()
     for row in memory_table_rows():
         assert row in doc, f"docs/gpu.md's memory table lacks (or has other numbers than): {row}"
 
@@ -265,7 +265,7 @@ def test_docs_defaults_table_is_defaults_py():
     from dalifeed import defaults
     from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 
-    doc = (Path(__file__).parents[1] / "docs" / "gpu.md").read_text()
+    doc = (Path(__file__).parents[1] / "docs" / "development" / "gpu-evidence.md").read_text()
     for row in defaults_table(defaults):
         assert "| " + " | ".join(row) + " |" in doc, f"docs/gpu.md's defaults table lacks: {row}"
     assert MIXED_DECODE_MAX_THREADS == defaults.MIXED_DECODE_THREADS == 6

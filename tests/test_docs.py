@@ -168,3 +168,22 @@ def render_one(page: Path) -> str:
     hooks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hooks)
     return hooks.on_page_markdown(page.read_text(), None, None, None)
+
+
+def code_strings() -> str:
+    """Every string literal in dalifeed/, f-strings' literal parts included, adjacent literals joined."""
+    parts = []
+    for path in sorted((ROOT / "dalifeed").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                parts.append(node.value)
+    return "\n".join(parts)
+
+
+def test_troubleshooting_quotes_only_messages_the_code_still_gives():
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    quoted = re.findall(r"^### `(.+)`$", text, re.MULTILINE)
+    assert len(quoted) >= 30
+    strings = code_strings()
+    gone = [message for message in quoted if message not in strings]
+    assert not gone, f"docs/troubleshooting.md quotes messages dalifeed no longer gives: {gone}"
