@@ -187,3 +187,47 @@ def test_troubleshooting_quotes_only_messages_the_code_still_gives():
     strings = code_strings()
     gone = [message for message in quoted if message not in strings]
     assert not gone, f"docs/troubleshooting.md quotes messages dalifeed no longer gives: {gone}"
+
+
+# The pages a user reads: not the maintainers' (development/) nor the benchmark record.
+USER_PAGES = [p for p in sorted((ROOT / "docs").rglob("*.md"))
+              if "development" not in p.parts and p.name != "benchmarks.md"]
+ABBREVIATIONS = r"(?<!\be\.g\.)(?<!\bi\.e\.)(?<!\betc\.)(?<!\bvs\.)(?<!\bcf\.)"
+SENTENCE_END = re.compile(ABBREVIATIONS + r"(?<=[.!?])\s+(?=[A-Za-z`(\[*\"])")
+SOURCE_CITATION = re.compile(r"tests/|\btest_\w+|[\w/]+\.(?:py|cc|cpp|h|cu)\b|:\d+\)")
+
+
+def sentences(markdown: str) -> list[str]:
+    """The prose of a page as sentences: code blocks, tables, headings and indented blocks left out."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.DOTALL)
+    prose = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith(("#", "|", "<!--"))
+                      and not line.startswith("    "))
+    found = []
+    for paragraph in re.split(r"\n\s*\n|\n\s*[-*] |\n\s*\d+\. ", prose):
+        paragraph = re.sub(r"^\s*(?:[-*]|\d+\.)\s+", "", paragraph)
+        found += [s for s in SENTENCE_END.split(" ".join(paragraph.split())) if s.strip()]
+    return found
+
+
+def test_sentences_split_as_a_reader_reads_them():
+    assert sentences("One two, e.g. three. Four five.\n\n- Six.\n\n```\nnot. prose.\n```") == [
+        "One two, e.g. three.", "Four five.", "Six."]
+
+
+def test_user_pages_keep_sentences_short():
+    """At most 5% of the user pages' sentences run over 45 words."""
+    every = [(page, s) for page in USER_PAGES for s in sentences(page.read_text())]
+    long = [f"{page.relative_to(ROOT)}: {s[:80]}" for page, s in every if len(s.split()) > 45]
+    assert len(long) <= 0.05 * len(every), f"{len(long)} of {len(every)} sentences over 45 words:\n" + "\n".join(long)
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_pages_cite_no_tests(page):
+    assert "tests/" not in page.read_text(), f"{page.relative_to(ROOT)} cites tests/: move it to docs/development/"
+
+
+def test_the_gpu_page_is_the_users():
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    assert len(text.split()) <= 2500
+    assert not SOURCE_CITATION.findall(text)
+    assert "pip install -e '.[cuda13]'" in text and "dalifeed doctor" in text
