@@ -55,7 +55,9 @@ def command_section(command: click.Command, prog: str, prefix: str, level: int) 
 
 
 def option_entry(option: click.Option, prefix: str, level: int) -> list[str]:
-    names = " / ".join(f"`{n}`" for n in [*option.opts, *option.secondary_opts])
+    names = ", ".join(f"`{n}`" for n in option.opts)
+    if option.secondary_opts:  # --compile / --no-compile: the off switch
+        names += " / " + ", ".join(f"`{n}`" for n in option.secondary_opts)
     facts = [f"**Type:** {type_name(option)}"]
     default = default_text(option)
     if default is not None:
@@ -103,8 +105,13 @@ def text_blocks(text: str) -> str:
             body = inspect.cleandoc(paragraph[1:].lstrip("\n"))
             blocks.append(f"```text\n{body}\n```")
         elif paragraph.strip():
-            blocks.append(escape(" ".join(line.strip() for line in paragraph.splitlines())))
+            blocks.append(link_pages(escape(" ".join(line.strip() for line in paragraph.splitlines()))))
     return "\n\n".join(blocks)
+
+
+def link_pages(text: str) -> str:
+    """`docs/storage.md` in a command's help, a link to that page (the command pages are one folder down)."""
+    return re.sub(r"(?<![\w/`])docs/([\w/-]+\.md(?:#[\w-]+)?)", r"[\g<0>](../\1)", text)
 
 
 def escape(text: str) -> str:
