@@ -211,7 +211,7 @@ def test_mixed_datasets_share_one_thread_budget(make_shards):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# docs/gpu.md's memory table: its numbers are these functions' (issue 19 review, item 3)
+# docs/development/gpu-evidence.md's memory table: its numbers are these functions' (issue 19 review, item 3)
 
 OLD_DEVICE_PADDING, OLD_HOST_PADDING = 211025920, 140544512  # before issue 19: DALI's old ResNet-50 numbers
 
@@ -221,9 +221,10 @@ def size(n_bytes: float) -> str:
 
 
 def memory_table_rows(gpus: int = 8, nodes_cores=(64, 224)) -> list[str]:
-    """docs/gpu.md's rows for `gpus` ranks on nodes of `nodes_cores` CPUs at the shipped default (--device gpu,
-    no --dali-threads): now one mixed decoder per rank at a time at thread_budget's threads; before, one per
-    pipeline (training and validation, both held) at one thread per CPU with the old paddings."""
+    """docs/development/gpu-evidence.md's rows for `gpus` ranks on nodes of `nodes_cores` CPUs at the shipped
+    default (--device gpu, no --dali-threads): now one mixed decoder per rank at a time at thread_budget's
+    threads; before, one per pipeline (training and validation, both held) at one thread per CPU with the old
+    paddings."""
     from dalifeed.decode import decoder_memory
 
     rows = []
@@ -238,13 +239,13 @@ def memory_table_rows(gpus: int = 8, nodes_cores=(64, 224)) -> list[str]:
 
 
 def test_docs_memory_table_is_what_the_budget_and_decoder_memory_give():
-    doc = (Path(__file__).parents[1] / "docs" / "gpu.md").read_text()
+    doc = (Path(__file__).parents[1] / "docs" / "development" / "gpu-evidence.md").read_text()
     for row in memory_table_rows():
-        assert row in doc, f"docs/gpu.md's memory table lacks (or has other numbers than): {row}"
+        assert row in doc, f"docs/development/gpu-evidence.md's memory table lacks (or has other numbers than): {row}"
 
 
 def defaults_table(defaults) -> list[list[str]]:
-    """docs/gpu.md's table of `defaults` (dalifeed.defaults), default | value | source file."""
+    """docs/development/gpu-evidence.md's table of `defaults` (dalifeed.defaults), default | value | source file."""
     h100, a100 = defaults.PUBLISHED[0], defaults.PUBLISHED[2]
     return [
         ["DALI threads per rank (`mixed` decoding)",
@@ -261,13 +262,14 @@ def defaults_table(defaults) -> list[list[str]]:
 
 
 def test_docs_defaults_table_is_defaults_py():
-    """docs/gpu.md's table of the GPU path's defaults and their published sources is what the code uses."""
+    """docs/development/gpu-evidence.md's table of the GPU path's defaults and their published sources is what the
+    code uses."""
     from dalifeed import defaults
     from dalifeed.decode import DEFAULT_HW_DECODER_LOAD
 
-    doc = (Path(__file__).parents[1] / "docs" / "gpu.md").read_text()
+    doc = (Path(__file__).parents[1] / "docs" / "development" / "gpu-evidence.md").read_text()
     for row in defaults_table(defaults):
-        assert "| " + " | ".join(row) + " |" in doc, f"docs/gpu.md's defaults table lacks: {row}"
+        assert "| " + " | ".join(row) + " |" in doc, f"docs/development/gpu-evidence.md's defaults table lacks: {row}"
     assert MIXED_DECODE_MAX_THREADS == defaults.MIXED_DECODE_THREADS == 6
     assert DEFAULT_HW_DECODER_LOAD == defaults.HW_DECODER_LOAD == 0.99
     assert [defaults.prefetch_queue_depth(d) for d in ("gpu", "hybrid", "cpu")] == [5, 2, 2]
@@ -275,5 +277,5 @@ def test_docs_defaults_table_is_defaults_py():
     assert (h100.threads, h100.hw_decoder_load, h100.prefetch_queue_depth) == (6, 0.99, 5)
 
 
-if __name__ == "__main__":  # print the rows for docs/gpu.md
+if __name__ == "__main__":  # print the rows for docs/development/gpu-evidence.md
     print("\n".join(memory_table_rows()))

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import io
+import os
 import re
+import subprocess
+import sys
 import tokenize
 from pathlib import Path
 
@@ -116,3 +120,114 @@ def test_the_readmes_python_example_runs_on_the_demos_data(tmp_path):
     exec(compile(example, "README.md", "exec"), scope)
     assert len(scope["loader"]) == 1438 // 64 and scope["epoch"] == 1  # every batch of two epochs went by
     assert scope["images"].shape == (64, 3, 224, 224) and scope["labels"].dtype == torch.int64
+
+
+COMMAND_PAGES = sorted((ROOT / "docs" / "commands").glob("*.md"))
+RENDER_WITH_CPUS = """
+import os, sys
+import dalifeed.runtime
+n = int(sys.argv[1])
+os.cpu_count = lambda: n
+os.sched_getaffinity = lambda pid: set(range(n))
+dalifeed.runtime.usable_cores = lambda **kwargs: n
+sys.path.insert(0, "docs")
+import hooks
+for page in sys.argv[2:]:
+    print(hooks.on_page_markdown(open(page).read(), None, None, None))
+"""
+
+
+def render_command_pages(cpus: int) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CPUS_PER_TASK"} | {"PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", RENDER_WITH_CPUS, str(cpus), *map(str, COMMAND_PAGES)], cwd=ROOT,
+                          env=env, check=True, capture_output=True, text=True, timeout=120).stdout
+
+
+def test_command_pages_state_no_machines_cpu_count():
+    """The pages rendered as if on 3 and on 37 CPUs: the same text, each --workers default given as its rule."""
+    on_3, on_37 = render_command_pages(3), render_command_pages(37)
+    assert on_3 == on_37
+    assert "<!-- command-reference" not in on_3 and not re.search(r"(?<!\\)\[default: ", on_3)
+    workers = re.findall(r"^#+ `--workers` \{#([\w-]+)\}\n\n(.*)$", on_3, re.MULTILINE)
+    stated = [anchor for anchor, facts in workers if "Default:" in facts]
+    assert stated == ["workers", "coco-workers", "imagefolder-workers", "tfrecord-workers"], workers
+    assert all("the CPUs this process may use" in facts for _, facts in workers if "Default:" in facts)
+
+
+def test_every_option_has_its_own_anchor():
+    text = render_command_pages(2)
+    anchors = re.findall(r"^#+ .*\{#([\w-]+)\}$", text, re.MULTILINE)
+    assert "tfrecord-image-feature" in anchors and "swa-start" in anchors and "doctor-json" in anchors
+    for page in COMMAND_PAGES:  # ids are unique within each page
+        ids = re.findall(r"\{#([\w-]+)\}", render_one(page))
+        assert len(ids) == len(set(ids)), page.name
+
+
+def render_one(page: Path) -> str:
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks.on_page_markdown(page.read_text(), None, None, None)
+
+
+def code_strings() -> str:
+    """Every string literal in dalifeed/, f-strings' literal parts included, adjacent literals joined."""
+    parts = []
+    for path in sorted((ROOT / "dalifeed").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                parts.append(node.value)
+    return "\n".join(parts)
+
+
+def test_troubleshooting_quotes_only_messages_the_code_still_gives():
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    quoted = re.findall(r"^### `(.+)`$", text, re.MULTILINE)
+    assert len(quoted) >= 30
+    strings = code_strings()
+    gone = [message for message in quoted if message not in strings]
+    assert not gone, f"docs/troubleshooting.md quotes messages dalifeed no longer gives: {gone}"
+
+
+# The pages a user reads: not the maintainers' (development/) nor the benchmark record.
+USER_PAGES = [p for p in sorted((ROOT / "docs").rglob("*.md"))
+              if "development" not in p.parts and p.name != "benchmarks.md"]
+ABBREVIATIONS = r"(?<!\be\.g\.)(?<!\bi\.e\.)(?<!\betc\.)(?<!\bvs\.)(?<!\bcf\.)"
+SENTENCE_END = re.compile(ABBREVIATIONS + r"(?<=[.!?])\s+(?=[A-Za-z`(\[*\"])")
+SOURCE_CITATION = re.compile(r"tests/|\btest_\w+|[\w/]+\.(?:py|cc|cpp|h|cu)\b|:\d+\)")
+
+
+def sentences(markdown: str) -> list[str]:
+    """The prose of a page as sentences: code blocks, tables, headings and indented blocks left out."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.DOTALL)
+    prose = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith(("#", "|", "<!--"))
+                      and not line.startswith("    "))
+    found = []
+    for paragraph in re.split(r"\n\s*\n|\n\s*[-*] |\n\s*\d+\. ", prose):
+        paragraph = re.sub(r"^\s*(?:[-*]|\d+\.)\s+", "", paragraph)
+        found += [s for s in SENTENCE_END.split(" ".join(paragraph.split())) if s.strip()]
+    return found
+
+
+def test_sentences_split_as_a_reader_reads_them():
+    assert sentences("One two, e.g. three. Four five.\n\n- Six.\n\n```\nnot. prose.\n```") == [
+        "One two, e.g. three.", "Four five.", "Six."]
+
+
+def test_user_pages_keep_sentences_short():
+    """At most 5% of the user pages' sentences run over 45 words."""
+    every = [(page, s) for page in USER_PAGES for s in sentences(page.read_text())]
+    long = [f"{page.relative_to(ROOT)}: {s[:80]}" for page, s in every if len(s.split()) > 45]
+    assert len(long) <= 0.05 * len(every), f"{len(long)} of {len(every)} sentences over 45 words:\n" + "\n".join(long)
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_pages_cite_no_tests(page):
+    assert "tests/" not in page.read_text(), f"{page.relative_to(ROOT)} cites tests/: move it to docs/development/"
+
+
+def test_the_gpu_page_is_the_users():
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    assert len(text.split()) <= 2500
+    assert not SOURCE_CITATION.findall(text)
+    assert "pip install -e '.[cuda13]'" in text and "dalifeed doctor" in text
