@@ -58,8 +58,8 @@ def setup(device: str, report: StackReport | None = None) -> Dist:
     if device != "cpu":
         report = stack_report() if report is None else report
         use_gpu = uses_gpu(choose_device(device, report))
-        if not use_gpu and report.notes:
-            log(f"--device {device}: {report.notes[0]}; training on the CPU")
+        if report.notes:  # on a GPU too: a container without NVML trains, but its metrics lack GPU statistics
+            log(f"--device {device}: {report.notes[0]}" + ("" if use_gpu else "; training on the CPU"))
     if use_gpu:
         index = cuda_index(local_rank, torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
         torch.cuda.set_device(index)
