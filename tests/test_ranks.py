@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from dalifeed.pipelines import DetectionConfig, make_detection_loader, make_loader
 from dalifeed.pipelines.ranks import Ranks, launcher_ranks
-from helpers import one_image_classes
+from helpers import kill_run, one_image_classes
 
 N = 37  # prime: 2 ranks of batch 4 read 16 each and leave 5 out
 RANK = Path(__file__).parent / "readme_rank.py"
@@ -43,7 +43,12 @@ def run_ranks(commands: list[list[str]], out: Path, timeout: float = 120) -> lis
     """Start `commands` at once (one torchrun, or one process per rank), wait, and read each rank's record."""
     procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=plain_environment())
              for c in commands]
-    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            kill_run(p)
+        raise AssertionError(f"the ranks did not finish within {timeout} s") from None
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
 
@@ -153,3 +158,28 @@ def test_given_ranks_that_disagree_with_the_process_group_are_one_line(shards, m
     finally:
         dist.destroy_process_group()
     assert make_loader(shards, **{**asdict(loader.options), "lanes": None}).options.ranks_from == "arguments"
+
+
+def test_dali_train_records_where_its_ranks_came_from_and_refuses_srun_without_torchrun(monkeypatch, no_launcher):
+    """dali-train's ranks are torchrun's: its loaders' options say the source (printed and saved with the run);
+    `srun -n 2 dali-train` without torchrun would train two unsynchronised copies: one line instead."""
+    import torch
+
+    from dalifeed.train.config import ConfigError, TrainConfig
+    from dalifeed.train.data import loader_options
+    from dalifeed.train.distributed import Dist, launched
+
+    cfg, one = TrainConfig(data=".", out="."), Dist(0, 1, 0, torch.device("cpu"))
+    assert [o.ranks_from for o in loader_options(cfg, one, threads=1)] == ["default", "default"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert loader_options(cfg, one, threads=1)[0].ranks_from == "environment (RANK/WORLD_SIZE)"
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    assert launched().world_size == 1
+    with pytest.raises(ConfigError, match=r"^this process is rank 1 of 2 \(environment \(SLURM_PROCID/"
+                                          r"SLURM_STEP_NUM_TASKS\)\) but dali-train's ranks are torchrun's "
+                                          r"RANK/WORLD_SIZE \(rank 0 of 1\): start it with torchrun"):
+        loader_options(cfg, one, threads=1)
