@@ -59,14 +59,16 @@ def check_parts(records: list[dict], shards: Path, coco_ids: list[int], source: 
     assert [r["ranks"] for r in records] == [[0, 2, source], [1, 2, source]]
     assert [r["detection_ranks"] for r in records] == [[0, 2, source], [1, 2, source]]
     batches = (N // 2) // 4
-    for epoch in range(2):
-        parts = [[label for e, labels in r["train"] if e == epoch for label in labels] for r in records]
-        assert [len(p) for p in parts] == [batches * 4] * 2 and [r["batches"] for r in records] == [batches] * 2
-        assert len(set(parts[0] + parts[1])) == 2 * batches * 4  # disjoint, no sample twice
-        for rank, part in enumerate(parts):
-            told = make_loader(shards, "train", 4, rank=rank, world_size=2, device="cpu", num_threads=1)
+    parts = [[[label for e, labels in r["train"] if e == epoch for label in labels] for r in records]
+             for epoch in range(2)]
+    for epoch_parts in parts:
+        assert [len(p) for p in epoch_parts] == [batches * 4] * 2 and [r["batches"] for r in records] == [batches] * 2
+        assert len(set(epoch_parts[0] + epoch_parts[1])) == 2 * batches * 4  # disjoint, no sample twice
+    for rank in range(2):
+        told = make_loader(shards, "train", 4, rank=rank, world_size=2, device="cpu", num_threads=1)
+        for epoch in range(2):
             told.set_epoch(epoch)
-            assert part == [label for _, labels in told for label in labels.tolist()]
+            assert parts[epoch][rank] == [label for _, labels in told for label in labels.tolist()]
     assert sorted(records[0]["val"] + records[1]["val"]) == list(range(N))
     assert set(records[0]["val"]).isdisjoint(records[1]["val"])
     assert sorted(records[0]["detection"] + records[1]["detection"]) == coco_ids
