@@ -280,7 +280,7 @@ def test_a_two_rank_training_slice_runs_on_the_cpu(tmp_path, shards):
     result = train_slice(run, "two", synthetic=True)
     assert result["ranks"] == 2 and result["images_per_s"] > 0 and "--nproc-per-node 2" in result["command"]
     log = (tmp_path / "train-two" / "train.log").read_text()
-    assert "world size 2, device cpu" in log, log[-2000:]
+    assert "world size 2 (ranks from process group), device cpu" in log, log[-2000:]
 
 
 def test_the_hw_decoder_sweep_runs_at_one_ranks_dali_threads(tmp_path):

@@ -1,8 +1,7 @@
 """DALI pipelines over dalifeed shards, and the PyTorch loaders built on them.
 
     from dalifeed.pipelines import AugmentConfig, make_loader
-    loader = make_loader("/data/shards", "train", 256, augment=AugmentConfig(image_size=176), rank=rank,
-                         world_size=world)
+    loader = make_loader("/data/shards", "train", 256, augment=AugmentConfig(image_size=176))  # this rank's part
     for images, labels in loader: ...
 
 `make_loader` is the one door (factory.py); `open_dataset` opens shard folders once with their options

@@ -1,7 +1,7 @@
 """Detection: COCO shards -> DALI graph -> torchvision-style `(images, targets)` batches (docs/coco.md).
 
     from dalifeed.pipelines import make_detection_loader
-    loader = make_detection_loader("/data/coco-shards", "train2017", batch_size=16, rank=rank, world_size=world)
+    loader = make_detection_loader("/data/coco-shards", "train2017", batch_size=16)  # ranks: the launcher's
     for images, targets in loader:            # images: list of (3, H, W) float tensors
         losses = model(images, targets)       # targets: [{"boxes": (N, 4) xyxy pixels, "labels", "image_id"}]
 
@@ -180,7 +180,9 @@ def make_detection_loader(data: str | os.PathLike | ShardData, split: str, batch
     (exact validation across ranks, equal training batch counts, `(seed, epoch)` order, mid-epoch state) and
     its rule for `train=None` (the split trains if its name starts with "train"). `options`: `LoaderOptions`'
     fields but split and batch_size (device, rank, world_size, seed, train, num_threads, checkpointing,
-    hw_decoder_load, ...; one lane always).
+    hw_decoder_load, ...; one lane always). `rank` and `world_size` default to the launcher's as `make_loader`'s
+    do (an initialized process group, else torchrun's RANK/WORLD_SIZE, else srun's step, else 0 of 1; ranks.py);
+    `loader.options.ranks_from` says which.
 
     An iterable of `(images, targets)` for torchvision detection models: `images` a list of normalised
     (3, H, W) float tensors, `targets` a list of {"boxes": (N, 4) float xyxy in pixels of that image,

@@ -1,8 +1,10 @@
 """`make_loader`, the one door to a classification loader:
 
     from dalifeed.pipelines import AugmentConfig, make_loader
-    loader = make_loader("/data/shards", "train", 256, augment=AugmentConfig(image_size=176), rank=rank,
-                         world_size=world, fp16=True)
+    loader = make_loader("/data/shards", "train", 256, augment=AugmentConfig(image_size=176), fp16=True)
+
+Each rank reads its part of the split: the rank and world size are the launcher's (torchrun's, or an
+initialized process group's) unless `rank=` and `world_size=` are given (ranks.py says the order).
 
 `data` is a shard folder (a path or s3://bucket/prefix), a list of them (mixed, equal weights), or a `ShardData`
 opened with `open_dataset` (weights, the shard cache, the check before reading, multi-label targets). The
@@ -34,6 +36,15 @@ def make_loader(data: str | os.PathLike | list | ShardData, split: str, batch_si
     instead of `augment.image_size` in every epoch. `options`: `LoaderOptions`' fields (rank, world_size,
     seed, device, device_id, num_threads, prefetch_queue_depth, initial_fill, checkpointing, lanes, fp16,
     channels_last, hw_decoder_load; its docstring says each), split and batch_size being these.
+
+    `rank` and `world_size` (default None, given together or not at all): left out, they are an initialized
+    `torch.distributed` process group's (`get_rank()`, `get_world_size()`), else torchrun's `RANK` and
+    `WORLD_SIZE` (never `LOCAL_RANK`, the rank on the node), else those of a Slurm step started by `srun`
+    without torchrun (`SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`: srun sets the step's task count, sbatch's batch
+    script has only the allocation's `SLURM_NTASKS` with `SLURM_PROCID=0`), else rank 0 of 1. Given, they win
+    over the environment; given values that disagree with an initialized process group raise ValueError.
+    `loader.options.ranks_from` says which source won ("arguments", "process group", "environment
+    (RANK/WORLD_SIZE)", "environment (SLURM_PROCID/SLURM_STEP_NUM_TASKS)" or "default").
 
     One shard folder gives a `DaliLoader`; several, a `MixedLoader` for a training split and a `ConcatLoader`
     (each dataset in turn) otherwise (mixing.py). A detection dataset is `make_detection_loader`'s."""

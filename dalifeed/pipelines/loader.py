@@ -45,6 +45,7 @@ from .graphs import DEFAULT_HW_DECODER_LOAD, Output, shard_pipeline, uses_gpu
 from .lanes import LaneBatches
 from .names import DEVICES
 from .plan import EpochPlan, Files, epoch_files
+from .ranks import FROM_ARGUMENTS, RANKS_FROM, check_given, resolve_ranks
 
 CLASSIFICATION_OUTPUTS = ("images", "labels")
 # The graph output naming each sample where it was read (`graphs.sample_sources`), taken off the batch before
@@ -74,13 +75,18 @@ class LoaderOptions:
     what a `DaliLoader` runs with. `lanes`, the pipelines that share this rank's epoch and its threads
     (lanes.py), the loader decides from the epoch's length when None (`default_lanes`). `fp16`,
     `channels_last` and `hw_decoder_load` are the graph's `Output`: float16 batches, NHWC memory handed out
-    as channels_last NCHW tensors, the share of JPEGs `gpu` decoding gives the hardware decoder."""
+    as channels_last NCHW tensors, the share of JPEGs `gpu` decoding gives the hardware decoder.
+    `rank` and `world_size`, given together or not at all, default to the launcher's (ranks.py: an initialized
+    process group, else torchrun's RANK/WORLD_SIZE, else srun's SLURM_PROCID/SLURM_STEP_NUM_TASKS, else 0 of
+    1); given ones that disagree with an initialized process group raise ValueError. `ranks_from` says which
+    of those `resolved()` took: "arguments", "process group", "environment (RANK/WORLD_SIZE)", "environment
+    (SLURM_PROCID/SLURM_STEP_NUM_TASKS)" or "default"."""
 
     split: str
     batch_size: int
     train: bool | None = None
-    rank: int = 0
-    world_size: int = 1
+    rank: int | None = None
+    world_size: int | None = None
     seed: int = 0
     device: str = "auto"
     device_id: int | None = None
@@ -92,12 +98,18 @@ class LoaderOptions:
     fp16: bool = False
     channels_last: bool = False
     hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD
+    ranks_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.lanes is not None and self.lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {self.lanes}")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank must be in [0, world_size), got rank={self.rank}, world_size={self.world_size}")
+        if self.ranks_from not in (None, *RANKS_FROM):
+            raise ValueError(f"ranks_from must be one of {', '.join(map(repr, RANKS_FROM))}, got {self.ranks_from!r}")
+        check_given(self.rank, self.world_size)
+        if self.rank is not None and not 0 <= self.rank < self.world_size:
+            source = f" (from {self.ranks_from})" if self.ranks_from not in (None, FROM_ARGUMENTS) else ""
+            raise ValueError(f"rank must be in [0, world_size), got rank={self.rank}, world_size={self.world_size}"
+                             f"{source}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         Output(self.fp16, self.channels_last, self.hw_decoder_load)  # its check of hw_decoder_load, the one
@@ -112,11 +124,13 @@ class LoaderOptions:
 
     def resolved(self) -> LoaderOptions:
         """Every None and 'auto' decided on this node (see the class docstring)."""
+        ranks = resolve_ranks(self.rank, self.world_size, self.ranks_from)
         device = resolve_device(self.device)
         device_id = self.device_id
         if uses_gpu(device) and device_id is None:
             device_id = torch.cuda.current_device()
-        return replace(self, train=trains(self.split, self.train), device=device,
+        return replace(self, train=trains(self.split, self.train), device=device, rank=ranks.rank,
+                       world_size=ranks.world_size, ranks_from=ranks.source,
                        device_id=device_id if uses_gpu(device) else None,
                        num_threads=self.num_threads or thread_budget(device).threads,
                        prefetch_queue_depth=self.prefetch_queue_depth or defaults.prefetch_queue_depth(device))

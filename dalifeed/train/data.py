@@ -13,6 +13,7 @@ from dalifeed.format import ManifestError
 from dalifeed.pipelines import LoaderOptions, make_loader
 from dalifeed.pipelines.cursor import EpochCursor, FollowsCursor
 from dalifeed.pipelines.dataset import DatasetError, ShardData, open_dataset
+from dalifeed.pipelines.ranks import launcher_ranks
 
 from .config import ConfigError, TrainConfig
 from .distributed import Dist, log
@@ -56,8 +57,18 @@ def loader_device(cfg: TrainConfig, dist: Dist) -> str:
 def loader_options(cfg: TrainConfig, dist: Dist, threads: int) -> tuple[LoaderOptions, LoaderOptions | None]:
     """This rank's training and validation (None with --val-split none) `LoaderOptions`, `threads` DALI threads
     per pipeline. DALI's checkpointing costs nothing measurable (docs) and lets any training step become a
-    mid-epoch checkpoint: when --checkpoint-every says, and when a signal stops the run."""
-    common = dict(batch_size=cfg.batch_size, rank=dist.rank, world_size=dist.world_size, seed=cfg.seed,
+    mid-epoch checkpoint: when --checkpoint-every says, and when a signal stops the run. The ranks are the
+    loaders' own rule's (`ranks_from` says which source), which must be dali-train's (torchrun's)."""
+    try:
+        ranks = launcher_ranks()
+    except ValueError as e:  # RANK without WORLD_SIZE, or not a number
+        raise ConfigError(str(e)) from None
+    if (ranks.rank, ranks.world_size) != (dist.rank, dist.world_size):  # srun without torchrun
+        raise ConfigError(f"this process is rank {ranks.rank} of {ranks.world_size} ({ranks.source}) but dali-train's "
+                          f"ranks are torchrun's RANK/WORLD_SIZE (rank {dist.rank} of {dist.world_size}): start it "
+                          f"with torchrun, one agent per node (under Slurm: examples/slurm/train.sbatch)")
+    common = dict(batch_size=cfg.batch_size, rank=dist.rank, world_size=dist.world_size, ranks_from=ranks.source,
+                  seed=cfg.seed,
                   device=loader_device(cfg, dist), device_id=dist.device.index if dist.device.type == "cuda" else None,
                   num_threads=threads, channels_last=cfg.channels_last, hw_decoder_load=cfg.hw_decoder_load)
     train = LoaderOptions(cfg.train_split, train=True, checkpointing=True, lanes=cfg.lanes, **common)

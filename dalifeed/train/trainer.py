@@ -380,8 +380,9 @@ def log_start(cfg: TrainConfig, dist: Dist, data: ShardData, dtype: torch.dtype 
                 f"indexed with shard-convert index --index-dir)")
     log(f"dali-train config: {json.dumps(cfg.to_json())}")
     log(f"loaders (rank {dist.rank}): {json.dumps(loaders)}")
-    log(f"world size {dist.world_size}, device {dist.device}, {describe_amp(cfg, dtype, dist.device)}, "
-        f"{data.num_classes} classes, {data.num_samples(cfg.train_split)} train samples")
+    log(f"world size {dist.world_size} (ranks from {options[0].ranks_from}), device {dist.device}, "
+        f"{describe_amp(cfg, dtype, dist.device)}, {data.num_classes} classes, "
+        f"{data.num_samples(cfg.train_split)} train samples")
     log(f"--dali-threads {cfg.workers}: DALI threads per pipeline" if cfg.workers else budget.describe())
     mixed = {}
     if isinstance(cfg.data, list):  # the union's classes, in order, and what each dataset brings
