@@ -185,3 +185,18 @@ def test_dali_train_records_where_its_ranks_came_from_and_refuses_srun_without_t
                                           r"SLURM_STEP_NUM_TASKS\)\) but dali-train's ranks are torchrun's "
                                           r"RANK/WORLD_SIZE \(rank 0 of 1\): start it with torchrun"):
         loader_options(cfg, one, threads=1)
+
+
+@pytest.mark.parametrize("current, visible, environ, expected", [
+    (0, 8, {"LOCAL_RANK": "3"}, 3),    # torchrun, no set_device: rank 3 of the node decodes on GPU 3
+    (3, 8, {"LOCAL_RANK": "3"}, 3),    # the user's set_device(local_rank)
+    (5, 8, {"LOCAL_RANK": "3"}, 5),    # a set_device of the user's own wins
+    (0, 1, {"LOCAL_RANK": "3"}, 0),    # one GPU a rank (srun --gpu-bind, a pod): its device 0
+    (0, 2, {"LOCAL_RANK": "3"}, 0),    # fewer GPUs than local ranks: left to the current device
+    (0, 8, {}, 0),                     # no launcher
+    (0, 8, {"LOCAL_RANK": "x"}, 0),
+])
+def test_a_gpu_loader_left_without_device_id_takes_torchruns_local_rank(current, visible, environ, expected):
+    from dalifeed.pipelines.ranks import local_gpu
+
+    assert local_gpu(current, visible, environ) == expected

@@ -45,7 +45,7 @@ from .graphs import DEFAULT_HW_DECODER_LOAD, Output, shard_pipeline, uses_gpu
 from .lanes import LaneBatches
 from .names import DEVICES
 from .plan import EpochPlan, Files, epoch_files
-from .ranks import FROM_ARGUMENTS, RANKS_FROM, check_given, resolve_ranks
+from .ranks import FROM_ARGUMENTS, RANKS_FROM, check_given, local_gpu, resolve_ranks
 
 CLASSIFICATION_OUTPUTS = ("images", "labels")
 # The graph output naming each sample where it was read (`graphs.sample_sources`), taken off the batch before
@@ -68,8 +68,9 @@ def resolve_device(device: str, report: StackReport | None = None) -> str:
 @dataclass(frozen=True)
 class LoaderOptions:
     """What a loader reads (`split`) and how, whatever its graph: a run's loader config, printed and saved
-    with it. Left None, `train` follows the split's name (`format.trains`), `device_id` is the current CUDA
-    device on a GPU, `num_threads` this rank's share of the CPUs (`budget.thread_budget`),
+    with it. Left None, `train` follows the split's name (`format.trains`), `device_id` is torchrun's
+    LOCAL_RANK where torch's current device was left at 0, else the current CUDA device (`ranks.local_gpu`),
+    `num_threads` this rank's share of the CPUs (`budget.thread_budget`),
     `prefetch_queue_depth` the device's default (defaults.py: NVIDIA's published 5 with `mixed` decoding,
     DALI's 2 otherwise); `device` 'auto' is decided by `resolve_device`. `resolved()` fills them in, which is
     what a `DaliLoader` runs with. `lanes`, the pipelines that share this rank's epoch and its threads
@@ -128,7 +129,7 @@ class LoaderOptions:
         device = resolve_device(self.device)
         device_id = self.device_id
         if uses_gpu(device) and device_id is None:
-            device_id = torch.cuda.current_device()
+            device_id = local_gpu(torch.cuda.current_device(), torch.cuda.device_count())
         return replace(self, train=trains(self.split, self.train), device=device, rank=ranks.rank,
                        world_size=ranks.world_size, ranks_from=ranks.source,
                        device_id=device_id if uses_gpu(device) else None,

@@ -96,3 +96,16 @@ def resolve_ranks(rank: int | None, world_size: int | None, ranks_from: str | No
         if launcher == Ranks(rank, world_size, ranks_from):
             return launcher
     return Ranks(rank, world_size, FROM_ARGUMENTS)
+
+
+def local_gpu(current: int, visible: int, environ: Mapping[str, str] | None = None) -> int:
+    """The CUDA device a loader decodes on when not told (`current`: torch's current device, `visible`: the GPUs
+    this process sees): torchrun's `LOCAL_RANK` where the process left torch's device at 0 and that GPU is
+    visible (rank i of a node on GPU i, as dali-train does), else the current device (a `set_device` of the
+    user's, or a launcher that gives each rank one GPU)."""
+    environ = os.environ if environ is None else environ
+    try:
+        local_rank = int(environ.get("LOCAL_RANK", 0))
+    except ValueError:
+        return current
+    return local_rank if current == 0 and visible > 1 and 0 < local_rank < visible else current
