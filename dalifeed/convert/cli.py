@@ -196,8 +196,10 @@ def coco_cmd(out, quiet, debug, **options):
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out", type=LOCATION)
 @click.option("--split", default=None,
-              help="Put every file into this split. Default: the split each file's name says: train-* -> train, "
-                   "validation-* (val-*, valid-*) -> val, test-* -> test; files of other names are listed as skipped.")
+              help="Put every file into this split (refused when file names say two splits). Default: the split "
+                   "each file's name says: train-* -> train, validation-* (val-*, valid-*) -> val, test-* -> test, "
+                   "TensorFlow Datasets' <dataset>-<split>.tfrecord-* -> <split>; files of other names are listed "
+                   "as skipped.")
 @click.option("--label-offset", type=int, default=None,
               help="Without synsets: added to every label (-1 for ImageNet's 1-based labels, where 0 is background). "
                    "With synsets the labels are the sorted synsets' indices and this, if given, is checked.")
@@ -225,7 +227,7 @@ def tfrecord_cmd(src, out, quiet, debug, **options):
 
     \b
       shard-convert tfrecord /data/imagenet-tfrecords /data/imagenet-shards --workers 16
-      shard-convert tfrecord ~/tensorflow_datasets/my_photos/1.0.0 /data/my-photos-shards
+      shard-convert tfrecord /data/tensorflow_datasets/my_photos/1.0.0 /data/my-photos-shards
 
     A TensorFlow Datasets folder is read as TFDS wrote it: each file's split from its name, the image and
     label features and the class names from features.json and <feature>.labels.txt, each file's record
