@@ -53,7 +53,6 @@ from .tfrecord_tfds import TfdsInfo, count_warnings, is_metadata, read_tfds, tfd
 HEADER = struct.Struct("<QI")  # length, masked CRC32C of the length's 8 bytes
 FOOTER = struct.Struct("<I")  # masked CRC32C of the data
 INDEX_SUFFIXES = (".idx", ".index")  # DALI's tfrecord2idx and similar index files: not records
-__all__ = ["ExampleError", "Feature", "TFRecordConfig", "convert_tfrecord", "parse_example"]
 
 
 @dataclass(kw_only=True)
