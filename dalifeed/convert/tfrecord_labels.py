@@ -140,4 +140,4 @@ def damaged(found: dict, labels: set[int], synsets: set[str]) -> str:
                 unknown += 1
     if carried:
         return f"; damaged records carried them: {', '.join(carried[:3])}{', ...' if len(carried) > 3 else ''}"
-    return f"; {unknown} damaged records, whose class cannot be read, may have" if unknown else ""
+    return f"; {unknown} damaged records, whose class cannot be read, may have carried them" if unknown else ""
