@@ -62,9 +62,11 @@ def test_swa_averages_the_epochs_evaluates_and_saves_swa_pt(shards, tmp_path):
     assert again.exit_code == 0, again.output  # swa.pt is a checkpoint --pretrained reads
 
 
-def test_a_sigterm_in_the_swa_phase_resumes_to_the_same_swa_pt(shards, tmp_path, monkeypatch):
-    run = tmp_path / "run"  # the same folder both times: swa.pt's config names it
-    assert CliRunner().invoke(train_cli, swa_args(shards, run)).exit_code == 0
+def test_a_sigterm_in_the_swa_phase_resumes_to_the_same_swa_pt_and_last_pt(shards, tmp_path, monkeypatch):
+    """With --device cpu, whose "cpu" read back from the saved config is another string object than torch's
+    storage location: the checkpoints' bytes are still those of the run never stopped."""
+    run = tmp_path / "run"  # the same folder both times: the checkpoints' config names it
+    assert CliRunner().invoke(train_cli, swa_args(shards, run, "--device", "cpu")).exit_code == 0
     straight = tmp_path / "straight"
     run.rename(straight)
 
@@ -78,7 +80,7 @@ def test_a_sigterm_in_the_swa_phase_resumes_to_the_same_swa_pt(shards, tmp_path,
 
     with monkeypatch.context() as m:
         m.setattr(StepChecks, "count", count_then_sigterm)
-        stopped = CliRunner().invoke(train_cli, swa_args(shards, run))
+        stopped = CliRunner().invoke(train_cli, swa_args(shards, run, "--device", "cpu"))
     assert stopped.exit_code == 143, stopped.output
     saved = checkpoint.load(run / "last.pt")
     # stopped at the next check: inside epoch 2 (one average taken) or at its end (two)
@@ -86,7 +88,8 @@ def test_a_sigterm_in_the_swa_phase_resumes_to_the_same_swa_pt(shards, tmp_path,
     assert not (run / "swa.pt").exists()
     resumed = CliRunner().invoke(train_cli, ["--resume", str(run)])
     assert resumed.exit_code == 0, resumed.output
-    assert (straight / "swa.pt").read_bytes() == (run / "swa.pt").read_bytes()  # the file, bit for bit
+    for name in ("swa.pt", "last.pt"):
+        assert (straight / name).read_bytes() == (run / name).read_bytes(), name  # the file, bit for bit
     assert metrics(run)[-1]["swa_top1"] == metrics(straight)[-1]["swa_top1"]
 
 

@@ -22,6 +22,7 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 
 import helpers
 from dalifeed.convert.cli import main as shard_convert
+from dalifeed.convert.shards import ConversionFailed
 from dalifeed.convert.tfrecord import TFRecordConfig, convert_tfrecord, parse_example
 from dalifeed.convert.verify import verify_shards
 from dalifeed.format import ShardManifest
@@ -293,3 +294,194 @@ def test_parse_example_reads_what_protobuf_wrote():
     ex = Example()
     ex.features.feature["many"].int64_list.value.extend([1, 2**40, -1])
     assert parse_example(ex.SerializeToString())["many"].values == (1, 2**40, -1)
+
+
+# --- TensorFlow Datasets folders ------------------------------------------------------------------------------
+
+TFDS_NAMES = ["zebra", "cat", "dog"]  # ClassLabel's names in label order, not sorted
+
+
+def write_tfds_folder(root: Path, files: dict[str, list[int]], shard_lengths: dict[str, list[int]] | None = None):
+    """A folder as TensorFlow Datasets 4.9 writes `test_photos` 1.0.0: records of features `image` (an Image,
+    encoded bytes) and `label` (a ClassLabel, int64) in `<dataset>-<split>.tfrecord-NNNNN-of-NNNNN`;
+    features.json as FeatureConnector.save_config writes it (the Feature proto through MessageToDict, indent
+    4), label.labels.txt as ClassLabel.save_metadata does ("\\n".join(names) + "\\n"), dataset_info.json as
+    DatasetInfo.write_to_directory does (MessageToJson, sort_keys, int64 as strings). `files` maps each file
+    name to its records' labels; returns {file name: [image bytes]}."""
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(7)
+    images = {}
+    for name, labels in files.items():
+        images[name] = [helpers.jpeg_bytes(helpers.random_image(rng, (18, 22), label)) for label in labels]
+        write_records(root / name, [example(image=img, label=label) for img, label in zip(images[name], labels)])
+    features = {"pythonClassName": "tensorflow_datasets.core.features.features_dict.FeaturesDict",
+                "featuresDict": {"features": {
+                    "image": {"pythonClassName": "tensorflow_datasets.core.features.image_feature.Image",
+                              "image": {"shape": {"dimensions": ["-1", "-1", "3"]}, "dtype": "uint8",
+                                        "encodingFormat": "jpeg"}},
+                    "label": {"pythonClassName": "tensorflow_datasets.core.features.class_label_feature.ClassLabel",
+                              "classLabel": {"numClasses": str(len(TFDS_NAMES))}}}}}
+    (root / "features.json").write_text(json.dumps(features, indent=4))
+    (root / "label.labels.txt").write_text("\n".join(TFDS_NAMES) + "\n")
+    if shard_lengths is None:
+        shard_lengths = {}
+        for name, labels in sorted(files.items()):
+            shard_lengths.setdefault(name.split("-")[1].split(".")[0], []).append(len(labels))
+    splits = [{"filepathTemplate": "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}", "name": split,
+               "numBytes": "1000", "shardLengths": [str(n) for n in lengths]}
+              for split, lengths in shard_lengths.items()]
+    info = {"citation": "", "description": "Photos for tests.", "fileFormat": "tfrecord",
+            "moduleName": "test_photos.test_photos_dataset_builder", "name": "test_photos",
+            "releaseNotes": {"1.0.0": "Initial release."}, "splits": splits, "version": "1.0.0"}
+    (root / "dataset_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
+    return images
+
+
+TFDS_FILES = {"test_photos-train.tfrecord-00000-of-00002": [0, 1, 2, 1, 0],
+              "test_photos-train.tfrecord-00001-of-00002": [2, 2, 1, 0],
+              "test_photos-test.tfrecord-00000-of-00001": [1, 0, 2]}
+
+
+def test_a_tensorflow_datasets_folder_converts_to_its_splits_with_its_class_names(tmp_path):
+    """A dataset whose name starts with a split word (`test_photos`): the split is the part after it; no
+    --image-feature or --label-feature needed; TFDS's metadata files are neither records nor skipped."""
+    src = tmp_path / "test_photos" / "1.0.0"
+    images = write_tfds_folder(src, TFDS_FILES)
+    out = tmp_path / "out"
+    result = CliRunner().invoke(shard_convert, ["tfrecord", str(src), str(out), "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    manifest = ShardManifest.load(out)
+    assert manifest.splits["train"].samples == 9 and manifest.splits["test"].samples == 3
+    assert manifest.classes == TFDS_NAMES and manifest.skipped == [] and manifest.found == 12
+    assert manifest.warnings == []
+    assert manifest.extra["tfrecord"]["classes_from"] == "label.labels.txt"
+    assert manifest.extra["tfrecord"]["tfds_metadata"] == ["features.json", "dataset_info.json", "label.labels.txt"]
+    for sample in samples_of(out):
+        meta = json.loads(sample["json"])
+        label = TFDS_FILES[meta["path"]][meta["record"]]
+        assert int(sample["cls"]) == meta["label"] == label and meta["class"] == TFDS_NAMES[label]
+        assert sample["jpg"] == images[meta["path"]][meta["record"]]
+        assert meta["path"].startswith(f"test_photos-{Path(sample['__url__']).name.split('-')[0]}.tfrecord-")
+
+    merged = helpers.shard_convert("tfrecord", src, tmp_path / "merged", "--split", "train")
+    assert merged.returncode == 2 and not (tmp_path / "merged" / "manifest.json").exists()
+    (line,) = [x for x in merged.stderr.splitlines() if x.startswith("Error")]
+    assert ("--split train would merge the files of 2 splits (test_photos-test.tfrecord-00000-of-00001 is test, "
+            "test_photos-train.tfrecord-00000-of-00002 is train)") in line
+
+    info = json.loads((src / "dataset_info.json").read_text())
+    info["splits"][0]["shardLengths"] = ["4"]  # test's one file: 3 records written
+    (src / "dataset_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
+    (src / "test_photos-train.tfrecord-00001-of-00002").unlink()
+    convert_tfrecord(TFRecordConfig(src=src, out=tmp_path / "counted", workers=1, progress=False))
+    assert ShardManifest.load(tmp_path / "counted").warnings == [
+        "test_photos-test.tfrecord-00000-of-00001: 3 records, dataset_info.json says 4",
+        "split train: 1 of its 2 files are not here (shards 1; 4 records per dataset_info.json)"]
+
+
+@pytest.fixture
+def own_tmpdir(tmp_path, monkeypatch) -> Path:
+    """$TMPDIR for this test alone: where compressed input is inflated."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(__import__("tempfile"), "tempdir", str(tmp))
+    return tmp
+
+
+def test_a_failed_conversion_leaves_no_inflated_copy_and_a_stopped_one_says_where_it_is(tmp_path, own_tmpdir,
+                                                                                           monkeypatch):
+    rng = np.random.default_rng(8)
+    records = [imagenet_record(rng, s, i)[0] for i, s in enumerate(SORTED)]
+    records.append(example(image__encoded=b"x", image__class__label=1, image__class__synset=SORTED[2]))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train-00000-of-00001").write_bytes(gzip.compress(write_records(tmp_path / "p", records)
+                                                                          .read_bytes()))
+    result = helpers.shard_convert("tfrecord", tmp_path / "src", tmp_path / "out", env={**__import__("os").environ,
+                                                                                        "TMPDIR": str(own_tmpdir)})
+    assert result.returncode == 1 and "one synset, two labels" in result.stderr
+    assert list(own_tmpdir.rglob("*")) == []
+
+    from dalifeed.convert import tfrecord
+    from dalifeed.runtime import Stopped
+
+    def stopped(plan, cfg, command):
+        raise Stopped(__import__("signal").SIGTERM)
+
+    write_records(tmp_path / "src" / "train-00000-of-00001", records[:3], gzip.open)
+    monkeypatch.setattr(tfrecord, "convert", stopped)
+    with pytest.raises(Stopped) as info:
+        convert_tfrecord(TFRecordConfig(src=tmp_path / "src", out=tmp_path / "out", workers=1, progress=False))
+    (kept,) = own_tmpdir.glob("dalifeed-inflated/*.tfrecord")
+    assert info.value.__notes__ == [f"the inflated copies of its 1 compressed files are kept for the resume: "
+                                    f"{kept.stat().st_size / 2**20:.1f} MiB in {kept.parent} (removed when the "
+                                    f"conversion finishes)"]
+
+
+def imagenet_subset(root: Path, synsets: list[str], damaged_synset: str | None = None) -> Path:
+    """ImageNet's layout (1-based labels of all three SORTED synsets) with records of `synsets` only, and
+    one damaged record (its image's bytes, after writing: a data CRC mismatch) of `damaged_synset`."""
+    rng = np.random.default_rng(9)
+    records = [imagenet_record(rng, s, i)[0] for i, s in enumerate(synsets * 2)]
+    image = b""
+    if damaged_synset:
+        record, image = imagenet_record(rng, damaged_synset, 99)
+        records.append(record)
+    path = write_records(root / "train-00000-of-00001", records)
+    if damaged_synset:
+        data = bytearray(path.read_bytes())
+        data[data.rfind(image) + len(image) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_missing_class_is_named_with_the_damaged_records_that_carried_it(tmp_path):
+    src = imagenet_subset(tmp_path, [SORTED[0], SORTED[2]], damaged_synset=SORTED[1])
+    with pytest.raises(ConversionFailed, match=(
+            r"^classes missing: no record has image/class/label 2 \(the labels go 1..3 over 2 synsets\); damaged "
+            rf"records carried them: train-00000-of-00001 record 4 \({SORTED[1]}: data CRC mismatch \(corrupt "
+            r"record\)\); .* give --synsets-file FILE .* or --synset-feature '' --label-offset -1 ")):
+        convert_tfrecord(TFRecordConfig(src=src, out=tmp_path / "out", workers=1, progress=False))
+    synsets = tmp_path / "LOC_synset_mapping.txt"
+    synsets.write_text("".join(f"{s} class {s}\n" for s in SORTED))
+    out = tmp_path / "all"
+    convert_tfrecord(TFRecordConfig(src=src, out=out, synsets_file=synsets, workers=1, progress=False))
+    manifest = ShardManifest.load(out)
+    assert manifest.classes == SORTED and manifest.extra["tfrecord"]["label_offset"] == -1
+    assert {json.loads(s["json"])["class"]: int(s["cls"]) for s in samples_of(out)} == {SORTED[0]: 0, SORTED[2]: 2}
+    assert manifest.warnings == [f"1 of the 3 synsets of {synsets} have no record: {SORTED[1]}; damaged records "
+                                 f"carried them: train-00000-of-00001 record 4 ({SORTED[1]}: data CRC mismatch "
+                                 f"(corrupt record))"]
+
+
+def test_a_missing_first_class_never_shifts_every_label(tmp_path):
+    src = imagenet_subset(tmp_path, SORTED[1:])
+    result = helpers.shard_convert("tfrecord", src, tmp_path / "out", "--quiet")
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"Error: classes missing: the first sorted synset, {SORTED[1]}, has "
+                                    f"image/class/label 2, so no record has a label below it; ")
+    assert "--label-offset -2 to number them from 0 anyway" in result.stderr
+    convert_tfrecord(TFRecordConfig(src=src, out=tmp_path / "out", label_offset=-2, workers=1, progress=False))
+    assert ShardManifest.load(tmp_path / "out").classes == SORTED[1:]
+
+
+def test_the_small_edges_each_have_their_line(tmp_path):
+    """A 0-byte file beside a good one, a text file whose first two bytes ("x^") are a zlib header, an Example
+    whose image is empty: each a skipped entry saying what it is; --quiet leaves stderr empty."""
+    rng = np.random.default_rng(10)
+    (tmp_path / "src").mkdir()
+    good = [imagenet_record(rng, s, i)[0] for i, s in enumerate(SORTED)]
+    write_records(tmp_path / "src" / "train-00000-of-00003", [*good, example(image__encoded=b"",
+                                                                              image__class__label=1,
+                                                                              image__class__synset=SORTED[0])])
+    (tmp_path / "src" / "train-00001-of-00003").write_bytes(b"")
+    (tmp_path / "src" / "train-00002-of-00003").write_text("x^2 + y^2 = z^2\n")
+    result = CliRunner().invoke(shard_convert, ["tfrecord", str(tmp_path / "src"), str(tmp_path / "out"),
+                                                "--workers", "1", "--quiet"])
+    assert result.exit_code == 0 and result.stderr == "", result.output
+    skipped = {s["path"]: s["reason"] for s in ShardManifest.load(tmp_path / "out").skipped}
+    assert skipped == {
+        "train-00000-of-00003 record 3": "empty image feature (image/encoded holds 0 bytes)",
+        "train-00001-of-00003": "empty file (0 bytes)",
+        "train-00002-of-00003 record 0": "not a TFRecord file (its first bytes frame no record and start no gzip "
+                                         "or zlib stream)"}

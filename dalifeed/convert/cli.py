@@ -114,7 +114,7 @@ def shard_options(command):
                    "the split-named ones are splits, the other folders' files are listed as skipped. classes: "
                    "every folder is a class, whatever its name.")
 @shard_options
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--quiet", is_flag=True, help="No progress bar and no config line: errors alone.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def imagefolder_cmd(src, out, quiet, debug, **options):
     """Convert an ImageFolder tree SRC to shards in OUT: SRC/<class>/<images> (one split, train), or split
@@ -141,7 +141,7 @@ def imagefolder_cmd(src, out, quiet, debug, **options):
     from any machine; see --staging and docs/storage.md.
     """
     cfg = ConvertConfig(src=src, out=out, progress=not quiet and sys.stderr.isatty(), **options)
-    manifest = run_conversion("imagefolder", convert_imagefolder, cfg, debug)
+    manifest = run_conversion("imagefolder", convert_imagefolder, cfg, debug, quiet)
     exit_if_nothing_converted(manifest)
 
 
@@ -160,7 +160,7 @@ def imagefolder_cmd(src, out, quiet, debug, **options):
               help="Leave out images without annotations (listed in the manifest's skipped). Default: keep them "
                    "(detectors learn from background images too).")
 @shard_options
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--quiet", is_flag=True, help="No progress bar and no config line: errors alone.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def coco_cmd(out, quiet, debug, **options):
     """Convert COCO-format data (images + instances JSON) to shards in OUT, one sample per image record.
@@ -182,7 +182,7 @@ def coco_cmd(out, quiet, debug, **options):
     from .coco import CocoConfig, convert_coco  # here, not at the top: numpy, which no other command needs
 
     cfg = CocoConfig(out=out, progress=not quiet and sys.stderr.isatty(), **options)
-    manifest = run_conversion("coco", convert_coco, cfg, debug)
+    manifest = run_conversion("coco", convert_coco, cfg, debug, quiet)
     counts = manifest.extra.get("counts", {})
     if manifest.kind == "coco" and manifest.summary.status in ("fresh", "resume", "merged"):
         click.echo(f"Boxes: {counts.get('boxes', 0)} training targets, {counts.get('crowd_boxes', 0)} crowd, "
@@ -196,8 +196,10 @@ def coco_cmd(out, quiet, debug, **options):
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("out", type=LOCATION)
 @click.option("--split", default=None,
-              help="Put every file into this split. Default: the split each file's name says: train-* -> train, "
-                   "validation-* (val-*, valid-*) -> val, test-* -> test; files of other names are listed as skipped.")
+              help="Put every file into this split (refused when file names say two splits). Default: the split "
+                   "each file's name says: train-* -> train, validation-* (val-*, valid-*) -> val, test-* -> test, "
+                   "TensorFlow Datasets' <dataset>-<split>.tfrecord-* -> <split>; files of other names are listed "
+                   "as skipped.")
 @click.option("--label-offset", type=int, default=None,
               help="Without synsets: added to every label (-1 for ImageNet's 1-based labels, where 0 is background). "
                    "With synsets the labels are the sorted synsets' indices and this, if given, is checked.")
@@ -210,30 +212,42 @@ def coco_cmd(out, quiet, debug, **options):
                    "sorted synsets (torchvision ImageFolder's order); '' to ignore it.")
 @click.option("--filename-feature", default="image/filename", show_default=True,
               help="The bytes feature kept in each sample's .json as `filename`, to trace it back.")
+@click.option("--synsets-file", type=click.Path(path_type=Path), default=None,
+              help="Every synset, one a line (its first word; ImageNet's synsets file or LOC_synset_mapping.txt), "
+                   "in class order: the classes, including those no record has, which keep their index.")
 @shard_options
-@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--quiet", is_flag=True, help="No progress bar and no config line: errors alone.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def tfrecord_cmd(src, out, quiet, debug, **options):
     """Convert TFRecord files of tf.train.Examples (a file, or a folder of them) to shards in OUT, without
     TensorFlow: ImageNet as TensorFlow's build_imagenet_data.py or the TPU imagenet_to_gcs.py wrote it
-    (train-00000-of-01024, validation-00000-of-00128), or another layout named by the --*-feature options.
+    (train-00000-of-01024, validation-00000-of-00128), a TensorFlow Datasets folder
+    (<dataset>-train.tfrecord-00000-of-00004 beside dataset_info.json, features.json and label.labels.txt),
+    or another layout named by the --*-feature options.
 
     \b
       shard-convert tfrecord /data/imagenet-tfrecords /data/imagenet-shards --workers 16
+      shard-convert tfrecord /data/tensorflow_datasets/my_photos/1.0.0 /data/my-photos-shards
+
+    A TensorFlow Datasets folder is read as TFDS wrote it: each file's split from its name, the image and
+    label features and the class names from features.json and <feature>.labels.txt, each file's record
+    count checked against dataset_info.json (a difference is a warning in the manifest).
 
     Every record is framed and both of its CRCs are checked; a corrupt record, one that is not an Example,
     or one without the image is listed in the manifest's skipped with its file and record number (a broken
     length loses the rest of its file, and says so). Gzip- and zlib-compressed files are recognised by their
-    bytes and inflated once into $TMPDIR (removed when done). JPEGs pass through byte for byte under the
-    same rules as `imagefolder`; each sample's .json keeps the file, record number and image/filename.
-    Where the file's own labels disagree with the sorted synsets' order by more than one constant offset,
-    the conversion stops and names the record (exit 1). Resumable and deterministic like `imagefolder`; OUT
-    may be s3://bucket/prefix. docs/format.md#tfrecord-input has the details.
+    bytes and inflated once into $TMPDIR (removed when the run ends; kept only when stopped by a signal,
+    for the resume). JPEGs pass through byte for byte under the same rules as `imagefolder`; each sample's
+    .json keeps the file, record number and image/filename. Where the file's own labels disagree with the
+    sorted synsets' order by more than one constant offset, the conversion stops and names the record (exit
+    1); a class with no record is named, and --synsets-file keeps every class's index. Resumable and
+    deterministic like `imagefolder`; OUT may be s3://bucket/prefix. docs/format.md#tfrecord-input has the
+    details.
     """
     from .tfrecord import TFRecordConfig, convert_tfrecord
 
     cfg = TFRecordConfig(src=src, out=out, progress=not quiet and sys.stderr.isatty(), **options)
-    manifest = run_conversion("tfrecord", convert_tfrecord, cfg, debug)
+    manifest = run_conversion("tfrecord", convert_tfrecord, cfg, debug, quiet)
     exit_if_nothing_converted(manifest)
 
 
@@ -263,15 +277,18 @@ def export_coco_cmd(out: Path | str, dest: Path, split: str | None):
                f"{len(doc['categories'])} categories")
 
 
-def run_conversion(kind: str, convert, cfg, debug: bool) -> ShardManifest:
-    """A converter's run as every `shard-convert <kind>` command makes it: its config printed, errors in one
-    line (the traceback in OUT's convert-error.log), the result described."""
-    click.echo(f"shard-convert {kind}: {json.dumps(cfg.to_json())}", err=True)
+def run_conversion(kind: str, convert, cfg, debug: bool, quiet: bool = False) -> ShardManifest:
+    """A converter's run as every `shard-convert <kind>` command makes it: its config printed (not with
+    --quiet, which leaves errors alone on stderr), errors in one line (the traceback in OUT's
+    convert-error.log), the result described. A stop's line adds the notes the converter attached to it."""
+    if not quiet:
+        click.echo(f"shard-convert {kind}: {json.dumps(cfg.to_json())}", err=True)
     manifest = run_command(
         lambda: convert(cfg), debug=debug, usage_errors=(UsageError, FolderInUse),
         runtime_errors=(ConversionFailed, WorkerCrashed, DiskFull, StorageError, OSError),
         log=lambda: cfg.folder / "convert-error.log",
-        stopped=lambda e: f"finished shards in {cfg.location} are kept; run the same command again to resume")
+        stopped=lambda e: "; ".join([f"finished shards in {cfg.location} are kept; run the same command again to "
+                                     f"resume", *getattr(e, "__notes__", ())]))
     click.echo(describe_result(manifest))
     return manifest
 

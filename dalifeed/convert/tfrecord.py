@@ -1,19 +1,22 @@
 """TFRecord files of `tf.train.Example`s -> WebDataset shards (docs/format.md#tfrecord-input).
 
 This module knows TFRecord files: their framing (length, masked CRC32C of the length, data, masked CRC32C of
-the data), the Example protobuf (decoded by hand, the three fields it has: no TensorFlow, no generated
-code), ImageNet's layout (`image/encoded`, `image/class/label`, `image/class/synset`, `image/filename`) and
-which split a file belongs to. Workers, shards, resume, locks, the manifest and jobs are the shared core.
+the data), ImageNet's layout (`image/encoded`, `image/class/label`, `image/class/synset`, `image/filename`)
+and which split a file belongs to; the Example protobuf is `tfrecord_example`'s, TensorFlow Datasets' folders
+(file names, features.json, class names) `tfrecord_tfds`'s, classes and labels `tfrecord_labels`'s. Workers,
+shards, resume, locks, the manifest and jobs are the shared core.
 
 Reading happens twice: a listing pass, one worker task per file, that frames every record, checks both CRCs
 and reads its label features (the classes must be known before the first sample is written); then the
 shared encode pass, one record at a time by offset. A compressed file (gzip or zlib, told by its bytes, not
 its name) is inflated once into $TMPDIR and read from there, since a record in the middle of a compressed
-stream cannot be reached without inflating what comes before it.
+stream cannot be reached without inflating what comes before it; the copies are removed when the conversion
+ends, but for a stop by a signal (kept for the resume, and the stop's line says where).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -37,11 +40,15 @@ from ..format import (
     check_split_name,
     listing_digest,
 )
+from ..runtime import Stopped
 from .core import Plan, convert, stat_source
 from .imagefolder import SPLIT_NAMES, SPLIT_ORDER
 from .images import ImageError, to_jpeg
 from .options import ShardOptions, UsageError
 from .shards import ConversionFailed, Sample, Skip, SourceFile, ordered_map
+from .tfrecord_example import ExampleError, Feature, parse_example
+from .tfrecord_labels import Labelling, label_records
+from .tfrecord_tfds import TfdsInfo, count_warnings, is_metadata, read_tfds, tfds_name
 
 HEADER = struct.Struct("<QI")  # length, masked CRC32C of the length's 8 bytes
 FOOTER = struct.Struct("<I")  # masked CRC32C of the data
@@ -57,10 +64,12 @@ class TFRecordConfig(ShardOptions):
     label_feature: str = "image/class/label"
     synset_feature: str = "image/class/synset"  # "" to number classes by the label feature alone
     filename_feature: str = "image/filename"
+    synsets_file: Path | None = None  # every synset, one a line (first word): the classes, absent ones too
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.src = Path(self.src)
+        self.synsets_file = Path(self.synsets_file) if self.synsets_file is not None else None
 
     def validate(self) -> None:
         self.validate_shard_options()
@@ -71,6 +80,10 @@ class TFRecordConfig(ShardOptions):
             raise UsageError(f"{self.folder}: output folder must not be inside the source folder {self.src}")
         if not self.image_feature or not self.label_feature:
             raise UsageError("--image-feature and --label-feature must name a feature")
+        if self.synsets_file is not None and not self.synsets_file.is_file():
+            raise UsageError(f"--synsets-file {self.synsets_file}: no such file")
+        if self.synsets_file is not None and not self.synset_feature:
+            raise UsageError("--synsets-file lists the classes of --synset-feature: give both, or neither")
         if self.split is not None:
             try:
                 check_split_name(self.split)
@@ -85,113 +98,15 @@ class TFRecordConfig(ShardOptions):
     def output_options(self) -> dict:
         return {"split": self.split, "label_offset": self.label_offset, "image_feature": self.image_feature,
                 "label_feature": self.label_feature, "synset_feature": self.synset_feature,
-                "filename_feature": self.filename_feature, **self.shard_options()}
-
-
-class ExampleError(Exception):
-    """A record's data is not a well-formed `tf.train.Example`; the message says where it broke."""
+                "filename_feature": self.filename_feature,
+                **({"synsets_file": str(self.synsets_file)} if self.synsets_file is not None else {}),
+                **self.shard_options()}
 
 
 def masked_crc(data: bytes | memoryview) -> int:
     """TFRecord's CRC: CRC32C, rotated right by 15 bits, plus a constant."""
     crc = google_crc32c.value(bytes(data))
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-# --- the Example protobuf: Example{features: Features{feature: map<string, Feature>}} -------------------------
-
-def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise ExampleError("a varint runs past its message")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, pos
-        shift += 7
-
-
-def _fields(buf: memoryview, start: int, end: int):
-    """(field number, wire type, value) of each field of the message in buf[start:end]; a length-delimited
-    value is (its start, its end), a varint an int, fixed-size values their bytes."""
-    pos = start
-    while pos < end:
-        key, pos = _varint(buf, pos)
-        number, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 2:
-            size, pos = _varint(buf, pos)
-            if pos + size > end:
-                raise ExampleError(f"field {number} is {size} bytes long, past its message's end")
-            value, pos = (pos, pos + size), pos + size
-        elif wire in (1, 5):
-            size = 8 if wire == 1 else 4
-            if pos + size > end:
-                raise ExampleError(f"field {number} runs past its message's end")
-            value, pos = bytes(buf[pos:pos + size]), pos + size
-        else:
-            raise ExampleError(f"field {number} has wire type {wire}, which an Example never holds")
-        yield number, wire, value
-
-
-@dataclass(frozen=True)
-class Feature:
-    kind: str  # bytes | int64 | float
-    values: tuple  # bytes features: (start, end) spans of the record's data; the others: numbers
-
-
-def parse_example(data: bytes | memoryview) -> dict[str, Feature]:
-    """The features of a serialized `tf.train.Example`, each as the spans (bytes) or numbers it holds."""
-    buf = memoryview(data)
-    features: dict[str, Feature] = {}
-    for number, wire, span in _fields(buf, 0, len(buf)):
-        if number != 1 or wire != 2:
-            continue
-        for entry_number, entry_wire, entry in _fields(buf, *span):
-            if entry_number != 1 or entry_wire != 2:
-                continue
-            key, feature = "", Feature("bytes", ())
-            for part_number, part_wire, part in _fields(buf, *entry):
-                if part_number == 1 and part_wire == 2:
-                    try:
-                        key = bytes(buf[part[0]:part[1]]).decode()
-                    except UnicodeDecodeError:
-                        raise ExampleError("a feature name is not UTF-8") from None
-                elif part_number == 2 and part_wire == 2:
-                    feature = _feature(buf, *part)
-            features[key] = feature
-    return features
-
-
-def _feature(buf: memoryview, start: int, end: int) -> Feature:
-    feature = Feature("bytes", ())  # a Feature with no list set: TensorFlow reads it as empty
-    for number, wire, span in _fields(buf, start, end):
-        if wire != 2 or number not in (1, 2, 3):
-            continue
-        values = []
-        for value_number, value_wire, value in _fields(buf, *span):
-            if value_number != 1:
-                continue
-            if (number, value_wire) not in ((1, 2), (2, 2), (2, 5), (3, 2), (3, 0)):
-                raise ExampleError(f"a {('bytes', 'float', 'int64')[number - 1]} list holds a value of wire type "
-                                   f"{value_wire}")
-            if number == 1:
-                values.append(value)
-            elif number == 2:  # floats: packed (wire 2) or one by one (wire 5)
-                raw = bytes(buf[value[0]:value[1]]) if value_wire == 2 else value
-                values += struct.unpack(f"<{len(raw) // 4}f", raw[: len(raw) // 4 * 4])
-            elif number == 3 and value_wire == 2:  # int64s, packed
-                pos = value[0]
-                while pos < value[1]:
-                    v, pos = _varint(buf, pos)
-                    values.append(v - (1 << 64) if v >= 1 << 63 else v)
-            elif number == 3 and value_wire == 0:
-                values.append(value - (1 << 64) if value >= 1 << 63 else value)
-        feature = Feature({1: "bytes", 2: "float", 3: "int64"}[number], tuple(values))
-    return feature
 
 
 # --- listing: files, their split, their records ----------------------------------------------------------------
@@ -223,21 +138,32 @@ class Item:
 
 
 def find_files(src: Path) -> list[Path]:
-    """SRC itself, or every file under it (sorted, recursively), but index files."""
+    """SRC itself, or every file under it (sorted, recursively), but index files and the metadata files
+    TensorFlow Datasets writes beside its records (read by `tfrecord_tfds`)."""
     if src.is_file():
         return [src]
     found = []
     for dirpath, dirnames, filenames in os.walk(src, followlinks=True):
         dirnames.sort()
-        found += [Path(dirpath, name) for name in sorted(filenames) if not name.endswith(INDEX_SUFFIXES)]
+        found += [Path(dirpath, name) for name in sorted(filenames)
+                  if not name.endswith(INDEX_SUFFIXES) and not is_metadata(name)]
     if not found:
         raise UsageError(f"{src}: no files in this folder (expected TFRecord files such as train-00000-of-01024)")
     return found
 
 
 def split_of(name: str) -> str | None:
-    """The split a file's name says (`train-00000-of-01024` -> train, `validation-...` -> val): its part
-    before the first '-', '_' or '.', looked up as split folders are (SPLIT_NAMES)."""
+    """The split a file's name says. TensorFlow Datasets' `<dataset>-<split>.tfrecord-00000-of-00004`: the
+    part after the dataset's name (`validation` -> val; a split of another name keeps it). Else, as
+    build_imagenet_data.py's `train-00000-of-01024`: the part before the first '-', '_' or '.', looked up as
+    split folders are (SPLIT_NAMES)."""
+    tfds = tfds_name(name)
+    if tfds is not None:
+        split = SPLIT_NAMES.get(tfds[0].lower(), tfds[0])
+        try:
+            return check_split_name(split)
+        except ValueError:
+            return None
     stem = name.replace("_", "-").replace(".", "-").split("-", 1)[0].lower()
     return SPLIT_NAMES.get(stem)
 
@@ -318,6 +244,9 @@ class FileJob:
     features: tuple[str, str, str]  # label, synset, filename
 
 
+NOT_TFRECORD = "not a TFRecord file (its first bytes frame no record and start no gzip or zlib stream)"
+
+
 def list_records(job: FileJob) -> list[Record]:
     """Worker: frame every record of one file, check both CRCs and read its label features. A record that
     fails is one Record with the problem; a broken length (which hides where the next record starts) ends
@@ -335,6 +264,9 @@ def list_records(job: FileJob) -> list[Record]:
                 records.append(Record(number, offset, 0, problem=f"truncated: {size - offset} stray bytes at the end"))
                 break
             length, crc = HEADER.unpack(head)
+            if masked_crc(head[:8]) != crc and offset == 0:
+                records.append(Record(0, 0, 0, problem=NOT_TFRECORD))
+                break
             if masked_crc(head[:8]) != crc:
                 records.append(Record(number, offset, 0, problem=f"length CRC mismatch at byte {offset}: the rest of "
                                                                  f"the file ({size - offset} bytes) cannot be framed"))
@@ -347,10 +279,12 @@ def list_records(job: FileJob) -> list[Record]:
             data = f.read(length)
             (data_crc,) = FOOTER.unpack(f.read(FOOTER.size))
             offset = data_at + length + FOOTER.size
-            if masked_crc(data) != data_crc:
-                records.append(Record(number, data_at, length, problem="data CRC mismatch (corrupt record)"))
-                continue
-            records.append(read_labels(number, data_at, data, label_key, synset_key, filename_key))
+            labels = read_labels(number, data_at, data, label_key, synset_key, filename_key)
+            if masked_crc(data) != data_crc:  # its labels, if they read, may name a class no other record has
+                labels = dataclasses.replace(labels, problem="data CRC mismatch (corrupt record)")
+            records.append(labels)
+    if stream_problem and job.compression == "zlib" and size == 0:  # two bytes that only look like a zlib header
+        return [Record(0, 0, 0, problem=NOT_TFRECORD)]
     if stream_problem:
         records.append(Record(len(records), -1, 0,
                               problem=f"{job.compression} file: {stream_problem}: the records after it are lost"))
@@ -379,59 +313,25 @@ def _text(data: bytes, feature: Feature | None) -> str | None:
         return None
 
 
-# --- classes and labels --------------------------------------------------------------------------------------
-
-@dataclass
-class Labelling:
-    classes: list[str]
-    label_offset: int | None  # what the file's labels were shifted by to be class indices (None: no labels seen)
-    by_synset: bool
-
-
-def label_records(found: dict[str, list[Record]], cfg: TFRecordConfig) -> Labelling:
-    """The classes and how each record is labelled. With synsets, the sorted synsets (torchvision
-    ImageFolder's order), and the file's own labels must agree with that order up to one constant offset;
-    without, the label feature plus --label-offset, classes named by their index."""
-    good = [r for records in found.values() for r in records if r.problem is None]
-    if cfg.synset_feature and any(r.synset is not None for r in good):
-        classes = sorted({r.synset for r in good if r.synset is not None})
-        index = {name: i for i, name in enumerate(classes)}
-        offset = None
-        for where, records in found.items():
-            for r in records:
-                if r.problem is None and r.synset is not None and r.label is not None:
-                    if offset is None:
-                        offset = r.label - index[r.synset]
-                        first = f"{where} record {r.number}"
-                    elif r.label - index[r.synset] != offset:
-                        raise ConversionFailed(
-                            f"{where} record {r.number}: {cfg.label_feature} {r.label} for synset {r.synset}, whose "
-                            f"index among the sorted synsets is {index[r.synset]}; {first} has the offset {offset}: "
-                            f"the file's labels are not the sorted synsets' order shifted by one constant")
-        if cfg.label_offset is not None and offset is not None and -offset != cfg.label_offset:
-            raise ConversionFailed(f"--label-offset {cfg.label_offset}, but the labels are the sorted synsets' indices "
-                                   f"{offset:+d} (drop --label-offset: with synsets the labels come from them)")
-        return Labelling(classes, None if offset is None else -offset, True)
-    labels = {r.label + (cfg.label_offset or 0) for r in good if r.label is not None}
-    top = max((v for v in labels if v >= 0), default=-1)
-    return Labelling([str(i) for i in range(top + 1)], cfg.label_offset or 0, False)
-
-
-def make_item(relpath: str, read_path: str, record: Record, labelling: Labelling, cfg: TFRecordConfig) -> Item:
+def make_item(relpath: str, read_path: str, record: Record, labelling: Labelling, label_feature: str,
+              cfg: TFRecordConfig) -> Item:
     if record.problem:
         return Item(relpath, read_path, record, -1, "", record.problem)
     if labelling.by_synset:
         if record.synset is None:
             return Item(relpath, read_path, record, -1, "", f"no {cfg.synset_feature} (other records have one)")
-        label = labelling.classes.index(record.synset)
+        label = labelling.index[record.synset]
         return Item(relpath, read_path, record, label, record.synset)
     if record.label is None:
-        return Item(relpath, read_path, record, -1, "", f"no single int64 {cfg.label_feature}")
+        return Item(relpath, read_path, record, -1, "", f"no single int64 {label_feature}")
     label = record.label + (cfg.label_offset or 0)
     if label < 0:
         return Item(relpath, read_path, record, -1, "",
-                    f"{cfg.label_feature} {record.label} + --label-offset {cfg.label_offset or 0} is negative")
-    return Item(relpath, read_path, record, label, str(label))
+                    f"{label_feature} {record.label} + --label-offset {cfg.label_offset or 0} is negative")
+    if label >= len(labelling.classes):  # only with the names of a TFDS ClassLabel: else the classes cover all
+        return Item(relpath, read_path, record, -1, "", f"{label_feature} {record.label} is not one of the "
+                                                        f"{len(labelling.classes)} classes of {labelling.source}")
+    return Item(relpath, read_path, record, label, labelling.classes[label])
 
 
 # --- the plan and the worker ---------------------------------------------------------------------------------
@@ -456,6 +356,8 @@ def encode_item(item: Item, image_feature: str, quality: int, max_side: int | No
     if feature is None or feature.kind != "bytes" or len(feature.values) != 1:
         return Skip(f"no single bytes feature {image_feature}")
     start, end = feature.values[0]
+    if start == end:
+        return Skip(f"empty image feature ({image_feature} holds 0 bytes)")
     try:
         image = to_jpeg(data[start:end], quality, max_side, max_pixels)
     except ImageError as e:
@@ -480,32 +382,66 @@ def describe_item(item: Item) -> str:
 class Listing:
     files: dict[str, list[Path]]  # split -> its files
     skipped: list[dict]  # files that are not a split's
-    inflated: list[Path]  # the inflated copies this run reads
 
 
 def list_files(cfg: TFRecordConfig) -> Listing:
     files: dict[str, list[Path]] = {}
-    skipped = []
+    skipped, named = [], {}  # named: the split a file's name says -> the first such file
     root = cfg.root
     for path in find_files(cfg.src):
-        problem = stat_source(path).problem
-        split = cfg.split or split_of(path.name)
+        source = stat_source(path)
+        said = split_of(path.name)
+        if said is not None:
+            named.setdefault(said, path.relative_to(root).as_posix())
+        split = cfg.split or said
+        problem = source.problem or ("empty file (0 bytes)" if source.size == 0 else None)
         if problem or split is None:
-            reason = problem or ("not named like a split's file (train-*, validation-*, test-*): give --split to "
-                                 "convert it")
+            reason = problem or ("not named like a split's file (train-*, validation-*, test-*, or TensorFlow "
+                                 "Datasets' <dataset>-<split>.tfrecord-*): give --split to convert it")
             skipped.append({"path": path.relative_to(root).as_posix(), "reason": reason})
             continue
         files.setdefault(split, []).append(path)
+    if cfg.split is not None and len(named) > 1:
+        said = ", ".join(f"{path} is {split}" for split, path in named.items())
+        raise UsageError(f"--split {cfg.split} would merge the files of {len(named)} splits ({said}): leave --split "
+                         f"out to convert each into its own, or give SRC one split's file")
     if not files:
         raise UsageError(f"{cfg.src}: no file named like a split's TFRecord file (train-*, validation-*, test-*); "
                          f"give --split NAME to convert them all into one split")
     order = {name: i for i, name in enumerate(SPLIT_ORDER)}
-    return Listing(dict(sorted(files.items(), key=lambda kv: (order.get(kv[0], 9), kv[0]))), skipped, [])
+    return Listing(dict(sorted(files.items(), key=lambda kv: (order.get(kv[0], 9), kv[0]))), skipped)
 
 
-def build_plan(cfg: TFRecordConfig) -> tuple[Plan, list[Path]]:
+def tfds_of(cfg: TFRecordConfig, listing: Listing) -> TfdsInfo | None:
+    """The TensorFlow Datasets metadata beside the files converted (one dataset's: a folder of several
+    datasets, or versions, is refused)."""
+    folders = sorted({path.parent for paths in listing.files.values() for path in paths})
+    found = [info for info in map(read_tfds, folders) if info is not None]
+    if len(found) > 1:
+        raise UsageError(f"{cfg.src}: TensorFlow Datasets metadata in {len(found)} folders ({found[0].folder}, "
+                         f"{found[1].folder}): give one dataset's folder (<data_dir>/<name>/<version>) as SRC")
+    return found[0] if found else None
+
+
+def features_of(cfg: TFRecordConfig, tfds: TfdsInfo | None) -> tuple[str, str]:
+    """The image and label features: as given, or, left at their defaults where features.json has no such
+    feature, TFDS's one Image and one ClassLabel feature (`image`, `label`)."""
+    image, label = cfg.image_feature, cfg.label_feature
+    if tfds is not None and tfds.kinds:
+        fields = TFRecordConfig.__dataclass_fields__
+        if image == fields["image_feature"].default and image not in tfds.kinds:
+            image = tfds.the_feature("Image") or image
+        if label == fields["label_feature"].default and label not in tfds.kinds:
+            label = tfds.the_feature("ClassLabel") or label
+    return image, label
+
+
+def build_plan(cfg: TFRecordConfig, inflated: list[Path]) -> Plan:
+    """The conversion's plan; `inflated` gets each inflated copy's path before the copy is made."""
     cfg.validate()
     listing = list_files(cfg)
+    tfds = tfds_of(cfg, listing)
+    image_feature, label_feature = features_of(cfg, tfds)
     root = cfg.root
     jobs, relpaths, fingerprint, source_bytes = [], [], hashlib.sha256(), 0
     for split, paths in listing.files.items():
@@ -517,48 +453,77 @@ def build_plan(cfg: TFRecordConfig) -> tuple[Plan, list[Path]]:
             read_path, kind = path, compression(path)
             if kind is not None:  # inflated by the listing worker, in parallel with the other files
                 read_path = inflated_path(path, cfg.location, cfg.job_index)
-                listing.inflated.append(read_path)
-            jobs.append(FileJob(str(path), str(read_path), kind,
-                                (cfg.label_feature, cfg.synset_feature, cfg.filename_feature)))
+                inflated.append(read_path)
+            jobs.append(FileJob(str(path), str(read_path), kind, (label_feature, cfg.synset_feature,
+                                                                  cfg.filename_feature)))
             relpaths.append((split, relpath))
     records_of = ordered_map(list_records, jobs, cfg.workers, chunk=1)
     found = {relpath: records for (_, relpath), records in zip(relpaths, records_of)}
-    labelling = label_records(found, cfg)
+    names = tfds.class_names(label_feature) if tfds is not None and tfds.kinds.get(label_feature) == "ClassLabel" \
+        else None
+    labelling = label_records(found, cfg, label_feature, names)
+    warnings = list(labelling.warnings)
+    if tfds is not None:
+        counted = {relpath: (*tfds_name(Path(relpath).name), sum(r.offset >= 0 for r in found[relpath]))
+                   for _, relpath in relpaths if tfds_name(Path(relpath).name)}
+        warnings += count_warnings(tfds, counted)
     splits: dict[str, list[Item]] = {split: [] for split in listing.files}
     entries: dict[str, list] = {split: [] for split in listing.files}
     for (split, relpath), job in zip(relpaths, jobs):
         for record in found[relpath]:
-            splits[split].append(make_item(relpath, job.read_path, record, labelling, cfg))
+            splits[split].append(make_item(relpath, job.read_path, record, labelling, label_feature, cfg))
             entries[split].append((f"{relpath}#{record.number}", record.length))
     for name, items in splits.items():
         random.Random(f"{cfg.seed}:{name}").shuffle(items)
     source = str(cfg.src.resolve())
     extra = {"tfrecord": {"files": {split: [p.relative_to(root).as_posix() for p in paths]
                                     for split, paths in listing.files.items()},
-                          "classes_from": cfg.synset_feature if labelling.by_synset else cfg.label_feature,
-                          "label_offset": labelling.label_offset}}
-    plan = Plan(
+                          "classes_from": labelling.source, "label_offset": labelling.label_offset,
+                          "image_feature": image_feature, "label_feature": label_feature}}
+    if tfds is not None:
+        extra["tfrecord"]["tfds_metadata"] = tfds.files
+    return Plan(
         kind="tfrecord", source=source, splits=splits, classes=labelling.classes,
-        encode=functools.partial(encode_item, image_feature=cfg.image_feature, quality=cfg.jpeg_quality,
+        encode=functools.partial(encode_item, image_feature=image_feature, quality=cfg.jpeg_quality,
                                  max_side=cfg.max_side, max_pixels=cfg.max_pixels),
         describe=describe_item,
         fingerprint={"kind": "tfrecord", "source": source, "options": cfg.output_options(),
-                     "listing_sha256": fingerprint.hexdigest()},
+                     "listing_sha256": fingerprint.hexdigest(),
+                     **({"features": [image_feature, label_feature], "classes": labelling.classes} if tfds else {})},
         listings={split: listing_digest(e) for split, e in entries.items()},
         skipped=listing.skipped, found=sum(len(v) for v in splits.values()) + len(listing.skipped),
-        source_bytes=source_bytes, extra=extra,
+        warnings=warnings, source_bytes=source_bytes, extra=extra,
     )
-    return plan, listing.inflated
 
 
 def convert_tfrecord(cfg: TFRecordConfig) -> ShardManifest:
     """Convert the TFRecord file or folder `cfg.src` to shards in `cfg.out`; resumes an interrupted run. The
-    inflated copies of compressed files are removed once the conversion is done (kept for a resume)."""
-    plan, inflated = build_plan(cfg)
-    manifest = convert(plan, cfg, "shard-convert tfrecord")
+    inflated copies of compressed files are removed when the conversion ends, done or failed; stopped by a
+    signal, they are kept for the resume, and the Stopped exception gets a note saying where and how large."""
+    inflated: list[Path] = []
+    try:
+        manifest = convert(build_plan(cfg, inflated), cfg, "shard-convert tfrecord")
+    except Stopped as e:
+        kept = [p for p in inflated if p.is_file()]
+        if kept:
+            size = sum(p.stat().st_size for p in kept)
+            e.add_note(f"the inflated copies of its {len(kept)} compressed files are kept for the resume: "
+                       f"{size / 2**20:.1f} MiB in {kept[0].parent} (removed when the conversion finishes)")
+        raise
+    except BaseException:
+        remove_inflated(inflated)
+        raise
+    remove_inflated(inflated)
+    return manifest
+
+
+def remove_inflated(inflated: list[Path]) -> None:
+    """Remove the inflated copies (with their .problem notes and the temporary file of a copy a killed
+    worker left half-written), and their folder once empty."""
     for path in inflated:
         path.unlink(missing_ok=True)
         path.with_suffix(".problem").unlink(missing_ok=True)
-    if inflated and not any(inflated[0].parent.iterdir()):
+        for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+    if inflated and inflated[0].parent.is_dir() and not any(inflated[0].parent.iterdir()):
         shutil.rmtree(inflated[0].parent, ignore_errors=True)
-    return manifest

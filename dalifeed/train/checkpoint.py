@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from dalifeed.usage import first_line
 from .config import ConfigError
 
 LAST, BEST = "last.pt", "best.pt"
+TIMED = ("images_per_s", "epoch_seconds", "data_wait_share")  # and gpu_*: measured, so never equal twice
 
 
 def rng_state() -> dict:
@@ -68,10 +70,34 @@ def own_gpu_state(saved) -> torch.Tensor | None:
 
 
 def save(path: Path, state: dict) -> None:
-    """torch.save to a temp name, fsync, rename: a kill or power loss mid-write leaves the previous
-    checkpoint intact."""
+    """torch.save of `canonical(state)` to a temp name, fsync, rename: a kill or power loss mid-write leaves
+    the previous checkpoint intact, and a resumed run writes the bytes an uninterrupted one would."""
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
-        torch.save(state, f)  # through a Python file, so a full disk surfaces as OSError (DiskFull)
+        torch.save(canonical(state), f)  # through a Python file, so a full disk surfaces as OSError (DiskFull)
+
+
+def untimed(metrics: dict | None) -> dict | None:
+    """An epoch's metrics without what was timed or read from the GPU (metrics.jsonl keeps those): what a
+    checkpoint holds, so that a resumed run's files are the uninterrupted run's, byte for byte."""
+    if metrics is None:
+        return None
+    return {k: v for k, v in metrics.items() if k not in TIMED and not k.startswith("gpu_")}
+
+
+def canonical(value):
+    """`value` with its plain dicts, lists and tuples rebuilt and every string in them interned. Pickle
+    writes a string it has seen before, as the same object, as a reference: without this, a config value read
+    back from JSON on --resume ("cpu") is written in full where the uninterrupted run's, the very object torch
+    names storage locations with, was a reference, and the files differ (torch.save's serialization_id, a
+    hash of the records, with them). Other objects (tensors, a module's state_dict) are kept as they are."""
+    kind = type(value)
+    if kind is str:
+        return sys.intern(value)
+    if kind is dict:
+        return {canonical(k): canonical(v) for k, v in value.items()}
+    if kind in (list, tuple):
+        return kind(canonical(v) for v in value)
+    return value
 
 
 def size_of(state) -> int:

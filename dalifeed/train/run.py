@@ -139,7 +139,7 @@ class Run:
             "ema": self.ema.state_dict() if self.ema is not None else None,
             "swa": self.swa.state_dict() if self.swa is not None else None, "state": asdict(self.state),
             "rng": checkpoint.rng_state(), "config": self.cfg.to_json(), "classes": self.classes,
-            "metrics": metrics, "world_size": self.dist.world_size, "data": self.data,
+            "metrics": checkpoint.untimed(metrics), "world_size": self.dist.world_size, "data": self.data,
             "data_changed": self.data_changed,
         }
 
