@@ -40,10 +40,10 @@ DEFAULT_HW_DECODER_LOAD = defaults.HW_DECODER_LOAD
 # `host_memory_padding` bytes and returns them to DALI's memory pools, which keep them; nvJPEG then adds the same
 # paddings to every buffer it grows (nvjpegSetDeviceMemoryPadding / nvjpegSetPinnedMemoryPadding). The values
 # DALI's ResNet-50 example used to pass (sized for ImageNet's largest image) reserve hundreds of MiB per thread,
-# tens of GB for a rank with many threads (docs/gpu.md, "Memory per rank"). Its current version passes no
+# tens of GB for a rank with many threads (gpu-evidence.md, "Memory per rank"). Its current version passes no
 # paddings (DALI's defaults). We size them for an image of
 # DECODER_SIZED_FOR_SIDE^2 pixels at the bytes per pixel DALI's numbers imply, at most 64 MiB each: a larger
-# image makes nvJPEG grow that thread's buffer once, which is all a padding saves (docs/gpu.md). No
+# image makes nvJPEG grow that thread's buffer once, which is all a padding saves (docs/development/gpu-evidence.md). No
 # preallocate_width/height_hint: with them the hardware decoder preallocates a whole batch of images that size
 # (nvjpegDecodeBatchedPreAllocate, an amount nvJPEG does not document); without them nvImageCodec still
 # preallocates its pool, which is what its source credits with ">20% for 8GPU training".
@@ -99,7 +99,7 @@ def decoder_hints(device: str, hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD,
     # upsampling is safe for whole images, but nvImageCodec 0.9 (what DALI 2.4 loads) with nvJPEG < 13.2 (all
     # of CUDA 12) then refuses region decodes of 4:2:0 and 4:2:2 JPEGs ("ROI decode with fancy upsampling may
     # produce wrong results ... set enable_roi_fancy_upsampling=1", an option DALI cannot pass) and hands
-    # them to libjpeg-turbo on the CPU: the region decoders keep nvJPEG's upsampling (docs/gpu.md).
+    # them to libjpeg-turbo on the CPU: the region decoders keep nvJPEG's upsampling (docs/development/gpu-evidence.md).
     return dict(hw_decoder_load=hw_decoder_load, device_memory_padding=memory.device_padding,
                 host_memory_padding=memory.host_padding, jpeg_fancy_upsampling=not roi)
 

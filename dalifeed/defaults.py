@@ -6,7 +6,7 @@ DeepLearningExamples' PyTorch ConvNets loader passes its `--workers` as DALI's t
 files read and the values in them; dalifeed's defaults for `mixed` (nvJPEG) decoding follow the most recent
 single-node DGX configuration, DGX-H100 (MLPerf Training v3.1): 6 threads per GPU, a hardware-decoder share
 of 0.99, a prefetch queue of 5. The thread count stays capped by the rank's share of the node's CPUs
-(budget.py), so a small node keeps fewer. docs/gpu.md ("Defaults from NVIDIA's published configurations")
+(budget.py), so a small node keeps fewer. gpu-evidence.md ("Defaults from NVIDIA's published configurations")
 prints the table and tests/test_budget.py holds it to this module; `make gpu-check`'s `hw-decoder` and
 `defaults` steps measure the alternatives on the node at hand and print the best.
 

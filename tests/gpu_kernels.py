@@ -6,7 +6,7 @@ A GPU operator picks its kernel at run time with a `TYPE_SWITCH` over a fixed li
 `fn.erase` takes float16 and its GPU `fn.erase` does not, so an fp16 graph that erased after normalising ran on
 every CPU and failed on the first GPU batch (issue 28). `make gpu-lint` (tests/test_gpu_graphs.py) runs each
 graph's `cpu` twin once, reads the dtype and layout every operator receives, and holds the operators of the
-`gpu` and `hybrid` graphs to this table (docs/gpu.md, "Every GPU kernel gets a dtype it has").
+`gpu` and `hybrid` graphs to this table (docs/development/gpu-evidence.md, "Every GPU kernel gets a dtype it has").
 
 Each row gives the DALI source file and the list the GPU backend switches over (`NVIDIA/DALI`, read through the
 search index; the file's version there is not dated), and tests/test_gpu_graphs.py checks every row that has

@@ -1,4 +1,4 @@
-"""Every GPU graph dalifeed makes, checked on a machine without a GPU (`make gpu-lint`, docs/gpu.md).
+"""Every GPU graph dalifeed makes, checked on a machine without a GPU (`make gpu-lint`, gpu-evidence.md).
 
 How far DALI 2.4 goes without CUDA: a pipeline with `mixed` and `gpu` operators and `device_id=None` can be
 defined and serialized (`Pipeline.serialize()`, the protobuf the C++ backend is handed); only `build()` needs
@@ -39,7 +39,7 @@ from dalifeed.pipelines.serialized import wire_fields, with_reader_arguments, wi
 from gpu_kernels import GPU_KERNELS, input_problem
 
 # Arguments only the mixed decoders get, each a no-op on the CPU backend (its schema doc says it applies only
-# to `mixed`, or makes `mixed` do what `cpu` already does). docs/gpu.md gives the evidence for each.
+# to `mixed`, or makes `mixed` do what `cpu` already does). gpu-evidence.md gives the evidence for each.
 DECODER_HINTS = {
     "hw_decoder_load": "share of JPEGs for the A100/H100 hardware decoder",
     "device_memory_padding": "nvJPEG device buffer padding, preallocated per decoder thread",
@@ -568,14 +568,14 @@ def test_every_mixed_decoder_gets_the_hints(graph, name, device):
         assert op.args["host_memory_padding"] == memory.host_padding, op
         # libjpeg-turbo (the cpu decoder) always upsamples chroma "fancily"; nvJPEG does so on request, except
         # that nvImageCodec 0.9 with nvJPEG < 13.2 then refuses region-of-interest decodes of subsampled JPEGs
-        # and hands them to libjpeg-turbo on the CPU (docs/gpu.md): the ROI decoders keep nvJPEG's upsampling.
+        # and hands them to libjpeg-turbo on the CPU (gpu-evidence.md): the ROI decoders keep nvJPEG's upsampling.
         assert op.args["jpeg_fancy_upsampling"] is (op.schema not in ROI_DECODERS), op
 
 
 
 @pytest.mark.parametrize("name,device", MIXED)
 def test_every_mixed_decoder_keeps_dalis_affine_threads(graph, name, device):
-    """docs/gpu.md (DALI's CPU affinity): the mixed decoders' own threads are pinned by DALI's default
+    """gpu-evidence.md (DALI's CPU affinity): the mixed decoders' own threads are pinned by DALI's default
     `affine=True` (image_decoder.h builds its ThreadPool with it; the pool pins each thread to NVML's CPUs of
     the GPU's socket, ANDed with the thread's own mask), and no dalifeed graph sets `affine`."""
     for schema_name in ("decoders__Image", "decoders__ImageRandomCrop", "decoders__ImageSlice"):
@@ -609,9 +609,9 @@ def installed_nvjpeg_version(cuda_major: int) -> tuple[int, int, int] | None:
 
 def test_region_decoders_keep_nvjpegs_upsampling_while_nvjpeg_refuses_them_fancy():
     """nvImageCodec 0.9 refuses a region decode of a 4:2:0 JPEG with fancy upsampling unless nvJPEG is 13.2 or
-    later (docs/gpu.md), so decoder_hints leaves it off for image_random_crop and image_slice. The CUDA 12 stack's
+    later (gpu-evidence.md), so decoder_hints leaves it off for image_random_crop and image_slice. The CUDA 12 stack's
     nvJPEG (12.x) always refuses; the CUDA 13 stack's (nvidia-nvjpeg 13.3) would take them, but one graph serves
-    both stacks, so they stay off there too (docs/gpu.md). Fails when nvImageCodec leaves 0.9, whose binary the
+    both stacks, so they stay off there too (gpu-evidence.md). Fails when nvImageCodec leaves 0.9, whose binary the
     rule was read from."""
     from dalifeed.stack import probe
 

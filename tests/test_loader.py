@@ -155,7 +155,7 @@ def test_a_consumer_that_stops_mid_epoch_frees_the_pipeline_and_keeps_its_place(
 
 
 def test_a_one_lane_training_loader_starts_its_next_epoch_before_this_one_ends(unique_shards):
-    """So the next epoch's first batch is ready when it begins (docs/gpu.md, "A pipeline per epoch"): the
+    """So the next epoch's first batch is ready when it begins (gpu-evidence.md, "A pipeline per epoch"): the
     started pipeline is epoch 1's, and what it yields is epoch 1 exactly as a fresh loader's set_epoch(1)."""
     def loader():
         return make_loader(unique_shards, "train", 4, augment=AugmentConfig(image_size=16), seed=5, device="cpu",

@@ -17,7 +17,7 @@ from dalifeed.decode import decoder_memory
 def decoder_budget(cores: int | None = None, gpus: int | None = None, environ=os.environ) -> dict:
     """What each `mixed` decoder of a dali-train rank on this node reserves when built, at dali-train's default
     DALI threads per pipeline for one rank per visible GPU (`torchrun --nproc-per-node gpu`; budget.py), not
-    at --workers: decode.decoder_memory (docs/gpu.md), its paddings per thread and the GPU and pinned host
+    at --workers: decode.decoder_memory (gpu-evidence.md), its paddings per thread and the GPU and pinned host
     memory they add up to. `cores` and `gpus` default to this process's (usable_cores, torch)."""
 
     gpus = torch.cuda.device_count() if gpus is None else gpus

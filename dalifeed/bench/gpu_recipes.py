@@ -12,7 +12,7 @@ hands out (float32 and float16, NCHW and NHWC; detection has one, float32 CHW). 
   the same samples get the same crops, flips, policy operations and erased boxes: labels must be equal and
   the images within MATCH_TOLERANCE (GPU kernels round differently from CPU ones, no more). The `gpu`
   loader's own first batch is also compared and reported, not judged: nvJPEG and libjpeg-turbo decode
-  differently (docs/gpu.md, chroma upsampling).
+  differently (docs/development/gpu-evidence.md, chroma upsampling).
 
 Without a GPU (`--allow-cpu`) every case runs on the CPU and is compared with a second CPU loader of the same
 seed (the same batch twice: that the case is reproducible), which is how tests/test_gpu_check.py runs it.

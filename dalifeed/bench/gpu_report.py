@@ -101,8 +101,9 @@ def defaults_section(found: dict) -> list[str]:
             *markdown_table(["DALI threads", "prefetch queue", "images/s"], rows), "",
             f"Best here: {best['threads']} threads, prefetch queue {best['prefetch_queue_depth']}; dalifeed's default "
             f"here: {default['threads']} threads, prefetch queue {default['prefetch_queue_depth']} "
-            f"(hw_decoder_load {found['hw_decoder_load']:g}; docs/gpu.md, \"Defaults from NVIDIA's published "
-            f"configurations\"). `dali-train --dali-threads N` and `make_loader(prefetch_queue_depth=...)` set them."]
+            f"(hw_decoder_load {found['hw_decoder_load']:g}; docs/development/gpu-evidence.md, \"Defaults "
+            f"from NVIDIA's published configurations\"). `dali-train --dali-threads N` and "
+            f"`make_loader(prefetch_queue_depth=...)` set them."]
 
 
 def train_section(train: dict) -> list[str]:
