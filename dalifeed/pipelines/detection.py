@@ -46,15 +46,33 @@ DETECTION_OUTPUTS = ("images", "boxes", "labels", "counts", "ids", "sizes")
 
 @dataclass(frozen=True)
 class DetectionConfig:
-    """Output size: `size` (square, like SSD; 512 when neither is given), or `min_size`/`max_size` (shorter side
-    to min_size, longer side at most max_size, aspect kept, like torchvision's GeneralizedRCNNTransform)."""
+    """What the detection graph does to an image and its boxes: a square output (`size`, like SSD) or the
+    shorter side resized with the aspect kept (`min_size`/`max_size`, like torchvision's
+    GeneralizedRCNNTransform); one of the two.
+
+    Attributes:
+        size: The side in px of the square output, at least 8; None with `min_size` given (neither given:
+            512). Default None.
+        min_size: Resize the shorter side to this many px, aspect kept; None: `size` is used. Default None.
+        max_size: With `min_size`: the longer side at most this many px (the shorter then ends below
+            `min_size`); None: no bound. Default None.
+        crop: Training: a random crop that keeps boxes (SSD's), before the resize. Default True.
+        flip: Training: a random horizontal flip of image and boxes. Default True.
+        include_crowd: Also hand out COCO's `iscrowd` regions as targets; they are not instances, so they are
+            left out by default. Default False.
+        mean: Per-channel (R, G, B) mean subtracted after scaling pixels to [0, 1]. Default ImageNet's.
+        std: Per-channel (R, G, B) standard deviation divided by after the mean. Default ImageNet's.
+
+    Raises:
+        ValueError: Both or neither of `size` and `min_size`, or a size out of range.
+    """
 
     size: int | None = None
     min_size: int | None = None
     max_size: int | None = None
     crop: bool = True
     flip: bool = True
-    include_crowd: bool = False  # crowd regions are not instances: left out of training targets by default
+    include_crowd: bool = False
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
 
