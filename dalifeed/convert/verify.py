@@ -13,6 +13,7 @@ import io
 import json
 import struct
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +61,8 @@ class VerifyReport:
         return not self.problems
 
 
-def verify_shards(root: Path, decode: bool = False, on_shard=lambda: None) -> VerifyReport:
+def verify_shards(root: str | Path, decode: bool = False,
+                  on_shard: Callable[[], object] = lambda: None) -> VerifyReport:
     """Check a shard folder against its manifest, reading every byte, as `shard-convert verify` does.
 
     Sizes, SHA-256, tar structure, sample counts, DALI indexes, labels and each image's JPEG header are

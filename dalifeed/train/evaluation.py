@@ -4,6 +4,8 @@ and `evaluate_multilabel` (loss, mAP). `autocast` is the one mixed-precision swi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -44,8 +46,8 @@ def autocast(dist: Dist, dtype: torch.dtype | None):
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device: torch.device | str | Dist, dtype: torch.dtype | None = None,
-             num_classes: int = 1000) -> dict:
+def evaluate(model: torch.nn.Module, loader: Iterable, device: torch.device | str | Dist,
+             dtype: torch.dtype | None = None, num_classes: int = 1000) -> dict:
     """Loss, top-1 and top-5 accuracy of `model` over exactly the whole split `loader` reads.
 
     Every rank counts its own samples and the sums are all-reduced over the process group when one is
