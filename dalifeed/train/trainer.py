@@ -82,11 +82,11 @@ def main(cfg: TrainConfig, resume: str | os.PathLike | dict | None = None) -> Tr
 
     Args:
         cfg: The run's options.
-        resume: None starts a new run in `cfg.out`. `"auto"` continues the run `cfg.out` holds, from its
-            last.pt, if every option but those a resume may change (epochs, workers, profile, compile,
-            checkpoint_every, check_shards, progress_every, tensorboard_every, cache_dir, cache_limit,
-            log_samples, allow_data_change) is the same, and starts one when it holds none
-            (`dali-train --resume auto`). A run folder continues that run with its saved config, `cfg`'s
+        resume: None starts a new run in `cfg.out` (give a new or empty folder). `"auto"` continues the
+            run `cfg.out` holds, from its last.pt, if every option but those a resume may change (epochs,
+            workers, profile, compile, checkpoint_every, check_shards, progress_every, tensorboard_every,
+            cache_dir, cache_limit, log_samples, allow_data_change) is the same, and starts one when it holds
+            none (`dali-train --resume auto`). A run folder continues that run with its saved config, `cfg`'s
             values ignored (`dali-train --resume RUN`). A dict is a checkpoint already loaded (what the
             command line passes). Default None.
 
