@@ -89,34 +89,64 @@ class ManifestError(Exception):
 
 @dataclass
 class ShardInfo:
-    path: str  # relative to the manifest's folder
-    index: str  # DALI .idx, relative to the manifest's folder
+    """One shard (a tar) as the manifest lists it.
+
+    Attributes:
+        path: The tar's path, relative to the shard folder (or to the folder the manifest's `tars` names).
+        index: Its DALI index (.idx) file, relative to the shard folder.
+        samples: The samples in the tar.
+        bytes: The tar's size in bytes.
+        sha256: The tar's SHA-256, hex.
+        index_sha256: The index file's SHA-256, hex; None in manifests written before it was recorded.
+            Default None.
+    """
+
+    path: str
+    index: str
     samples: int
     bytes: int
     sha256: str
-    index_sha256: str | None = None  # of the .idx; absent in manifests written before it was added
+    index_sha256: str | None = None
 
     @classmethod
     def from_json(cls, doc: dict) -> ShardInfo:
-        """Keys this version does not know (added by a later one) are ignored, not refused."""
+        """The shard a manifest's JSON entry describes; keys a later version added are ignored, not refused.
+
+        Args:
+            doc: One entry of a split's `shards` list in manifest.json.
+        """
         return cls(**{k: v for k, v in doc.items() if k in _SHARD_FIELDS})
 
 
 @dataclass
 class SplitInfo:
+    """One split (train, val, ...) of a shard folder.
+
+    Attributes:
+        shards: Its shards, in order. Default empty.
+        class_counts: The samples holding each class, by class index; None where the converter did not count
+            them. Default None.
+        listing: A digest of the source files the split was made from (their number, total bytes and the
+            SHA-256 of their sorted paths and sizes), so a reader can check it holds the same files as an
+            ImageFolder tree; None where not recorded. Default None.
+    """
+
     shards: list[ShardInfo] = field(default_factory=list)
-    class_counts: list[int] | None = None  # samples holding each class, by class index
-    listing: dict | None = None  # files/bytes/sha256 of the source files it was made from (`listing_digest`)
+    class_counts: list[int] | None = None
+    listing: dict | None = None
 
     @property
     def samples(self) -> int:
+        """The samples in the split, all shards."""
         return sum(s.samples for s in self.shards)
 
     @property
     def bytes(self) -> int:
+        """The split's shards' total size in bytes."""
         return sum(s.bytes for s in self.shards)
 
     def to_json(self) -> dict:
+        """The split as manifest.json holds it."""
         doc = {"samples": self.samples, "bytes": self.bytes}
         if self.class_counts is not None:
             doc["class_counts"] = self.class_counts
@@ -127,9 +157,30 @@ class SplitInfo:
 
 @dataclass
 class ShardManifest:
-    """What a shard folder holds. `ShardManifest.load(folder)` reads a local one;
-    `shardfolder.open_shard_folder(location)`, which every command and loader uses, a local one or one in a
-    store."""
+    """What a shard folder holds: its manifest.json, written last by a conversion. `open_shard_folder` opens
+    one, local or in a store; `ShardManifest.load` reads a local one.
+
+    Attributes:
+        root: The folder holding manifest.json and the DALI indexes (for a folder in a store: its local cache
+            folder).
+        kind: What the shards were made from: `"imagefolder"`, `"coco"`, `"tfrecord"`, or `"webdataset"`
+            (tars made elsewhere and adopted by `shard-convert index`).
+        source: The source the conversion read (a path, as given to the converter).
+        options: The conversion's options that decide the output bytes.
+        classes: The class names; a sample's label is an index into it.
+        splits: Split name -> its shards.
+        skipped: The source entries left out, each `{"path", "reason"}`. Default empty.
+        reencoded: `{"count", "by_reason"}`: the images re-encoded to JPEG, and why. Default none.
+        found: The source entries the conversion found, skipped ones included. Default 0.
+        warnings: Lines the conversion warned with (e.g. an empty class). Default empty.
+        extra: Converter-specific fields (COCO's categories, an adopted folder's label rules). Default empty.
+        summary: The `ConvertSummary` a converter attaches to the manifest it returns; None when read from a
+            folder. Default None.
+        url: `s3://bucket/prefix` when the shards live in object storage: `root` then holds the cached
+            manifest and indexes, and the tars are read from the store; None for a local folder. Default None.
+        tar_root: The folder the tars are in when it is not `root` (`shard-convert index --index-dir` writes
+            indexes and manifest apart from tars in a read-only folder); None: `root`. Default None.
+    """
 
     root: Path
     kind: str
@@ -141,13 +192,9 @@ class ShardManifest:
     reencoded: dict = field(default_factory=lambda: {"count": 0, "by_reason": {}})
     found: int = 0
     warnings: list[str] = field(default_factory=list)
-    extra: dict = field(default_factory=dict)  # converter-specific fields (COCO categories, ...)
-    summary: object | None = field(default=None, repr=False, compare=False)  # set by a converter run
-    # s3://bucket/prefix when the shards live in object storage (dalifeed.shardfolder): `root` then holds the
-    # cached manifest and indexes, and the tars are read from the store
+    extra: dict = field(default_factory=dict)
+    summary: object | None = field(default=None, repr=False, compare=False)
     url: str | None = field(default=None, repr=False, compare=False)
-    # The folder the tars are in when it is not the manifest's (the manifest's `tars`, an absolute path):
-    # `shard-convert index --index-dir` writes the indexes and manifest apart from tars in a read-only folder
     tar_root: Path | None = None
 
     @property
@@ -156,7 +203,11 @@ class ShardManifest:
         return self.url or str(self.root)
 
     def shard_location(self, shard: ShardInfo) -> str:
-        """Where DALI reads a tar from: an s3:// URL or a local path. The one place a tar's path is made."""
+        """Where DALI reads a tar from: an `s3://` URL or a local path.
+
+        Args:
+            shard: One of the manifest's shards.
+        """
         return f"{self.url}/{shard.path}" if self.url else str((self.tar_root or self.root) / shard.path)
 
     @property
@@ -167,7 +218,11 @@ class ShardManifest:
 
     def index_command(self, decode: bool = False) -> str | None:
         """For shards `shard-convert index` adopted, the command that indexes them again with the options
-        they were indexed with (with `decode`, adding --decode); None for dalifeed's own."""
+        they were indexed with; None for shards dalifeed wrote.
+
+        Args:
+            decode: Add `--decode` (decode every image while indexing). Default False.
+        """
         if self.kind != "webdataset":
             return None
         opts = self.options
@@ -188,19 +243,45 @@ class ShardManifest:
 
     @property
     def num_classes(self) -> int:
+        """The number of classes."""
         return len(self.classes)
 
     def num_samples(self, split: str) -> int:
+        """The samples in a split.
+
+        Args:
+            split: The split's name.
+
+        Raises:
+            ManifestError: The folder has no such split.
+        """
         return self.split_info(split).samples
 
     def shard_paths(self, split: str) -> list[Path]:
-        """The local paths of a split's tars (of a folder on disk)."""
+        """The local paths of a split's tars (of a folder on disk).
+
+        Args:
+            split: The split's name.
+        """
         return [Path(self.shard_location(s)) for s in self.split_info(split).shards]
 
     def index_paths(self, split: str) -> list[Path]:
+        """The local paths of a split's DALI index files, in the order of its tars.
+
+        Args:
+            split: The split's name.
+        """
         return [self.root / s.index for s in self.split_info(split).shards]
 
     def split_info(self, split: str) -> SplitInfo:
+        """A split's shards and counts.
+
+        Args:
+            split: The split's name.
+
+        Raises:
+            ManifestError: The folder has no such split (the message lists those it has).
+        """
         if split not in self.splits:
             raise ManifestError(
                 f"{self.root / MANIFEST_NAME}: no split {split!r} (has: {', '.join(sorted(self.splits)) or 'none'})"
@@ -208,6 +289,7 @@ class ShardManifest:
         return self.splits[split]
 
     def to_json(self) -> dict:
+        """The manifest as manifest.json holds it."""
         return {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -225,6 +307,8 @@ class ShardManifest:
         }
 
     def save(self) -> Path:
+        """Write manifest.json into `root` atomically (a reader sees the old file or the new one) and return
+        its path."""
         path = self.root / MANIFEST_NAME
         write_json_atomic(path, self.to_json())
         return path
@@ -243,6 +327,15 @@ class ShardManifest:
 
     @classmethod
     def load(cls, root: str | os.PathLike) -> ShardManifest:
+        """Read the manifest of a local shard folder (`open_shard_folder` also opens one in a store).
+
+        Args:
+            root: The shard folder.
+
+        Raises:
+            ManifestError: No such folder, no manifest.json (or a conversion that never finished), a manifest
+                that does not parse, or one naming files outside its folder.
+        """
         root = Path(root)
         path = root / MANIFEST_NAME
         if not root.is_dir():
@@ -259,9 +352,20 @@ class ShardManifest:
 
     @classmethod
     def from_json(cls, root: str | os.PathLike, doc: dict, where: str | None = None) -> ShardManifest:
-        """The manifest `doc` of the folder `root` (`where`: how messages name it, e.g. its s3:// URL). Every
-        shard and index path it names is refused, in one line, unless it is relative and without `..`: a
-        folder someone else made decides which files dalifeed reads, and only those inside it."""
+        """The manifest a parsed manifest.json describes. Every shard and index path it names must be
+        relative and without `..`: a folder someone else made decides which files dalifeed reads, and only
+        those inside it.
+
+        Args:
+            root: The folder the manifest belongs to.
+            doc: The parsed manifest.json.
+            where: How messages name the manifest (e.g. its `s3://` URL); None: its path in `root`.
+                Default None.
+
+        Raises:
+            ManifestError: Not a dalifeed manifest, another format version, malformed, or a path leaving the
+                folder.
+        """
         root = Path(root)
         path = where or root / MANIFEST_NAME
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:

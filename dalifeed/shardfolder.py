@@ -39,10 +39,30 @@ from .format import (
 
 
 def open_shard_folder(location: str | os.PathLike | ShardManifest) -> ShardManifest:
-    """The manifest of the shard folder at `location`: a local path, or s3://bucket/prefix (then with `url`
-    set and `root` its cache folder); a manifest already opened is itself (a command that opened its data
-    passes it on). ManifestError if there is no finished shard folder there, StorageError if the store
-    cannot be used (credentials, bucket, network)."""
+    """The manifest of a shard folder, on disk or in object storage: how every command and loader opens one.
+
+    A folder in a store is fetched: its manifest on every call (one small GET), its DALI indexes once each,
+    into the local cache (`$DALIFEED_CACHE`, else `$XDG_CACHE_HOME/dalifeed`, else ~/.cache/dalifeed); the
+    tars stay in the store, where DALI reads them.
+
+    Args:
+        location: A local folder, `s3://bucket/prefix`, or a manifest already opened (returned as it is).
+
+    Returns:
+        The checked manifest; for a store, with `url` set and `root` its cache folder.
+
+    Raises:
+        ManifestError: No finished shard folder at `location` (no manifest, or one that does not parse).
+        StorageError: The store cannot be used (credentials, bucket, network).
+
+    Example:
+        ```python
+        from dalifeed.shardfolder import open_shard_folder
+
+        manifest = open_shard_folder("s3://bucket/imagenet-shards")
+        print(manifest.kind, manifest.num_samples("train"), len(manifest.classes))
+        ```
+    """
     if isinstance(location, ShardManifest):
         return location
     return _fetch_manifest(str(location)) if s3.is_s3_url(location) else ShardManifest.load(location)

@@ -28,7 +28,8 @@ def test_a_packages_lent_names_are_imported_for_type_checkers_from_the_same_modu
                     for alias in stmt.names:
                         checked[alias.asname or alias.name] = where
     assert checked == module._WHERE
-    assert len(module.__all__) <= (12 if package == "dalifeed.pipelines" else len(module._WHERE))
+    # pipelines' lobby stays small: its twelve names and the two loader types make_loader returns for mixed data
+    assert len(module.__all__) <= (14 if package == "dalifeed.pipelines" else len(module._WHERE))
 
 
 LIBRARY = ("format.py", "shardfolder.py", "decode.py", "budget.py", "defaults.py", "s3.py", "runtime.py", "usage.py",

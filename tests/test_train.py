@@ -19,13 +19,21 @@ from click.testing import CliRunner
 
 from dalifeed.convert import ConvertConfig, convert_imagefolder
 from dalifeed.pipelines import AugmentConfig, make_loader
-from dalifeed.train import TrainConfig, checkpoint, train_one_epoch
+from dalifeed.train import TrainConfig, checkpoint
 from dalifeed.train import main as train
 from dalifeed.train.cli import main as train_cli
 from dalifeed.train.distributed import Dist
 from dalifeed.train.models import build_model
 from dalifeed.train.run import Run, RunLog, epoch_score
-from dalifeed.train.trainer import amp_dtype, build_optimizer, make_model, param_groups, skips_on_device, warmup_cosine
+from dalifeed.train.trainer import (
+    amp_dtype,
+    build_optimizer,
+    make_model,
+    param_groups,
+    skips_on_device,
+    train_one_epoch,
+    warmup_cosine,
+)
 from fast_recipe import fast_args, fast_config
 from helpers import write_imagefolder
 
@@ -574,3 +582,27 @@ def test_lanes_are_an_option_the_run_records_and_says(shards, tmp_path):
     assert recorded["lanes"] == 2 and recorded["loaders"]["train"]["lanes"] == 2
     default = CliRunner().invoke(train_cli, [*fast_cli_args(shards, 1), "--out", str(tmp_path / "default")])
     assert default.exit_code == 0 and "lanes of" not in default.output, default.output
+
+
+def test_main_resume_auto_continues_the_run_its_folder_holds(shards, tmp_path):
+    """`main(cfg, resume="auto")` is `dali-train --resume auto` from Python: a folder without last.pt starts the
+    run, one with it continues the run (here with more epochs, an option a resume may change)."""
+    run = tmp_path / "run"
+    train(fast_config(shards, run, epochs=1), resume="auto")
+    train(fast_config(shards, run, epochs=2), resume="auto")
+    assert [r["epoch"] for r in metrics(run)] == [0, 1]
+
+
+def test_evaluate_takes_a_plain_device_and_counts_every_sample():
+    """`evaluate` from a loop of one's own: a device instead of dali-train's process record, any iterable of
+    batches; the figures checked against a hand count."""
+    from dalifeed.train import evaluate
+
+    logits = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0], [0.0, 1.0, 2.0], [2.0, 0.0, 1.0], [1.0, 0.0, 3.0]])
+    labels = torch.tensor([0, 2, 2, 1, 2])
+    model = torch.nn.Identity()
+    batches = [(logits[:2], labels[:2]), (logits[2:], labels[2:])]  # 5 samples: a short last batch
+    got = evaluate(model, batches, "cpu", num_classes=3)
+    expected_loss = torch.nn.functional.cross_entropy(logits, labels).item()
+    assert got["val_samples"] == 5 and got["top1"] == pytest.approx(3 / 5) and got["top5"] == 1.0
+    assert got["val_loss"] == pytest.approx(expected_loss)

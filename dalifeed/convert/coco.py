@@ -60,9 +60,63 @@ SWAPPING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that exchange width an
 
 @dataclass(kw_only=True)
 class CocoConfig(ShardOptions):
-    images: list[Path]  # one image folder per split
-    annotations: list[Path]  # one instances file per split
-    split: list[str] = field(default_factory=list)  # split names; default: the file's stem without "instances_"
+    """The options of `shard-convert coco`: COCO splits (an image folder and its instances file each) and
+    where their shards go. Keyword arguments only.
+
+    Each image becomes one sample: the image, its record and annotations as JSON, its boxes (x0, y0, x1, y1
+    relative to the image) and their category indices.
+
+    Example:
+        ```python
+        from dalifeed.convert import CocoConfig, convert_coco
+
+        if __name__ == "__main__":  # the conversion's workers start by importing this script
+            cfg = CocoConfig(images=["coco/train2017", "coco/val2017"], out="/data/coco-shards",
+                             annotations=["coco/annotations/instances_train2017.json",
+                                          "coco/annotations/instances_val2017.json"])
+            convert_coco(cfg)
+        ```
+
+    Attributes:
+        images: One image folder per split, in the order of `annotations`.
+        annotations: One COCO instances file per split.
+        split: The splits' names, one per instances file; empty: each file's name without `instances_` and
+            `.json` (instances_val2017.json: `val2017`). Default empty.
+        skip_empty: Leave out images without annotations (listed in the manifest's `skipped`); False keeps
+            them, since detectors learn from background images too. Default False.
+        out: Where the shards go: a local folder, or `s3://bucket/prefix` (written in a local staging folder
+            and uploaded from it).
+        seed: Seeds the split and the write-time shuffle: shards are written globally shuffled, since DALI
+            shuffles only inside a buffer. Default 0.
+        max_shard_bytes: Start a new shard before one would exceed this many bytes; None: 256 MiB
+            (`256 * 2**20`), unless `samples_per_shard` alone is given. With both, a shard ends at whichever it
+            reaches first. Default None.
+        samples_per_shard: At most this many samples per shard; None: no count limit. Default None.
+        jpeg_quality: JPEG quality, 1 to 100, of the images that must be re-encoded (not JPEG, a JPEG encoding
+            not every decoder reads alike, EXIF-rotated, or shrunk by `max_side`); 8-bit RGB and greyscale
+            JPEGs pass through byte for byte. Default 95.
+        max_side: Re-encode images whose long side exceeds this many px down to it; None: keep sizes.
+            Default None.
+        max_pixels: Skip images with more pixels than this, before decoding them (a decompression bomb).
+            Default 300,000,000.
+        workers: Worker processes that decode-check and encode; the output bytes do not depend on it.
+            Default: the CPUs this process may use (affinity, cgroup quota, `SLURM_CPUS_PER_TASK`).
+        on_error: `"skip"`: list undecodable, non-image and unreadable files in the manifest's `skipped` with
+            the reason; `"fail"`: stop at the first one. Default `"skip"`.
+        overwrite: Replace an `out` that was made from other input or options. Default False.
+        progress: Show a progress bar. Default True.
+        num_jobs: Split the conversion into this many independent jobs (a Slurm array, a Kubernetes indexed
+            Job), each converting its part; the last to finish writes manifest.json. Default 1.
+        job_index: Which part this run converts, 0 to `num_jobs - 1`. Default 0.
+        staging: With an `s3://` `out`: the local folder shards are written to and uploaded from; None: a
+            folder in `$TMPDIR` named after `out`, removed when done. Default None.
+        lease_stale_s: With an `s3://` `out`: seconds after which another run's lease on it, not renewed, is
+            taken over. Default 60.
+    """
+
+    images: list[Path]
+    annotations: list[Path]
+    split: list[str] = field(default_factory=list)
     skip_empty: bool = False
 
     def __post_init__(self) -> None:
@@ -72,6 +126,7 @@ class CocoConfig(ShardOptions):
         self.split = list(self.split) or [split_name(p) for p in self.annotations]
 
     def validate(self) -> None:
+        """Check every option up front, naming the bad value (`UsageError`)."""
         self.validate_shard_options()
         if not self.annotations:
             raise UsageError("give at least one --images DIR --annotations FILE pair")
@@ -99,6 +154,7 @@ class CocoConfig(ShardOptions):
                                  else f"{path}: instances file does not exist")
 
     def output_options(self) -> dict:
+        """The options that decide the output bytes (workers, progress and the job index do not)."""
         return {"skip_empty": self.skip_empty, **self.shard_options()}
 
 
@@ -308,7 +364,35 @@ def build_plan(cfg: CocoConfig) -> Plan:
 
 
 def convert_coco(cfg: CocoConfig) -> ShardManifest:
-    """Convert COCO splits to shards in `cfg.out`; resumable like `convert_imagefolder`."""
+    """Convert COCO splits to shards in `cfg.out`, as `shard-convert coco` does.
+
+    An interrupted conversion of the same input and options continues where it stopped; the manifest is
+    written last. Call it under `if __name__ == "__main__":` in a script: the workers start by importing it.
+
+    Args:
+        cfg: The image folders, instances files, output folder and the conversion's options.
+
+    Returns:
+        The written folder's manifest (kind `"coco"`, the categories kept), with `summary` (a
+        `ConvertSummary`) attached.
+
+    Raises:
+        UsageError: An option is out of range, a folder or instances file is missing, or an instances file
+            is not COCO's.
+        ConversionFailed: With `on_error="fail"`, the first image that cannot be read.
+        FolderInUse: Another conversion holds `out`'s lock.
+        DiskFull: The disk filled up; the message says how much more is needed.
+
+    Example:
+        ```python
+        from dalifeed.convert import CocoConfig, convert_coco
+
+        if __name__ == "__main__":
+            manifest = convert_coco(CocoConfig(images=["coco/val2017"], out="/data/coco-val",
+                                               annotations=["coco/annotations/instances_val2017.json"]))
+            print(manifest.summary.samples, "images")
+        ```
+    """
     return convert(build_plan(cfg), cfg, "shard-convert coco")
 
 
@@ -463,13 +547,26 @@ def check_coco_sample(where: str, members: dict[str, bytes], index_of: dict[int,
 
 
 class ExportError(Exception):
-    pass
+    """COCO shards that cannot be exported as asked: one line naming the folder and why."""
 
 
 def export_coco(shards: str | os.PathLike, split: str | None = None) -> dict:
-    """Rebuild the instances file of one split from the shards' json members (plus the categories and other
-    top-level keys the manifest keeps): what pycocotools loads as it loaded the original, minus what the
-    conversion listed as skipped. `shards`: a folder, or s3://bucket/prefix (each tar streamed once)."""
+    """The instances file of one split, rebuilt from COCO shards: what pycocotools loads as it loaded the
+    original, minus the images the conversion listed as skipped.
+
+    Args:
+        shards: A shard folder made by `convert_coco`: a local path or `s3://bucket/prefix` (each tar streamed
+            once).
+        split: The split to export; None: the folder's only split. Default None.
+
+    Returns:
+        The instances document (`images`, `annotations`, `categories` and the other top-level keys the
+        original had), ready for `json.dump`.
+
+    Raises:
+        ExportError: The folder was not made from COCO, or it has several splits and `split` is None.
+        ManifestError: No finished shard folder at `shards`, or it lacks `split`.
+    """
     manifest = open_shard_folder(shards)
     where = manifest.location
     if manifest.kind != "coco":

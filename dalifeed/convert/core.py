@@ -104,16 +104,33 @@ class Plan:
 
 @dataclass
 class ConvertSummary:
+    """What a conversion did, as `shard-convert` prints it: the `summary` attribute of the manifest a
+    converter returns.
+
+    Attributes:
+        samples: Samples in the shards, all splits.
+        shards: Shard files (tars), all splits.
+        bytes: The shards' total size in bytes.
+        skipped: Source entries left out (undecodable, not an image, unreadable), each listed with its reason
+            in the manifest's `skipped`.
+        reencoded: Images re-encoded to JPEG rather than copied byte for byte.
+        seconds: Wall-clock seconds this call took.
+        status: `"fresh"` (converted from the start), `"resume"` (an interrupted conversion continued),
+            `"done"` (the folder already held this conversion: nothing written) or `"job"` (one part of a
+            conversion split into jobs, waiting for the others).
+    """
+
     samples: int
     shards: int
     bytes: int
     skipped: int
     reencoded: int
     seconds: float
-    status: str  # fresh | resume | done | job (a part, waiting for merge)
+    status: str
 
     @property
     def images_per_s(self) -> float:
+        """Samples per second of wall-clock time (0.0 when no time passed)."""
         return self.samples / self.seconds if self.seconds > 0 else 0.0
 
 

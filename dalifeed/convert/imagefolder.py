@@ -38,9 +38,60 @@ TOP_LEVEL = ("auto", "splits", "classes")
 
 @dataclass(kw_only=True)
 class ConvertConfig(ShardOptions):
+    """The options of `shard-convert imagefolder`: an ImageFolder tree (one folder per class, optionally under
+    split folders such as train/ and val/) and where its shards go. Keyword arguments only.
+
+    Example:
+        ```python
+        from dalifeed.convert import ConvertConfig, convert_imagefolder
+
+        if __name__ == "__main__":  # the conversion's workers start by importing this script
+            manifest = convert_imagefolder(ConvertConfig(src="/data/imagenet", out="/data/shards"))
+            print(manifest.num_samples("train"))
+        ```
+
+    Attributes:
+        src: The ImageFolder tree: class folders, or split folders (train, val, validation, test, ...) of
+            class folders.
+        val_fraction: Hold out this fraction, in [0, 1), of every class as split `"val"` (seeded, stratified):
+            of `src`, or with split folders, of train/; not allowed when `src` has a validation folder.
+            Default 0.0.
+        top_level: What the folders at the top of `src` are: `"auto"` (splits when all are named like splits,
+            classes when none is, refused when both are there), `"splits"` (other folders' files are listed as
+            skipped) or `"classes"` (every folder is a class). Default `"auto"`.
+        out: Where the shards go: a local folder, or `s3://bucket/prefix` (written in a local staging folder
+            and uploaded from it).
+        seed: Seeds the split and the write-time shuffle: shards are written globally shuffled, since DALI
+            shuffles only inside a buffer. Default 0.
+        max_shard_bytes: Start a new shard before one would exceed this many bytes; None: 256 MiB
+            (`256 * 2**20`), unless `samples_per_shard` alone is given. With both, a shard ends at whichever it
+            reaches first. Default None.
+        samples_per_shard: At most this many samples per shard; None: no count limit. Default None.
+        jpeg_quality: JPEG quality, 1 to 100, of the images that must be re-encoded (not JPEG, a JPEG encoding
+            not every decoder reads alike, EXIF-rotated, or shrunk by `max_side`); 8-bit RGB and greyscale
+            JPEGs pass through byte for byte. Default 95.
+        max_side: Re-encode images whose long side exceeds this many px down to it; None: keep sizes.
+            Default None.
+        max_pixels: Skip images with more pixels than this, before decoding them (a decompression bomb).
+            Default 300,000,000.
+        workers: Worker processes that decode-check and encode; the output bytes do not depend on it.
+            Default: the CPUs this process may use (affinity, cgroup quota, `SLURM_CPUS_PER_TASK`).
+        on_error: `"skip"`: list undecodable, non-image and unreadable files in the manifest's `skipped` with
+            the reason; `"fail"`: stop at the first one. Default `"skip"`.
+        overwrite: Replace an `out` that was made from other input or options. Default False.
+        progress: Show a progress bar. Default True.
+        num_jobs: Split the conversion into this many independent jobs (a Slurm array, a Kubernetes indexed
+            Job), each converting its part; the last to finish writes manifest.json. Default 1.
+        job_index: Which part this run converts, 0 to `num_jobs - 1`. Default 0.
+        staging: With an `s3://` `out`: the local folder shards are written to and uploaded from; None: a
+            folder in `$TMPDIR` named after `out`, removed when done. Default None.
+        lease_stale_s: With an `s3://` `out`: seconds after which another run's lease on it, not renewed, is
+            taken over. Default 60.
+    """
+
     src: Path
     val_fraction: float = 0.0
-    top_level: str = "auto"  # what SRC's top-level folders are: auto (decided by their names), splits, classes
+    top_level: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -364,10 +415,34 @@ def encode_item(item: Item, src: str, quality: int, max_side: int | None, max_pi
 
 
 def convert_imagefolder(cfg: ConvertConfig) -> ShardManifest:
-    """Convert `cfg.src` to shards in `cfg.out` (written in `cfg.folder`: OUT, or an s3:// OUT's staging folder);
-    resumes an interrupted run. Returns the manifest, with `summary` (a ConvertSummary) attached for the CLI.
-    Holds OUT's lock throughout (FolderInUse if another run does); a full disk raises DiskFull saying how
-    much more is needed."""
+    """Convert the ImageFolder tree `cfg.src` to shards in `cfg.out`, as `shard-convert imagefolder` does.
+
+    An interrupted conversion of the same input and options continues where it stopped; the manifest is
+    written last, so a folder without one is never read as finished. `cfg.out`'s lock is held throughout.
+    Call it under `if __name__ == "__main__":` in a script: the workers start by importing it.
+
+    Args:
+        cfg: The tree, the output folder and the conversion's options.
+
+    Returns:
+        The written folder's manifest, with `summary` (a `ConvertSummary`: samples written, skipped, time)
+        attached.
+
+    Raises:
+        UsageError: An option is out of range, `src` is missing, or `out` holds another conversion.
+        ConversionFailed: With `on_error="fail"`, the first file that is not a readable image.
+        FolderInUse: Another conversion holds `out`'s lock.
+        DiskFull: The disk filled up; the message says how much more is needed.
+
+    Example:
+        ```python
+        from dalifeed.convert import ConvertConfig, convert_imagefolder
+
+        if __name__ == "__main__":
+            manifest = convert_imagefolder(ConvertConfig(src="/data/imagenet", out="/data/shards", workers=8))
+            print(manifest.summary.samples, "samples in", manifest.summary.shards, "shards")
+        ```
+    """
     cfg.validate()
     layout = build_layout(cfg)
     fingerprint, listings, total = layout.survey(cfg)

@@ -57,14 +57,76 @@ INDEX_SUFFIXES = (".idx", ".index")  # DALI's tfrecord2idx and similar index fil
 
 @dataclass(kw_only=True)
 class TFRecordConfig(ShardOptions):
+    """The options of `shard-convert tfrecord`: TFRecord files of `tf.train.Example`s in ImageNet's layout
+    (an encoded image, an int64 class label, optionally a synset and a file name per record) and where
+    their shards go. Keyword arguments only. Gzip- or zlib-compressed files are read too.
+
+    Example:
+        ```python
+        from dalifeed.convert import TFRecordConfig, convert_tfrecord
+
+        if __name__ == "__main__":  # the conversion's workers start by importing this script
+            convert_tfrecord(TFRecordConfig(src="/data/imagenet-tfrecords", out="/data/shards", label_offset=-1))
+        ```
+
+    Attributes:
+        src: A TFRecord file, or a folder of them.
+        split: Put every file into this split; None: the split each file's name says (TensorFlow Datasets'
+            `<dataset>-<split>.tfrecord-NNNNN-of-NNNNN`: the split after the dataset's name; else `train-*`:
+            train, `validation-*`, `val-*`, `valid-*`: val, `test-*`: test; files of other names are listed as
+            skipped). Refused when the files' names say two splits. Default None.
+        label_offset: Without synsets: added to every label (-1 for ImageNet's 1-based labels, where 0 is
+            background). With synsets the labels are the sorted synsets' indices and this, if given, is
+            checked against them (or, with the first class absent, numbers the present classes from 0).
+            Default None.
+        image_feature: The bytes feature holding the encoded image. Default `"image/encoded"`.
+        label_feature: The int64 feature holding the class index. Default `"image/class/label"`.
+        synset_feature: The bytes feature naming the class (e.g. n01440764); where records have it, the
+            classes are the sorted synsets (torchvision ImageFolder's order). `""` ignores it and numbers the
+            classes by the label feature alone. Default `"image/class/synset"`.
+        filename_feature: The bytes feature kept in each sample's JSON as `filename`, to trace it back.
+            Default `"image/filename"`.
+        synsets_file: A text file listing every synset, one a line (its first word, so ImageNet's synsets file
+            or `LOC_synset_mapping.txt`): the classes in the file's order, absent ones too, so an absent class
+            keeps its index; None: the synsets the records hold. Needs `synset_feature`. Default None.
+        out: Where the shards go: a local folder, or `s3://bucket/prefix` (written in a local staging folder
+            and uploaded from it).
+        seed: Seeds the split and the write-time shuffle: shards are written globally shuffled, since DALI
+            shuffles only inside a buffer. Default 0.
+        max_shard_bytes: Start a new shard before one would exceed this many bytes; None: 256 MiB
+            (`256 * 2**20`), unless `samples_per_shard` alone is given. With both, a shard ends at whichever it
+            reaches first. Default None.
+        samples_per_shard: At most this many samples per shard; None: no count limit. Default None.
+        jpeg_quality: JPEG quality, 1 to 100, of the images that must be re-encoded (not JPEG, a JPEG encoding
+            not every decoder reads alike, EXIF-rotated, or shrunk by `max_side`); 8-bit RGB and greyscale
+            JPEGs pass through byte for byte. Default 95.
+        max_side: Re-encode images whose long side exceeds this many px down to it; None: keep sizes.
+            Default None.
+        max_pixels: Skip images with more pixels than this, before decoding them (a decompression bomb).
+            Default 300,000,000.
+        workers: Worker processes that decode-check and encode; the output bytes do not depend on it.
+            Default: the CPUs this process may use (affinity, cgroup quota, `SLURM_CPUS_PER_TASK`).
+        on_error: `"skip"`: list undecodable, non-image and unreadable files in the manifest's `skipped` with
+            the reason; `"fail"`: stop at the first one. Default `"skip"`.
+        overwrite: Replace an `out` that was made from other input or options. Default False.
+        progress: Show a progress bar. Default True.
+        num_jobs: Split the conversion into this many independent jobs (a Slurm array, a Kubernetes indexed
+            Job), each converting its part; the last to finish writes manifest.json. Default 1.
+        job_index: Which part this run converts, 0 to `num_jobs - 1`. Default 0.
+        staging: With an `s3://` `out`: the local folder shards are written to and uploaded from; None: a
+            folder in `$TMPDIR` named after `out`, removed when done. Default None.
+        lease_stale_s: With an `s3://` `out`: seconds after which another run's lease on it, not renewed, is
+            taken over. Default 60.
+    """
+
     src: Path
-    split: str | None = None  # every file into this split, instead of the split its name says
-    label_offset: int | None = None  # without synsets: added to the label feature; with them: checked
+    split: str | None = None
+    label_offset: int | None = None
     image_feature: str = "image/encoded"
     label_feature: str = "image/class/label"
-    synset_feature: str = "image/class/synset"  # "" to number classes by the label feature alone
+    synset_feature: str = "image/class/synset"
     filename_feature: str = "image/filename"
-    synsets_file: Path | None = None  # every synset, one a line (first word): the classes, absent ones too
+    synsets_file: Path | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -72,6 +134,7 @@ class TFRecordConfig(ShardOptions):
         self.synsets_file = Path(self.synsets_file) if self.synsets_file is not None else None
 
     def validate(self) -> None:
+        """Check every option up front, naming the bad value (`UsageError`)."""
         self.validate_shard_options()
         if not self.src.exists():
             raise UsageError(f"{self.src}: source does not exist")
@@ -96,6 +159,7 @@ class TFRecordConfig(ShardOptions):
         return self.src if self.src.is_dir() else self.src.parent
 
     def output_options(self) -> dict:
+        """The options that decide the output bytes (workers, progress and the job index do not)."""
         return {"split": self.split, "label_offset": self.label_offset, "image_feature": self.image_feature,
                 "label_feature": self.label_feature, "synset_feature": self.synset_feature,
                 "filename_feature": self.filename_feature,
@@ -497,9 +561,38 @@ def build_plan(cfg: TFRecordConfig, inflated: list[Path]) -> Plan:
 
 
 def convert_tfrecord(cfg: TFRecordConfig) -> ShardManifest:
-    """Convert the TFRecord file or folder `cfg.src` to shards in `cfg.out`; resumes an interrupted run. The
-    inflated copies of compressed files are removed when the conversion ends, done or failed; stopped by a
-    signal, they are kept for the resume, and the Stopped exception gets a note saying where and how large."""
+    """Convert a TFRecord file or folder to shards in `cfg.out`, as `shard-convert tfrecord` does.
+
+    Every record's framing and both CRCs are checked while listing; the classes are known before the first
+    sample is written. A compressed file is inflated once into `$TMPDIR` and read from there; the copies are
+    removed when the conversion ends (kept for a resume when it is stopped). An interrupted conversion of the
+    same input and options continues where it stopped. Call it under `if __name__ == "__main__":` in a
+    script: the workers start by importing it.
+
+    Args:
+        cfg: The source, the output folder and the conversion's options.
+
+    Returns:
+        The written folder's manifest (kind `"tfrecord"`), with `summary` (a `ConvertSummary`) attached.
+
+    Raises:
+        UsageError: An option is out of range, `src` is missing or holds no TFRecord file named like a split,
+            or `split` would merge files whose names say two splits.
+        ConversionFailed: Labels that disagree with the synsets or `label_offset`, a class no record has, or
+            with `on_error="fail"` the first corrupt record (bad framing or CRC) or image that cannot be read;
+            with `"skip"` those are listed in the manifest's `skipped`.
+        FolderInUse: Another conversion holds `out`'s lock.
+        DiskFull: The disk filled up; the message says how much more is needed.
+
+    Example:
+        ```python
+        from dalifeed.convert import TFRecordConfig, convert_tfrecord
+
+        if __name__ == "__main__":
+            manifest = convert_tfrecord(TFRecordConfig(src="/data/tfrecords", out="/data/shards", label_offset=-1))
+            print(manifest.classes[:3])
+        ```
+    """
     inflated: list[Path] = []
     try:
         manifest = convert(build_plan(cfg, inflated), cfg, "shard-convert tfrecord")

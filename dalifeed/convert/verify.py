@@ -13,6 +13,7 @@ import io
 import json
 import struct
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,18 +43,53 @@ REQUIRED_MEMBERS = IMAGEFOLDER_MEMBERS
 
 @dataclass
 class VerifyReport:
+    """What `verify_shards` found.
+
+    Attributes:
+        problems: Every problem, one line each (`<file>: <what>`); empty when the folder is sound.
+        shards: The shards checked.
+        samples: The samples in them.
+    """
+
     problems: list[str]
     shards: int
     samples: int
 
     @property
     def ok(self) -> bool:
+        """No problem was found."""
         return not self.problems
 
 
-def verify_shards(root: Path, decode: bool = False, on_shard=lambda: None) -> VerifyReport:
-    """Every problem found, one line each (`<file>: <what>`); an empty list means the folder is sound.
-    `root` may be an s3://bucket/prefix URL (its manifest and indexes go to the cache, each tar into memory)."""
+def verify_shards(root: str | Path, decode: bool = False,
+                  on_shard: Callable[[], object] = lambda: None) -> VerifyReport:
+    """Check a shard folder against its manifest, reading every byte, as `shard-convert verify` does.
+
+    Sizes, SHA-256, tar structure, sample counts, DALI indexes, labels and each image's JPEG header are
+    checked; a folder that cannot be opened is one problem, not an exception.
+
+    Args:
+        root: The shard folder: a local path or `s3://bucket/prefix` (its manifest and indexes go to the
+            local cache, each tar is read into memory).
+        decode: Also decode every image, with PIL and with DALI's decoder (nvJPEG on a GPU), to find every
+            sample that would stop a training run; slower. Default False.
+        on_shard: Called with no argument after each shard is checked (e.g. to advance a progress bar).
+            Default: nothing.
+
+    Returns:
+        The problems found and what was checked.
+
+    Raises:
+        ImportError: `decode` where DALI does not import (the message names the install).
+
+    Example:
+        ```python
+        from dalifeed.convert import verify_shards
+
+        report = verify_shards("/data/shards")
+        print("sound" if report.ok else report.problems[0])
+        ```
+    """
     try:
         manifest = open_shard_folder(root)
     except ManifestError as e:

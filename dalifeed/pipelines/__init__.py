@@ -23,6 +23,7 @@ _WHERE = {
     "open_dataset": ".dataset", "ShardData": ".dataset", "DatasetError": ".dataset", "ShardDataError": ".checks",
     "ProgressiveResize": ".resolution", "resolve_device": ".loader",
     "make_detection_loader": ".detection", "DetectionConfig": ".detection",
+    "MixedLoader": ".mixing", "ConcatLoader": ".mixing",
 }
 __all__ = list(_WHERE)
 
@@ -38,6 +39,8 @@ if TYPE_CHECKING:  # what IDEs and type checkers resolve the lent names to (the 
     from .loader import DaliLoader as DaliLoader
     from .loader import LoaderOptions as LoaderOptions
     from .loader import resolve_device as resolve_device
+    from .mixing import ConcatLoader as ConcatLoader
+    from .mixing import MixedLoader as MixedLoader
     from .resolution import ProgressiveResize as ProgressiveResize
 
 

@@ -46,22 +46,61 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 @dataclass(frozen=True)
 class AugmentConfig:
-    """What the graphs do to an image. Defaults are the ImageNet recipe. How the images are decoded and handed
-    out (float16, NHWC, the hardware decoder's share) is the loader's `Output`, not the augmentation's."""
+    """What the training and validation graphs do to each image; the defaults are torchvision's ImageNet
+    recipe. How images are decoded and handed out (dtype, layout, the hardware decoder's share) is the
+    loader's business, not the augmentation's.
+
+    Training: a random resized crop to `image_size`, a random horizontal flip, the `auto_augment` policy,
+    normalisation, random erasing. Validation: the shorter side resized to `val_shorter_side`, a centre crop
+    of `image_size`, normalisation. The values are checked when the config is made.
+
+    Example:
+        ```python
+        from dalifeed.pipelines import AugmentConfig, make_loader
+
+        augment = AugmentConfig(image_size=176, auto_augment="ta_wide", random_erase=0.1)
+        loader = make_loader("/data/shards", "train", 256, augment=augment)
+        ```
+
+    Attributes:
+        image_size: The side in px of the square images handed out (training's crop, validation's centre
+            crop). At least 8. Default 224.
+        crop_scale: RandomResizedCrop's area range (MIN, MAX), fractions of the image's area,
+            0 < MIN <= MAX <= 1. Default (0.08, 1.0).
+        crop_ratio: RandomResizedCrop's aspect-ratio range (width / height). Default (3/4, 4/3).
+        flip: A random horizontal flip in training, with probability 0.5. Default True.
+        val_crop_fraction: Validation's centre crop as a fraction of the resized shorter side: the shorter
+            side is resized to `image_size / val_crop_fraction` (256 for 224) unless `val_resize` says.
+            Default 0.875.
+        val_resize: Validation's shorter side in px before the centre crop, at least `image_size`; None:
+            `image_size / val_crop_fraction`. Default None.
+        mean: Per-channel (R, G, B) mean subtracted after scaling pixels to [0, 1]. Default ImageNet's
+            (0.485, 0.456, 0.406).
+        std: Per-channel (R, G, B) standard deviation divided by after the mean. Default ImageNet's
+            (0.229, 0.224, 0.225).
+        auto_augment: An augmentation policy, torchvision's, run in the DALI graph: `"imagenet"`
+            (AutoAugment), `"ra"` (RandAugment), `"ta_wide"` (TrivialAugmentWide); None: none. Default None.
+        ra_magnitude: RandAugment's magnitude bin of every operation, 0 to 30. Default 9.
+        ra_num_ops: RandAugment's operations per image, at least 1. Default 2.
+        random_erase: The probability, 0 to 1, of erasing a random rectangle (2-33% of the image, aspect ratio
+            0.3 to 3.3) to 0 after normalising, as torchvision's RandomErasing. Default 0.0.
+
+    Raises:
+        ValueError: A value outside its range, named.
+    """
 
     image_size: int = 224
-    crop_scale: tuple[float, float] = (0.08, 1.0)  # RandomResizedCrop(scale=...)
-    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)  # RandomResizedCrop(ratio=...)
+    crop_scale: tuple[float, float] = (0.08, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
     flip: bool = True
-    val_crop_fraction: float = 0.875  # resize the shorter side to image_size / 0.875, then centre crop
-    val_resize: int | None = None  # validation's shorter side before the crop (None: image_size / 0.875)
+    val_crop_fraction: float = 0.875
+    val_resize: int | None = None
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
-    # torchvision's ClassificationPresetTrain options (augment.py); their presets have no colour jitter
-    auto_augment: str | None = None  # None | "imagenet" (AutoAugment) | "ra" (RandAugment) | "ta_wide"
-    ra_magnitude: int = 9  # RandAugment: magnitude bin of every operation (0..30)
-    ra_num_ops: int = 2  # RandAugment: operations per image
-    random_erase: float = 0.0  # RandomErasing probability (scale (0.02, 0.33), ratio (0.3, 3.3), value 0)
+    auto_augment: str | None = None
+    ra_magnitude: int = 9
+    ra_num_ops: int = 2
+    random_erase: float = 0.0
 
     def __post_init__(self) -> None:
         lo, hi = self.crop_scale
@@ -84,7 +123,7 @@ class AugmentConfig:
 
     @property
     def val_shorter_side(self) -> int:
-        """Validation resizes the shorter side to this, then centre crops image_size (torchvision's presets)."""
+        """The side in px validation resizes the shorter side to before its centre crop of `image_size`."""
         if self.val_resize is not None:
             return self.val_resize
         return int(self.image_size / self.val_crop_fraction)

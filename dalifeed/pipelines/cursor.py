@@ -63,6 +63,10 @@ class FollowsCursor:
         return self.cursor.epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """The next iteration yields epoch `epoch` from its start (a loaded state is dropped)."""
+        """Make the next iteration yield an epoch from its start (a loaded state is dropped).
+
+        Args:
+            epoch: The epoch, counted from 0; its order depends on `(seed, epoch)` alone.
+        """
         self.cursor.start(epoch)
         self._restore = None

@@ -54,19 +54,34 @@ class Source:
 
 @dataclass
 class ShardData:
-    """Shard folder(s) opened and checked (`open_dataset`). Answers what a `ShardManifest` answers for one
-    folder (kind, classes, splits, sample counts) for the union of several; `weights` are the mixing
-    proportions (None for one folder)."""
+    """Shard folder(s) opened and checked, as `open_dataset` returns them; `make_loader`,
+    `make_detection_loader`, dali-train and dali-bench take one instead of a path, so nothing opens a manifest
+    twice. Answers what a `ShardManifest` answers for one folder (kind, classes, splits, sample counts) for
+    the union of several.
+
+    Attributes:
+        sources: The folders, one record each: `location` (as given), `manifest` (its `ShardManifest`),
+            `cache` (the node's shard cache for a folder in a store, else None) and `remap` (its class indices
+            in `classes`; None for one folder).
+        classes: The class names, sorted; mixed, the union of the folders' classes.
+        task: What the samples are read as, which decides the graph and targets the loaders build:
+            `"classify"`, `"multilabel"` or `"detection"`. Default `"classify"`.
+        weights: Each folder's share of every batch, as given (not normalised); None for one folder.
+            Default None.
+        check: What is compared with the manifests before a split is first read: `"size"` (sizes and DALI
+            indexes) or `"sha256"` (every byte's hash too). Default `"size"`.
+    """
 
     sources: list[Source]
     classes: list[str]
-    task: str = "classify"  # what its samples are read as (TASKS): which graph and targets the loaders build
+    task: str = "classify"
     weights: list[float] | None = None
-    check: str = "size"  # what is compared with the manifests before a split is read (SHARD_CHECKS)
-    _checked: set = field(default_factory=set, repr=False)
+    check: str = "size"
+    _checked: set = field(default_factory=set, init=False, repr=False)
 
     @property
     def mixed(self) -> bool:
+        """Several folders are mixed."""
         return len(self.sources) > 1
 
     @property
@@ -83,10 +98,12 @@ class ShardData:
 
     @property
     def kind(self) -> str:
+        """What the shards were made from: `"imagefolder"`, `"coco"`, ... as the manifest says; `"mixed"`."""
         return "mixed" if self.mixed else self.sources[0].manifest.kind
 
     @property
     def num_classes(self) -> int:
+        """The number of classes (of the union, mixed)."""
         return len(self.classes)
 
     @property
@@ -97,15 +114,35 @@ class ShardData:
         return {name: first[name] for name in first if name in names}
 
     def num_samples(self, split: str) -> int:
+        """The samples of `split`, every folder's together.
+
+        Args:
+            split: A split every folder has.
+        """
         return sum(s.manifest.num_samples(split) for s in self.sources)
 
     def shares(self, batch_size: int) -> list[int]:
-        """Samples of each source in a batch of `batch_size` (one folder: all of it)."""
+        """Samples of each folder in a batch: the weights' shares, rounded so that they add up to the batch.
+
+        Args:
+            batch_size: Samples in the batch.
+
+        Returns:
+            One count per folder, in the order of `sources` (one folder: `[batch_size]`).
+        """
         return batch_shares(self.weights or [1.0] * len(self.sources), batch_size)
 
     # -- what every command checks, once ---------------------------------------------------------
     def require_split(self, split: str, option: str = "split") -> None:
-        """`split` exists in every folder and holds samples (`option`: how the user named it, in the error)."""
+        """Check that `split` exists in every folder and holds samples.
+
+        Args:
+            split: The split's name.
+            option: How the user named the split, for the error (e.g. `"--val-split"`). Default `"split"`.
+
+        Raises:
+            DatasetError: No such split, or it holds no samples.
+        """
         if split not in self.splits:
             raise DatasetError(f"{option} {split}: {self.described} has no such split (has: "
                                f"{', '.join(self.splits) or 'none'})")
@@ -113,9 +150,18 @@ class ShardData:
             raise DatasetError(f"{option} {split}: that split of {self.described} holds no samples")
 
     def check_batch_fits(self, split: str, batch_size: int, world_size: int = 1, what: str | None = None) -> None:
-        """Every one of `world_size` ranks gets at least one full batch of `batch_size` of `split` (training
-        drops partial batches); mixed, every folder its share of one. `what` names the batch in the error
-        (default "batch BATCH")."""
+        """Check that every rank gets at least one full batch of `split` (training drops partial batches);
+        mixed, every folder its share of one.
+
+        Args:
+            split: The split's name.
+            batch_size: Samples per batch and rank.
+            world_size: The number of ranks sharing the split. Default 1.
+            what: How the error names the batch; None: `"batch BATCH_SIZE"`. Default None.
+
+        Raises:
+            DatasetError: A rank's part of a folder holds fewer samples than its share of a batch.
+        """
         what = what or f"batch {batch_size}"
         for source, share in zip(self.sources, self.shares(batch_size)):
             samples = source.manifest.num_samples(split)
@@ -126,7 +172,15 @@ class ShardData:
                                    f"lower it")
 
     def check_files(self, split: str) -> None:
-        """Refuse, in one line, a split whose files disagree with their manifest (`check`); each split once."""
+        """Check that the files of `split` agree with their manifests (`check`: sizes, or hashes too); each
+        split is checked once.
+
+        Args:
+            split: The split's name.
+
+        Raises:
+            ShardDataError: A shard or index is missing or differs from its manifest (the first named).
+        """
         if split in self._checked:
             return
         for source in self.sources:
@@ -138,12 +192,19 @@ class ShardData:
 
     @property
     def described(self) -> str:
+        """The folders' locations joined by " + ", for messages."""
         return " + ".join(s.location for s in self.sources)
 
     def contents(self, splits: list[str]) -> list[dict]:
-        """What each source holds of `splits`, as a checkpoint records it: its location and, per split, every
-        shard's path, sha256 and its index's sha256 (its manifest's: an index names the positions a mid-epoch
-        checkpoint counts in): a resume compares them with what the folder holds then."""
+        """What each folder holds of `splits`, as a checkpoint records it, for a resume to compare with what
+        the folder holds then.
+
+        Args:
+            splits: The split names; a folder's splits not among them are left out.
+
+        Returns:
+            One dict per folder: its `location` and, per split, every shard's `[path, sha256, index sha256]`.
+        """
         return [{"location": s.location,
                  "splits": {split: [[shard.path, shard.sha256, shard.index_sha256]
                                     for shard in s.manifest.split_info(split).shards]
@@ -154,13 +215,43 @@ class ShardData:
 def open_dataset(data: str | os.PathLike | list, *, task: str = "classify", splits: tuple[str, ...] = (),
                  weights: list[float] | None = None, check: str = "size",
                  cache_dir: str | os.PathLike | None = None, cache_limit: int | str | None = None) -> ShardData:
-    """Open the shard folder `data` (a path or s3://bucket/prefix), or several (a list: mixed in `weights`,
-    default equal), for `task` (classify: ImageFolder shards; multilabel and detection: COCO shards), and
-    check that each of `splits` exists and holds samples. `check` is what the loaders compare with the
-    manifests before reading a split: 'size' (sizes and indexes) or 'sha256' (every byte too). `cache_dir`,
-    `cache_limit` (s3:// folders only): the node's shard cache (dalifeed/pipelines/shardcache.py; limit in bytes or a
-    size as every size flag reads it: '20GB' = 20 * 10**9, '20GiB' = 20 * 2**30).
-    ManifestError when a folder holds no finished shards, DatasetError (a ValueError) for the rest."""
+    """Open one shard folder, or several mixed into every batch, and check them for a task, once.
+
+    The result is what `make_loader` and `make_detection_loader` take instead of a path: the manifests are
+    read and checked here, not again by each loader.
+
+    Args:
+        data: A shard folder (a local path or `s3://bucket/prefix`), or a list of them to mix.
+        task: What the samples are read as: `"classify"` (ImageFolder or TFRecord shards, one class per
+            sample), `"multilabel"` or `"detection"` (COCO shards). Default `"classify"`.
+        splits: Splits that must exist in every folder and hold samples. Default none.
+        weights: With a list `data`: each folder's share of every batch (positive numbers, normalised);
+            None: equal shares. Default None.
+        check: What the loaders compare with the manifests before first reading a split: `"size"` (sizes and
+            DALI indexes) or `"sha256"` (every byte's hash too: a full read). Default `"size"`.
+        cache_dir: `s3://` folders only: the node's shard cache folder, shared by its ranks, where each tar
+            is fetched whole before DALI reads it; None: shards/ in `$DALIFEED_CACHE` or ~/.cache/dalifeed.
+            Default None.
+        cache_limit: `s3://` folders only: the shard cache's bound, in bytes or as a size string (`"20GB"` is
+            20 x `10^9` bytes, `"20GiB"` 20 x `2^30`); tars read earliest are evicted first. None: 90% of the
+            free space. Default None.
+
+    Returns:
+        The folders opened and checked.
+
+    Raises:
+        ManifestError: A location holds no finished shard folder.
+        DatasetError: A bad argument, shards of the wrong kind for `task`, or a split missing or empty (a
+            `ValueError`; `MixError`, a subclass, for folders or weights that cannot be mixed).
+
+    Example:
+        ```python
+        from dalifeed.pipelines import make_loader, open_dataset
+
+        data = open_dataset(["/data/imagenet-shards", "s3://bucket/extra"], weights=[3, 1], splits=("train",))
+        loader = make_loader(data, "train", 256)
+        ```
+    """
     if task not in TASKS:
         raise DatasetError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
     if check not in SHARD_CHECKS:

@@ -46,15 +46,33 @@ DETECTION_OUTPUTS = ("images", "boxes", "labels", "counts", "ids", "sizes")
 
 @dataclass(frozen=True)
 class DetectionConfig:
-    """Output size: `size` (square, like SSD; 512 when neither is given), or `min_size`/`max_size` (shorter side
-    to min_size, longer side at most max_size, aspect kept, like torchvision's GeneralizedRCNNTransform)."""
+    """What the detection graph does to an image and its boxes: a square output (`size`, like SSD) or the
+    shorter side resized with the aspect kept (`min_size`/`max_size`, like torchvision's
+    GeneralizedRCNNTransform); one of the two.
+
+    Attributes:
+        size: The side in px of the square output, at least 8; None with `min_size` given (neither given:
+            512). Default None.
+        min_size: Resize the shorter side to this many px, aspect kept; None: `size` is used. Default None.
+        max_size: With `min_size`: the longer side at most this many px (the shorter then ends below
+            `min_size`); None: no bound. Default None.
+        crop: Training: a random crop that keeps boxes (SSD's), before the resize. Default True.
+        flip: Training: a random horizontal flip of image and boxes. Default True.
+        include_crowd: Also hand out COCO's `iscrowd` regions as targets; they are not instances, so they are
+            left out by default. Default False.
+        mean: Per-channel (R, G, B) mean subtracted after scaling pixels to [0, 1]. Default ImageNet's.
+        std: Per-channel (R, G, B) standard deviation divided by after the mean. Default ImageNet's.
+
+    Raises:
+        ValueError: Both or neither of `size` and `min_size`, or a size out of range.
+    """
 
     size: int | None = None
     min_size: int | None = None
     max_size: int | None = None
     crop: bool = True
     flip: bool = True
-    include_crowd: bool = False  # crowd regions are not instances: left out of training targets by default
+    include_crowd: bool = False
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
 
@@ -174,24 +192,50 @@ def targets_from_batch(batch: dict) -> tuple[list[torch.Tensor], list[dict]]:
 
 def make_detection_loader(data: str | os.PathLike | ShardData, split: str, batch_size: int, *,
                           detection: DetectionConfig | None = None, **options) -> DaliLoader:
-    """Detection batches of `split` of a COCO shard folder for this rank: `data` a path, or s3://bucket/prefix
-    (the tars fetched whole into the node's shard cache, docs/storage.md), or a `ShardData` opened with
-    `open_dataset(..., task="detection")` (its cache and check options). The epoch contract of `make_loader`
-    (exact validation across ranks, equal training batch counts, `(seed, epoch)` order, mid-epoch state) and
-    its rule for `train=None` (the split trains if its name starts with "train"). `options`: `LoaderOptions`'
-    fields but split and batch_size (device, rank, world_size, seed, train, num_threads, checkpointing,
-    hw_decoder_load, ...; one lane always). `rank` and `world_size` default to the launcher's as `make_loader`'s
-    do (an initialized process group, else torchrun's RANK/WORLD_SIZE, else srun's step, else 0 of 1; ranks.py);
-    `loader.options.ranks_from` says which.
+    """The detection loader of one split of COCO shards for this rank: DALI reads, crops, flips and resizes
+    images and boxes together and hands out batches for torchvision detection models.
 
-    An iterable of `(images, targets)` for torchvision detection models: `images` a list of normalised
-    (3, H, W) float tensors, `targets` a list of {"boxes": (N, 4) float xyxy in pixels of that image,
-    "labels": (N,) int64 contiguous category index (the manifest's `coco.category_ids` order), "image_id"}.
-    For a model whose class 0 is background (torchvision's), add 1 to the labels.
+    The epoch contract is `make_loader`'s: validation yields every sample once per epoch across all ranks,
+    training exactly `len(loader)` full batches on every rank, an epoch's order depends on `(seed, epoch)`
+    alone, and `state_dict()` resumes mid-epoch. Training crops (SSD's sampler) and flips; validation only
+    resizes.
 
-    `detection`: the output size (`size`, square, default 512; or `min_size`/`max_size`, torchvision's
-    resize), the training crop (SSD's sampler; `crop=False` skips it) and flip, and `include_crowd` (crowd
-    boxes in the targets; left out by default). Validation only resizes."""
+    Args:
+        data: A COCO shard folder (a local path or `s3://bucket/prefix`), or a `ShardData` opened with
+            `open_dataset(..., task="detection")` (its shard cache and check options).
+        split: The split to read, e.g. `"train2017"`; a name starting with "train" is read for training
+            unless `train=` says otherwise.
+        batch_size: Images per batch on each rank.
+        detection: The output size, the training crop and flip, crowd boxes; None: `DetectionConfig()`
+            (square 512 px). Default None.
+        **options: `LoaderOptions`' fields other than `split` and `batch_size`, as keywords (`rank`,
+            `world_size`, `seed`, `train`, `device`, `num_threads`, `checkpointing`, `hw_decoder_load`, ...);
+            `lanes` is always 1, and `fp16` and `channels_last` are refused. `rank` and `world_size` default
+            to the launcher's as `make_loader`'s do (an initialized process group, else torchrun's
+            `RANK`/`WORLD_SIZE`, else srun's step, else 0 of 1); `loader.options.ranks_from` says which.
+
+    Returns:
+        A `DaliLoader` yielding `(images, targets)`: `images` a list of normalised float32 (3, H, W) tensors,
+        `targets` a list of `{"boxes": (N, 4) float32 x0 y0 x1 y1 in the image's pixels, "labels": (N,)
+        int64, "image_id": the COCO image id, an int}`. Labels are contiguous category indices in the order
+        of the manifest's `coco.category_ids`; for a model whose class 0 is background (torchvision's), add 1.
+
+    Raises:
+        DatasetError: Shards that are not COCO's, data opened for another task, no such split, or a batch
+            larger than a rank's share.
+        ValueError: `fp16` or `channels_last`, ranks that disagree with an initialized process group, or
+            another bad option.
+        ShardDataError: A shard disagrees with its manifest.
+
+    Example:
+        ```python
+        from dalifeed.pipelines import DetectionConfig, make_detection_loader
+
+        loader = make_detection_loader("/data/coco-shards", "train2017", 16, detection=DetectionConfig(size=640))
+        for images, targets in loader:
+            losses = model(images, targets)
+        ```
+    """
     if isinstance(data, ShardData):
         dataset = data
         if dataset.task != "detection":

@@ -54,10 +54,23 @@ SAMPLE_SOURCES = "sources"
 
 
 def resolve_device(device: str, report: StackReport | None = None) -> str:
-    """'auto' -> 'gpu' on a node with NVIDIA GPUs that torch and DALI can both use, 'cpu' on a node without;
-    where the node has GPUs and the stack does not fit them, `StackMismatch` (one line with the fix), never a
-    silent 'cpu'. 'hybrid' (decode on the CPU, the rest on the GPU) needs a GPU as 'gpu' does. `report` is
-    this node's `stack.check` (probed when None): the rule is `stack.choose_device`, dali-train's too."""
+    """The device a loader asked for `device` runs on, decided as every dalifeed command decides it.
+
+    Args:
+        device: `"auto"`, `"cpu"`, `"gpu"` or `"hybrid"` (decode on the CPU, the rest on the GPU; it needs a
+            GPU as `"gpu"` does).
+        report: This node's GPU stack (driver, torch's and DALI's CUDA builds, the GPUs), as `dalifeed
+            doctor` reports it; None: probed now. Default None.
+
+    Returns:
+        `"cpu"`, `"gpu"` or `"hybrid"`: `"auto"` is `"gpu"` on a node with NVIDIA GPUs that torch and DALI can
+        both use, `"cpu"` on a node without.
+
+    Raises:
+        ValueError: `device` is none of the four.
+        StackMismatch: The node has GPUs that the installed torch or DALI cannot use (one line naming the
+            fix); never a silent `"cpu"`.
+    """
     if device not in ("auto", "cuda", *DEVICES):
         raise ValueError(f"device must be 'auto', 'cpu', 'gpu' or 'hybrid', got {device!r}")
     if device == "cpu":
@@ -67,21 +80,62 @@ def resolve_device(device: str, report: StackReport | None = None) -> str:
 
 @dataclass(frozen=True)
 class LoaderOptions:
-    """What a loader reads (`split`) and how, whatever its graph: a run's loader config, printed and saved
-    with it. Left None, `train` follows the split's name (`format.trains`), `device_id` is torchrun's
-    LOCAL_RANK where torch's current device was left at 0, else the current CUDA device (`ranks.local_gpu`),
-    `num_threads` this rank's share of the CPUs (`budget.thread_budget`),
-    `prefetch_queue_depth` the device's default (defaults.py: NVIDIA's published 5 with `mixed` decoding,
-    DALI's 2 otherwise); `device` 'auto' is decided by `resolve_device`. `resolved()` fills them in, which is
-    what a `DaliLoader` runs with. `lanes`, the pipelines that share this rank's epoch and its threads
-    (lanes.py), the loader decides from the epoch's length when None (`default_lanes`). `fp16`,
-    `channels_last` and `hw_decoder_load` are the graph's `Output`: float16 batches, NHWC memory handed out
-    as channels_last NCHW tensors, the share of JPEGs `gpu` decoding gives the hardware decoder.
-    `rank` and `world_size`, given together or not at all, default to the launcher's (ranks.py: an initialized
-    process group, else torchrun's RANK/WORLD_SIZE, else srun's SLURM_PROCID/SLURM_STEP_NUM_TASKS, else 0 of
-    1); given ones that disagree with an initialized process group raise ValueError. `ranks_from` says which
-    of those `resolved()` took: "arguments", "process group", "environment (RANK/WORLD_SIZE)", "environment
-    (SLURM_PROCID/SLURM_STEP_NUM_TASKS)" or "default"."""
+    """What a loader reads and how, whatever its graph: `make_loader`'s keyword options as one record,
+    which a run prints and saves with its config. The values are checked when the record is made; `resolved()`
+    decides every None and `"auto"` on this node, which is what a loader runs with.
+
+    Example:
+        ```python
+        from dataclasses import asdict
+
+        from dalifeed.pipelines import LoaderOptions, make_loader
+
+        options = LoaderOptions("train", 256, seed=1, fp16=True)
+        loader = make_loader("/data/shards", **asdict(options))
+        ```
+
+    Attributes:
+        split: The split to read.
+        batch_size: Samples per batch on each rank, at least 1.
+        train: Read for training (shuffled, augmented, full batches only) or for validation (every sample
+            once); None: training when the split's name starts with "train". Default None.
+        rank: This process's rank, 0 to `world_size - 1`: which part of the split it reads; None (given
+            together with `world_size` or not at all): the launcher's, from an initialized process group, else
+            torchrun's `RANK`, else srun's `SLURM_PROCID`, else 0. Given, it wins over the environment; given
+            values that disagree with an initialized process group raise ValueError. Default None.
+        world_size: The number of processes reading the split together; None: the launcher's
+            (`get_world_size()`, `WORLD_SIZE`, `SLURM_STEP_NUM_TASKS`, else 1). Default None.
+        seed: Seeds the shuffle and the augmentations: an epoch's order depends on `(seed, epoch)` alone.
+            Default 0.
+        device: Where images are decoded and processed: `"cpu"`, `"gpu"` (nvJPEG and the hardware decoder,
+            the rest on the GPU), `"hybrid"` (decoded on the CPU, the rest on the GPU) or `"auto"` (the GPU
+            when torch and DALI can both use one; on a node whose GPUs they cannot use, an error naming the
+            fix, never a silent CPU). Default `"auto"`.
+        device_id: The CUDA device index on a GPU; None: torchrun's `LOCAL_RANK` where torch's current
+            device was left at 0 and that GPU is visible, else torch's current device. Default None.
+        num_threads: DALI CPU threads of this loader; None: this rank's share of the CPUs this process may
+            use (those on the node divided by its ranks, capped). Default None.
+        prefetch_queue_depth: Batches each pipeline prepares ahead; None: 5 for `"gpu"` (NVIDIA's
+            published setting with GPU decoding), DALI's 2 otherwise. Default None.
+        initial_fill: Training: the size in samples of DALI's shuffle buffer, which shuffles within
+            the globally shuffled shards. Default 1024.
+        checkpointing: Keep DALI's reader state, so that `state_dict()` can save a position inside an epoch
+            and `load_state_dict()` resume from it. Default False.
+        lanes: Pipelines that share this rank's epoch and its threads, handing out whole batches in turn;
+            None: 2 for CPU training with 2 threads or more and epochs of 24 batches or more, else 1.
+            Default None.
+        fp16: Hand out float16 images instead of float32. Default False.
+        channels_last: Hand out images in NHWC memory as channels_last NCHW tensors (no copy), for a
+            channels_last model. Default False.
+        hw_decoder_load: With `"gpu"`: the share of JPEGs, 0 to 1, given to the hardware JPEG decoder of
+            A100/H100-class GPUs (the rest decode on CUDA cores). Default 0.99.
+        ranks_from: Which source `resolved()` took `rank` and `world_size` from: `"arguments"`,
+            `"process group"`, `"environment (RANK/WORLD_SIZE)"`, `"environment
+            (SLURM_PROCID/SLURM_STEP_NUM_TASKS)"` or `"default"`; None before. Default None.
+
+    Raises:
+        ValueError: A value out of range, named.
+    """
 
     split: str
     batch_size: int
@@ -117,14 +171,18 @@ class LoaderOptions:
 
     @property
     def global_batch(self) -> int:
+        """Samples of one batch on every rank together: `batch_size * world_size`."""
         return self.batch_size * self.world_size
 
     @property
     def output(self) -> Output:
+        """`fp16`, `channels_last` and `hw_decoder_load` as one record: how the graph hands out its images."""
         return Output(self.fp16, self.channels_last, self.hw_decoder_load)
 
     def resolved(self) -> LoaderOptions:
-        """Every None and 'auto' decided on this node (see the class docstring)."""
+        """A copy with every None and `"auto"` decided on this node: `train` from the split's name, the ranks, `device`,
+        `device_id`, `num_threads` and `prefetch_queue_depth` as their attributes say. Probes the GPU stack
+        when `device` is `"auto"`."""
         ranks = resolve_ranks(self.rank, self.world_size, self.ranks_from)
         device = resolve_device(self.device)
         device_id = self.device_id
@@ -191,11 +249,28 @@ class Restore:
 
 
 class DaliLoader(FollowsCursor):
-    """An iterable of torch batches of `options.split` of the shard folder `source`: `graph` (see
-    `definitions.Graph`), or for each epoch `epoch_graph(epoch)`, run by DALI's PyTorch iterator, whose batch
-    (a dict by `outputs`) `to_torch` converts. `options` are resolved and checked (`ready`). See the module
-    docstring for epochs; what an epoch reads is its `plan` (plan.py: `files` says where shards are read
-    from, the source's shard cache where it has one), its pipelines are `definitions`' (definitions.py)."""
+    """The loader of one shard folder's split: an iterable of torch batches that DALI reads and decodes.
+
+    Get one from `make_loader` (classification) or `make_detection_loader`; its constructor takes the
+    loader's internal parts. It keeps the epoch contract: validation yields every sample of the split once
+    per epoch across all ranks, training exactly `len(loader)` full batches on every rank; an epoch's order
+    depends on `(seed, epoch)` alone; each iteration reads the next epoch unless `set_epoch` or
+    `load_state_dict` says otherwise; the next epoch's pipelines start before this one ends.
+
+    Args:
+        source: The shard folder, as `open_dataset` opened it (one of `ShardData.sources`).
+        options: The loader's options, resolved and checked against the data.
+        graph: The DALI graph every epoch runs; give this or `epoch_graph`. Default None.
+        to_torch: Turns DALI's batch (a dict keyed by `outputs`) into what the iteration yields.
+        outputs: The graph's output names. Default `("images", "labels")`.
+        files: Where an epoch's tars are read from (local paths, store URLs or the shard cache's copies).
+            Default: the manifest's locations.
+        epoch_graph: epoch -> that epoch's graph (progressive resizing); give this or `graph`. Default None.
+
+    Attributes:
+        last_samples: The last batch's samples as `SHARD:POSITION` (the tar, and the sample's place in its
+            index), when the loader tracks them (dali-train `--log-samples`); else empty.
+    """
 
     def __init__(self, source: Source, options: LoaderOptions, *, graph: Graph | None = None,
                  to_torch: Callable[[dict], Any], outputs: tuple[str, ...] = CLASSIFICATION_OUTPUTS,
@@ -232,8 +307,8 @@ class DaliLoader(FollowsCursor):
 
     @property
     def tracks_samples(self) -> bool:
-        """Whether this loader records the samples it hands out: what lets a mid-epoch state be resumed on
-        another number of ranks (`elastic.merge_rank_states`)."""
+        """Whether this loader records the samples it hands out, which lets a mid-epoch state be resumed on
+        another number of ranks."""
         return SAMPLE_SOURCES in self.outputs
 
     @property
@@ -245,6 +320,8 @@ class DaliLoader(FollowsCursor):
         return end - start
 
     def __len__(self) -> int:
+        """Batches this rank yields per epoch: training's full batches (the same on every rank), or
+        validation's batches of this rank's part of the split, the last one possibly short."""
         o = self.options
         if o.train:
             return (self.total_samples // o.world_size) // o.batch_size
@@ -252,10 +329,16 @@ class DaliLoader(FollowsCursor):
 
     # -- where it is -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Where this loader is: the cursor (epoch, samples consumed by all ranks) and, between two batches of
-        an epoch, DALI's checkpoint of this rank after the last of them (only with `checkpointing=True`), the
-        number of ranks, the samples a resume excluded from the epoch and those this rank has handed out
-        since (what `elastic.merge_rank_states` joins when another number of ranks resumes)."""
+        """Where this loader is, for a checkpoint: the epoch and the samples of it consumed by all ranks
+        together and, between two batches of an epoch, DALI's reader state of this rank and the samples it
+        has handed out (what a resume on another number of ranks joins).
+
+        Returns:
+            A dict of plain values, bytes and lists, for `torch.save`; `load_state_dict` takes it back.
+
+        Raises:
+            RuntimeError: Inside an epoch without `checkpointing=True`, or after the epoch's pipeline failed.
+        """
         if self.cursor.samples_done == 0:  # between epochs, or none handed out yet
             return {"epoch": self.cursor.epoch, "samples_done": 0, "dali": None}
         if not self.options.checkpointing:
@@ -273,9 +356,17 @@ class DaliLoader(FollowsCursor):
                 "seen": self._seen.to_state() if self.tracks_samples else None}
 
     def load_state_dict(self, state: dict) -> None:
-        """The next iteration continues from `state`: from `state_dict()` of a loader with the same arguments
-        (possibly in another process), or, on another number of ranks, what `elastic.merge_rank_states` made of
-        every rank's (no DALI checkpoint: the epoch's remaining samples are shared out anew)."""
+        """Make the next iteration continue from a saved position.
+
+        Args:
+            state: `state_dict()` of a loader made with the same arguments (possibly in another process), or,
+                to resume on another number of ranks, every rank's states merged (the epoch's remaining
+                samples are then shared out anew).
+
+        Raises:
+            ValueError: A mid-epoch state without `checkpointing=True`, a reader state of another number of
+                ranks not merged, or one saved with another number of lanes than `lanes=` gives.
+        """
         refuse_foreign_state(state, self.options)
         self.cursor.load_state_dict(state)
         self._paused = state if self.cursor.samples_done else None
@@ -286,8 +377,13 @@ class DaliLoader(FollowsCursor):
                                                                                             - excluded))
 
     def pipeline(self, checkpoint: bytes | None = None, epoch: int | None = None):
-        """The DALI pipeline of epoch `epoch` (default: the current one), defined but not built (building needs
-        the GPU: tests/test_gpu_graphs.py checks the GPU graphs on a machine without one through this)."""
+        """The DALI pipeline of an epoch, defined but not built (building a GPU graph needs the GPU), so that
+        its graph can be inspected on a machine without one.
+
+        Args:
+            checkpoint: A DALI reader state to define it from; None: the epoch's start. Default None.
+            epoch: The epoch; None: the current one. Default None.
+        """
         return self.definitions.define(self.cursor.epoch if epoch is None else epoch, checkpoint, reuse=False)[0][0]
 
     # -- an epoch's pipelines ------------------------------------------------------------------------
@@ -333,6 +429,8 @@ class DaliLoader(FollowsCursor):
         return batches_left(self.total_samples, self.cursor.samples_done, self.cursor.global_batch)
 
     def __iter__(self):
+        """One epoch's batches: the current epoch from its start, or from where a loaded state left it; the
+        next iteration reads the next epoch."""
         cursor = self.cursor
         restore, self._restore = self._restore, None
         self._paused = None

@@ -49,9 +49,29 @@ class RemappedLoader:
 
 
 class MixedLoader(FollowsCursor):
-    """Training batches drawn from several datasets in fixed proportions (module docstring): `loaders[i]`
-    reads dataset i at `shares[i]` samples a batch, its labels mapped by `remaps[i]`; `dataset` is what they
-    read (its classes, the union's)."""
+    """Training batches drawn from several shard folders in fixed proportions: what `make_loader` returns for
+    a training split of mixed data (`open_dataset([A, B], weights=[3, 1])`).
+
+    Every batch holds each folder's share of samples (the weights rounded to whole samples), labelled in
+    the union of the folders' classes. An epoch is the folders' training samples summed, the same
+    `len(loader)` on every rank; a folder repeats or is cut short to give its share, in an order that
+    depends on `(seed, epoch)` alone. `set_epoch`, `state_dict` and `load_state_dict` work as
+    `DaliLoader`'s; the folders' pipelines share the rank's DALI threads in proportion to their shares.
+
+    Args:
+        loaders: One loader per folder, each reading its share of every batch.
+        shares: Samples of each folder in a batch; they add up to `batch_size`.
+        remaps: Per folder, the index in the union's classes of each of its own classes.
+        total_samples: The epoch's samples across all ranks (the folders' training samples summed).
+        batch_size: Samples per batch on each rank.
+        world_size: The number of ranks reading together.
+        dataset: The data the loaders read (its `classes` are the union's); None when not known.
+            Default None.
+
+    Attributes:
+        last_samples: The last batch's samples as `FOLDER/SHARD:POSITION` (FOLDER the folder's place in
+            the list), when the loaders track them; else empty.
+    """
 
     def __init__(self, loaders: list, shares: list[int], remaps: list[list[int]], total_samples: int,
                  batch_size: int, world_size: int, dataset: ShardData | None = None):
@@ -65,20 +85,27 @@ class MixedLoader(FollowsCursor):
         self.last_samples: list[str] = []  # the last batch's samples: `DATASET/SHARD:POSITION`, DATASET its index
 
     def __len__(self) -> int:
+        """Batches per epoch, the same on every rank."""
         return self.batches
 
     @property
     def num_samples(self) -> int:
+        """Samples this rank yields per epoch: `len(loader) * batch_size`."""
         return self.batches * self.batch_size
 
     def state_dict(self) -> dict:
-        """The cursor and, between two batches of an epoch, every dataset loader's state (needs
-        `checkpointing=True`)."""
+        """Where this loader is, for a checkpoint: the epoch and the samples of it consumed by all ranks and,
+        between two batches of an epoch, every folder's loader state (which needs `checkpointing=True`)."""
         if self.cursor.samples_done == 0:
             return {**self.cursor.state_dict(), "datasets": None}
         return {**self.cursor.state_dict(), "datasets": [loader.state_dict() for loader in self.loaders]}
 
     def load_state_dict(self, state: dict) -> None:
+        """Make the next iteration continue from a saved position.
+
+        Args:
+            state: `state_dict()` of a loader made with the same arguments.
+        """
         self.cursor.load_state_dict(state)
         self._restore = state["datasets"]
 
@@ -88,6 +115,8 @@ class MixedLoader(FollowsCursor):
             yield from loader  # one of its own epochs a pass; the loader moves to its next epoch itself
 
     def __iter__(self):
+        """One epoch's `(images, labels)` batches, each folder's share concatenated in the list's order; the
+        next iteration reads the next epoch."""
         cursor = self.cursor
         restore, self._restore = self._restore, None
         if restore is not None:
@@ -116,24 +145,37 @@ class MixedLoader(FollowsCursor):
 
 
 class ConcatLoader:
-    """Evaluation over several datasets: each one's loader in turn, every sample once, labels mapped;
-    `per_dataset` (location -> loader) to evaluate and report each apart."""
+    """Validation over several shard folders: each folder's loader in turn, every sample once, labelled in
+    the union of the folders' classes; what `make_loader` returns for a validation split of mixed data.
+
+    Args:
+        per_dataset: Folder location -> that folder's loader, its labels mapped into the union's classes; a
+            loop that reports each folder apart iterates these one by one.
+    """
 
     def __init__(self, per_dataset: dict[str, RemappedLoader]):
         self.per_dataset = per_dataset
 
     def __len__(self) -> int:
+        """Batches this rank yields per epoch, all folders."""
         return sum(len(loader) for loader in self.per_dataset.values())
 
     @property
     def num_samples(self) -> int:
+        """Samples this rank yields per epoch, all folders."""
         return sum(loader.num_samples for loader in self.per_dataset.values())
 
     def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration read epoch `epoch` in every folder.
+
+        Args:
+            epoch: The epoch, counted from 0.
+        """
         for loader in self.per_dataset.values():
             loader.set_epoch(epoch)
 
     def __iter__(self):
+        """Every folder's `(images, labels)` batches, one folder after the other."""
         for loader in self.per_dataset.values():
             yield from loader
 

@@ -19,7 +19,32 @@ STEP = 32  # sizes between START and END are multiples of this (FFCV's `/ 32) * 
 
 @dataclass(frozen=True)
 class ProgressiveResize:
-    """START:END:FROM_EPOCH:TO_EPOCH (see the module docstring)."""
+    """A training image size that grows with the epoch: FFCV's progressive resizing schedule.
+
+    START px up to and including epoch `from_epoch`, END px from epoch `to_epoch` on, and in between the
+    straight line from (`from_epoch`, START) to (`to_epoch`, END) rounded to the nearest multiple of 32 px
+    (halves to even) and kept within [START, END]. Epochs count from 0; the size depends on the epoch alone,
+    so a resumed run trains at the size an uninterrupted one would have. Written as text
+    `"START:END:FROM_EPOCH:TO_EPOCH"` (`dali-train --progressive-resize`); FFCV's ResNet-50 recipes use
+    `"160:192:65:76"` for 88 epochs.
+
+    Example:
+        ```python
+        from dalifeed.pipelines import ProgressiveResize
+
+        schedule = ProgressiveResize.parse("160:192:65:76")
+        schedule.size(70)  # 176
+        ```
+
+    Attributes:
+        start: The size in px of the first epochs, at least 8.
+        end: The size in px of the last epochs, at least `start`.
+        from_epoch: The last epoch (0-based) at `start`; the ramp begins after it.
+        to_epoch: The first epoch at `end`, at least `from_epoch`.
+
+    Raises:
+        ValueError: Sizes or epochs out of order, named.
+    """
 
     start: int
     end: int
@@ -37,8 +62,17 @@ class ProgressiveResize:
 
     @classmethod
     def parse(cls, text: str, epochs: int | None = None) -> ProgressiveResize:
-        """'START:END:FROM_EPOCH:TO_EPOCH', or 'START:END', which ramps over the whole run: from epoch 0 to the
-        last one, `epochs - 1`. ValueError (one line, naming the text) when it is not such a schedule."""
+        """The schedule a text such as `"160:192:65:76"` writes.
+
+        Args:
+            text: `"START:END:FROM_EPOCH:TO_EPOCH"`, or with `epochs` given, `"START:END"`, which ramps over
+                the whole run, from epoch 0 to epoch `epochs - 1`.
+            epochs: The run's epochs, needed for `"START:END"`; None: only the four-number form is read.
+                Default None.
+
+        Raises:
+            ValueError: The text is not such a schedule (one line, naming it).
+        """
         parts = text.split(":")
         try:
             numbers = [int(p) for p in parts]
@@ -58,9 +92,15 @@ class ProgressiveResize:
         return f"{self.start}:{self.end}:{self.from_epoch}:{self.to_epoch}"
 
     def size(self, epoch: int) -> int:
-        """The training image size of epoch `epoch`. Between the ramp's ends, FFCV rounds to a multiple of 32;
-        the result is kept within [START, END] (FFCV does not clamp: with START and END multiples of 32, as in
-        its configurations, clamping changes nothing, but 100:140 would otherwise train at 96 px)."""
+        """The training image size in px of an epoch.
+
+        Between the ramp's ends the size is rounded to a multiple of 32 and kept within [START, END] (FFCV
+        does not clamp: with START and END multiples of 32 this changes nothing, but 100:140 would otherwise
+        train at 96 px).
+
+        Args:
+            epoch: The epoch, counted from 0.
+        """
         if epoch <= self.from_epoch:
             return self.start
         if epoch >= self.to_epoch:
@@ -71,15 +111,29 @@ class ProgressiveResize:
         return min(self.end, max(self.start, round(line / STEP) * STEP))
 
     def sizes(self, epochs: int) -> dict[int, list[int]]:
-        """Each size the first `epochs` epochs train at -> those epochs, in order."""
+        """Each size a run trains at, with the epochs it trains at it.
+
+        Args:
+            epochs: The run's number of epochs.
+
+        Returns:
+            size in px -> the epochs at that size, in order.
+        """
         by_size: dict[int, list[int]] = {}
         for epoch in range(epochs):
             by_size.setdefault(self.size(epoch), []).append(epoch)
         return by_size
 
     def beyond(self, epochs: int) -> str | None:
-        """What of the schedule a run of `epochs` epochs never reaches, in words (None: it all fits): a ramp
-        that ends after the run's last epoch (or starts there) stops short of END."""
+        """What of the schedule a run never reaches, in words: a ramp that ends after the run's last epoch
+        stops short of END.
+
+        Args:
+            epochs: The run's number of epochs.
+
+        Returns:
+            A sentence for a warning, or None when the whole schedule fits in the run.
+        """
         last = epochs - 1
         if self.start == self.end or self.to_epoch <= last:
             return None
@@ -88,7 +142,11 @@ class ProgressiveResize:
                 f"{last}: the run trains up to {reached} px" + (" only" if reached == self.start else ""))
 
     def describe(self, epochs: int) -> str:
-        """'epochs 0-64: 160 px, 65-87: 192 px' for a run of `epochs` epochs."""
+        """The schedule in words, e.g. "epochs 0-64: 160 px, 65-87: 192 px".
+
+        Args:
+            epochs: The run's number of epochs.
+        """
         spans = []
         for size, at in self.sizes(epochs).items():
             spans.append(f"{at[0]}-{at[-1]}: {size} px" if len(at) > 1 else f"{at[0]}: {size} px")

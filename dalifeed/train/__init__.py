@@ -15,7 +15,7 @@ from dalifeed.lazy import lazy_names
 # imported on first use: `dali-train --help` (cli.py, in this package) then reads its options without torch
 _WHERE = {
     "ConfigError": ".config", "TrainConfig": ".config", "TrainingDiverged": ".trainer", "TrainResult": ".trainer",
-    "evaluate": ".evaluation", "main": ".trainer", "train_one_epoch": ".trainer",
+    "evaluate": ".evaluation", "main": ".trainer",
 }
 __all__ = list(_WHERE)
 
@@ -26,7 +26,6 @@ if TYPE_CHECKING:  # what IDEs and type checkers resolve the lent names to (the 
     from .trainer import TrainingDiverged as TrainingDiverged
     from .trainer import TrainResult as TrainResult
     from .trainer import main as main
-    from .trainer import train_one_epoch as train_one_epoch
 
 
 __getattr__, __dir__ = lazy_names(__name__, _WHERE)

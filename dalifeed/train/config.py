@@ -66,63 +66,174 @@ class ConfigError(Exception):
 
 @dataclass
 class TrainConfig:
-    data: str | list[str]  # a shard folder, or several mixed (dalifeed.pipelines.mixing)
+    """Everything a `dali-train` run depends on, one field per command option; printed at start and saved as
+    RUN/config.json.
+
+    Build one with the options you want (the rest keep `dali-train`'s defaults) and pass it to `main`;
+    `validate` checks every value and names the bad one. Sizes are in pixels, learning rates per 256 images
+    of global batch.
+
+    Example:
+        ```python
+        from dalifeed.train import TrainConfig, main
+
+        cfg = TrainConfig(data="/data/shards", out="runs/r50", epochs=16, batch_size=128, lr=0.2)
+        result = main(cfg)  # a run already in runs/r50 with these options: main(cfg, resume="auto")
+        print(result.metrics["top1"])
+        ```
+
+    Attributes:
+        data: A shard folder (a local path or `s3://bucket/prefix`), or a list of them mixed into every batch.
+        out: The run folder: config.json, metrics.jsonl, last.pt, best.pt, tensorboard/.
+        task: `"classify"` (one label per image: cross-entropy, top-1/top-5) or `"multilabel"` (COCO shards:
+            multi-hot targets, binary cross-entropy, mean average precision). Default `"classify"`.
+        train_split: The split that trains. Default `"train"`.
+        val_split: The split evaluated after each epoch; None (or `"none"`) trains without evaluation. A split
+            the shards lack is refused. Default `"val"`.
+        model: A torchvision classification model name, or `resnet10`; a ResNet name + `_cifar` has a 3x3
+            stem for small images. Default `"resnet50"`.
+        width: ResNets only: the first stage's channels (the stages are w, 2w, 4w, 8w); None keeps
+            torchvision's 64. Default None.
+        epochs: Epochs to train. Default 90.
+        batch_size: Images per process (per GPU) and step; the global batch is
+            `batch_size * world_size * accum_steps`. Default 256.
+        lr: Learning rate per 256 images of global batch, scaled linearly with it. Default 0.1.
+        optimizer: `"sgd"` (with `momentum` and `nesterov`) or `"adamw"` (give a smaller `lr`, e.g. 0.001).
+            Default `"sgd"`.
+        momentum: SGD's momentum. Default 0.9.
+        nesterov: SGD with Nesterov momentum. Default True.
+        weight_decay: Weight decay, not applied to biases and normalisation weights. Default 5e-5.
+        warmup_epochs: Epochs of linear warm-up before the cosine decay; None: `min(5, epochs / 10)`.
+            Default None.
+        min_lr_ratio: The cosine decays to `lr * min_lr_ratio`. Default 0.0.
+        label_smoothing: Cross-entropy's label smoothing, in [0, 1). Default 0.1.
+        accum_steps: Gradient accumulation: micro-batches per optimizer step. Default 1.
+        clip_grad: Clip the gradient norm to this value; None: no clipping. Default None.
+        ema: Keep an exponential moving average of the weights with this decay per step (e.g. 0.9999), also
+            evaluated; None: none. Default None.
+        swa_start: Stochastic weight averaging from this epoch (0-based) on: the weights averaged after every
+            epoch, the average's BatchNorm statistics recomputed, evaluated and saved as RUN/swa.pt; None:
+            off. Default None.
+        swa_lr: The learning rate from `swa_start` on, per 256 images like `lr`; None: the schedule's.
+            Default None.
+        swa_anneal_epochs: Epochs of SWALR's cosine from the schedule's lr to `swa_lr` (0: at once).
+            Default 0.0.
+        amp: Mixed precision: `"auto"` (bf16 on GPUs with native bf16, sm80 and later; fp16 on older ones;
+            off on the CPU), `"bf16"`, `"fp16"` (with a GradScaler) or `"off"`. Default `"auto"`.
+        channels_last: Model and batches in NHWC memory format (faster convolutions on tensor cores).
+            Default False.
+        compile: `torch.compile` the model (minutes of compilation before the first step). Default False.
+        image_size: Training's image size (RandomResizedCrop's output), and validation's unless
+            `val_image_size`; with `progressive_resize`, only the size the model is built for. Default 224.
+        progressive_resize: A size that grows with the epoch, `"START:END:FROM:TO"`: START px up to epoch
+            FROM, END px from epoch TO on, in between a straight line rounded to multiples of 32 px;
+            `"START:END"` ramps over the whole run. None: `image_size` throughout. Default None.
+        val_image_size: Validation's centre crop in px; None: `image_size`. Default None.
+        val_resize: Validation's shorter side in px before the centre crop; None: the validation size / 0.875
+            (256 for 224). Default None.
+        crop_scale: RandomResizedCrop's area range (MIN, MAX), fractions of the image. Default (0.08, 1.0).
+        flip: Random horizontal flip in training. Default True.
+        pretrained: A local weights file (a state_dict or a checkpoint) to start from; a head of another class
+            count is re-initialised. None: random initialisation. Default None.
+        seed: Seed of the weights' initialisation, the shuffle and the augmentations. Default 0.
+        max_bad_steps: Abort after this many non-finite losses or gradients in a row (each is skipped and
+            logged). Default 5.
+        workers: DALI threads of each rank's loader (`--dali-threads`); None: the CPUs this process may use
+            divided by the ranks on this node, at most 6 with GPU decoding and 16 with CPU decoding.
+            Default None.
+        lanes: Pipelines of the training loader per rank, sharing `workers`; None: 2 for CPU training with 2
+            threads or more and long enough epochs, else 1. Default None.
+        profile: Write RUN/profile_trace.json, a torch profiler trace of this many steps (0: off). Default 0.
+        checkpoint_every: Also save last.pt every this many optimizer steps inside an epoch, so that a resume
+            continues mid-epoch (0: at epoch ends and when a signal stops the run). Default 0.
+        device: `"auto"` (the GPU when there is one), `"cpu"`, `"gpu"`, or `"hybrid"` (train on the GPU,
+            decode JPEGs on the CPU). Default `"auto"`.
+        hw_decoder_load: On the GPU: the share of JPEGs, 0 to 1, given to the hardware JPEG decoder of
+            A100/H100-class GPUs (the rest decode on CUDA cores). Default 0.99.
+        synthetic: Train on one real batch handed out again and again: the speed of the model and optimiser
+            without loading. Default False.
+        check_shards: What is compared with the manifest before training: `"size"` (sizes and DALI indexes)
+            or `"sha256"` (also every byte's hash: a full read). Default `"size"`.
+        cache_dir: `s3://` data: the node's shard cache folder; None: shards/ in `$DALIFEED_CACHE` or
+            ~/.cache/dalifeed. Default None.
+        cache_limit: `s3://` data: the shard cache's bound in bytes; None: 90% of the free space.
+            Default None.
+        progress_every: Seconds between progress lines when stdout is not a terminal (0: none). Default 30.0.
+        tensorboard_every: Optimizer steps between per-step TensorBoard scalars (0: none). Default 50.
+        log_samples: Write RUN/samples/: which samples each rank trained on, batch by batch. Default False.
+        allow_data_change: Resume at an epoch's end on shards other than the checkpoint's (recorded in
+            metrics.jsonl); refused otherwise. Default False.
+        data_weights: With several `data`: each one's share of every batch; None: equal. Default None.
+        recipe: The name of a preset (`"torchvision-resnet50"`, `"fast-resnet50"`) the command line applied;
+            the values it set are in the fields themselves. Default None.
+        auto_augment: An augmentation policy in the DALI graph, torchvision's: `"imagenet"` (AutoAugment),
+            `"ra"` (RandAugment), `"ta_wide"` (TrivialAugmentWide); None: none. Default None.
+        ra_magnitude: RandAugment's magnitude bin of each operation, 0 to 30. Default 9.
+        ra_num_ops: RandAugment's operations per image. Default 2.
+        random_erase: The probability of erasing a random rectangle (2-33% of the image) after normalising.
+            Default 0.0.
+        mixup_alpha: Mixup on each batch with lambda ~ Beta(alpha, alpha) (0: off). Default 0.0.
+        cutmix_alpha: CutMix on each batch with lambda ~ Beta(alpha, alpha) (0: off); with `mixup_alpha`
+            too, one of the two per batch, each with probability 0.5. Default 0.0.
+    """
+
+    data: str | list[str]
     out: str
-    task: str = "classify"  # classify (one label, cross-entropy, top-1) | multilabel (COCO: BCE, mAP)
+    task: str = "classify"
     train_split: str = "train"
-    val_split: str | None = "val"  # None (--val-split none): no evaluation; a split the data lacks is refused
+    val_split: str | None = "val"
     model: str = "resnet50"
-    width: int | None = None  # ResNets only: stage widths (w, 2w, 4w, 8w) instead of torchvision's 64
+    width: int | None = None
     epochs: int = 90
-    batch_size: int = 256  # per process (per GPU); the global batch is batch_size * world_size * accum_steps
-    lr: float = 0.1  # per 256 images of global batch: scaled linearly
-    optimizer: str = "sgd"  # sgd (momentum, nesterov) | adamw
+    batch_size: int = 256
+    lr: float = 0.1
+    optimizer: str = "sgd"
     momentum: float = 0.9
     nesterov: bool = True
     weight_decay: float = 5e-5
-    warmup_epochs: float | None = None  # None: min(5, epochs / 10), so that a short run is never refused
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    warmup_epochs: float | None = None
+    min_lr_ratio: float = 0.0
     label_smoothing: float = 0.1
     accum_steps: int = 1
     clip_grad: float | None = None
-    ema: float | None = None  # e.g. 0.9999: keep an exponential moving average of the weights
-    swa_start: int | None = None  # SWA: average the weights after every epoch from this one (0-based) on
-    swa_lr: float | None = None  # SWA's lr from --swa-start on, per 256 images as --lr (None: the schedule's)
-    swa_anneal_epochs: float = 0.0  # SWALR's cosine from the schedule's lr to --swa-lr over this many epochs
-    amp: str = "auto"  # auto | bf16 | fp16 | off; auto = bf16 on sm80+, fp16 on older GPUs, off on the CPU
+    ema: float | None = None
+    swa_start: int | None = None
+    swa_lr: float | None = None
+    swa_anneal_epochs: float = 0.0
+    amp: str = "auto"
     channels_last: bool = False
     compile: bool = False
-    image_size: int = 224  # training's size (without --progressive-resize), validation's unless --val-image-size
-    progressive_resize: str | None = None  # START:END:FROM_EPOCH:TO_EPOCH (resolution.py); START:END ramps the run
-    val_image_size: int | None = None  # validation's centre crop (None: --image-size)
-    val_resize: int | None = None  # validation's shorter side before the crop (None: val size / 0.875)
+    image_size: int = 224
+    progressive_resize: str | None = None
+    val_image_size: int | None = None
+    val_resize: int | None = None
     crop_scale: tuple[float, float] = (0.08, 1.0)
     flip: bool = True
     pretrained: str | None = None
     seed: int = 0
-    max_bad_steps: int = 5  # abort after this many non-finite losses or gradients in a row
-    workers: int | None = None  # --dali-threads: DALI threads per rank's loader; None: dalifeed.budget decides
-    lanes: int | None = None  # --lanes: the training loader's pipelines per rank; None: loader.default_lanes
-    profile: int = 0  # write a torch profiler trace of this many steps (0: off)
-    checkpoint_every: int = 0  # also save last.pt every this many optimizer steps inside an epoch (0: off)
-    device: str = "auto"  # auto | cpu | gpu | hybrid (train on the GPU, decode JPEGs on the CPU)
-    hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD  # gpu: share of JPEGs for the hardware decoder
-    synthetic: bool = False  # train on one real batch repeated: the speed of the model alone
-    check_shards: str = "size"  # size | sha256: what is compared with the manifest before training
-    cache_dir: str | None = None  # s3:// data: the node's shard cache (default: shards/ in dalifeed's cache)
-    cache_limit: int | None = None  # its bound in bytes (--cache-limit reads 20GB, 20GiB); None: 90% of free space
-    progress_every: float = 30.0  # seconds between progress lines when stdout is not a terminal (0: none)
-    tensorboard_every: int = 50  # optimizer steps between per-step TensorBoard scalars (0: none)
-    log_samples: bool = False  # RUN/samples/: which samples each rank trained on, batch by batch
-    allow_data_change: bool = False  # resume at an epoch's end on shards other than the checkpoint's
-    data_weights: list[float] | None = None  # with several --data: their shares of every batch (default equal)
-    recipe: str | None = None  # a RECIPES preset; the values it set are the fields themselves
-    auto_augment: str | None = None  # None | imagenet | ra | ta_wide (torchvision's names; in the DALI graph)
-    ra_magnitude: int = 9  # RandAugment's magnitude bin (0..30)
-    ra_num_ops: int = 2  # RandAugment's operations per image
-    random_erase: float = 0.0  # RandomErasing's probability
-    mixup_alpha: float = 0.0  # mixup on the batch with lambda ~ Beta(alpha, alpha) (0: off)
-    cutmix_alpha: float = 0.0  # cutmix likewise; both on: one of the two per batch, each with probability 0.5
+    max_bad_steps: int = 5
+    workers: int | None = None
+    lanes: int | None = None
+    profile: int = 0
+    checkpoint_every: int = 0
+    device: str = "auto"
+    hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD
+    synthetic: bool = False
+    check_shards: str = "size"
+    cache_dir: str | None = None
+    cache_limit: int | None = None
+    progress_every: float = 30.0
+    tensorboard_every: int = 50
+    log_samples: bool = False
+    allow_data_change: bool = False
+    data_weights: list[float] | None = None
+    recipe: str | None = None
+    auto_augment: str | None = None
+    ra_magnitude: int = 9
+    ra_num_ops: int = 2
+    random_erase: float = 0.0
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
 
     def fill_defaults(self) -> None:
         """The defaults that depend on other options, filled in (nothing checked): what `resume.resolve_run`
@@ -245,10 +356,16 @@ class TrainConfig:
         return AugmentConfig(image_size=self.val_size, val_resize=self.val_resize)
 
     def to_json(self) -> dict:
+        """The fields as a JSON-ready dict, as RUN/config.json holds them."""
         return asdict(self)
 
     @classmethod
     def from_json(cls, doc: dict) -> TrainConfig:
+        """The config a `to_json` dict (RUN/config.json) holds; keys that are not fields are ignored.
+
+        Args:
+            doc: The dict, as `to_json` returned it or `json.load` read it.
+        """
         known = {f.name for f in fields(cls)}
         cfg = cls(**{k: v for k, v in doc.items() if k in known})
         cfg.crop_scale = tuple(cfg.crop_scale)

@@ -4,6 +4,8 @@ and `evaluate_multilabel` (loss, mAP). `autocast` is the one mixed-precision swi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -44,14 +46,31 @@ def autocast(dist: Dist, dtype: torch.dtype | None):
 
 
 @torch.no_grad()
-def evaluate(model, loader, dist: Dist, dtype: torch.dtype | None, num_classes: int) -> dict:
-    """Loss, top-1 and top-5 over exactly the whole split: every rank counts its own samples, the sums are
-    all-reduced, and the loader never yields padding."""
+def evaluate(model: torch.nn.Module, loader: Iterable, device: torch.device | str | Dist,
+             dtype: torch.dtype | None = None, num_classes: int = 1000) -> dict:
+    """Loss, top-1 and top-5 accuracy of `model` over exactly the whole split `loader` reads.
+
+    Every rank counts its own samples and the sums are all-reduced over the process group when one is
+    initialised, so every rank returns the whole split's figures; a `make_loader` validation loader hands
+    each sample to exactly one rank and never yields padding.
+
+    Args:
+        model: The classifier, called on each batch of images; put in eval mode.
+        loader: Yields (images, labels) batches on `device`, e.g. `make_loader(..., "val", ...)`.
+        device: Where the sums are kept: the device the batches arrive on (`torch.device("cuda", 0)`,
+            `"cpu"`).
+        dtype: Autocast's dtype (`torch.bfloat16`, `torch.float16`); None: full precision. Default None.
+        num_classes: The model's class count; top-5 is top-k with k = min(5, num_classes). Default 1000.
+
+    Returns:
+        `{"val_loss": mean cross-entropy, "top1": fraction, "top5": fraction, "val_samples": count}`.
+    """
     model.eval()
+    device = device.device if isinstance(device, Dist) else torch.device(device)
     k = min(5, num_classes)
-    totals = torch.zeros(4, device=dist.device, dtype=torch.float64)  # loss sum, top1, topk, count
+    totals = torch.zeros(4, device=device, dtype=torch.float64)  # loss sum, top1, topk, count
     for images, labels in loader:
-        with autocast(dist, dtype):
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             logits = model(images)
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         topk = logits.topk(k, dim=1).indices

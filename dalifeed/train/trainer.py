@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from contextlib import nullcontext
@@ -47,11 +48,11 @@ from .data import (
     mix_plan,
     open_data,
 )
-from .distributed import Dist, log, setup, teardown
+from .distributed import Dist, launched, log, setup, teardown
 from .evaluation import autocast, measurer, validation_record
 from .mixup import BatchMixer, soft_cross_entropy
 from .progress import EpochProgress
-from .resume import check_same_data
+from .resume import check_same_data, resolve_run
 from .run import EpochStats, Run, RunLog, SampleLog, TrainState
 from .stop import TrainingStopped, agree_to_skip
 from .swa import finish_swa, make_swa, swa_path, swa_payload, swa_schedule
@@ -63,13 +64,52 @@ class TrainingDiverged(Exception):
 
 @dataclass
 class TrainResult:
-    metrics: dict  # the last epoch's record, as in metrics.jsonl
-    model: torch.nn.Module  # this rank's trained model, unwrapped from DDP/compile
+    """What `main` returns on each rank once the run has finished.
+
+    Attributes:
+        metrics: The last epoch's record, as its line in RUN/metrics.jsonl (epoch, train_loss, top1, top5,
+            val_loss, images_per_s, ...).
+        model: This rank's trained model, unwrapped from DDP and `torch.compile`.
+    """
+
+    metrics: dict
+    model: torch.nn.Module
 
 
-def main(cfg: TrainConfig, resume: dict | None = None) -> TrainResult:
-    """Train `cfg`; `resume` is the checkpoint to continue from (`resolve_run` chose both). Rank 0 holds RUN's
-    lock throughout."""
+def main(cfg: TrainConfig, resume: str | os.PathLike | dict | None = None) -> TrainResult:
+    """Train `cfg` as `dali-train` does: on every process torchrun started (one without it), rank 0 writing
+    the run folder `cfg.out` and holding its lock throughout.
+
+    Args:
+        cfg: The run's options.
+        resume: None starts a new run in `cfg.out` (give a new or empty folder). `"auto"` continues the
+            run `cfg.out` holds, from its last.pt, if every option but those a resume may change (epochs,
+            workers, profile, compile, checkpoint_every, check_shards, progress_every, tensorboard_every,
+            cache_dir, cache_limit, log_samples, allow_data_change) is the same, and starts one when it holds
+            none (`dali-train --resume auto`). A run folder continues that run with its saved config, `cfg`'s
+            values ignored (`dali-train --resume RUN`). A dict is a checkpoint already loaded (what the
+            command line passes). Default None.
+
+    Returns:
+        The last epoch's metrics and this rank's trained model.
+
+    Raises:
+        ConfigError: An option is out of range, `cfg.out` cannot be used, or the run it holds has other
+            options than `cfg` (each named).
+        TrainingDiverged: The loss stayed non-finite for `cfg.max_bad_steps` steps in a row.
+        ShardDataError: A shard is missing, truncated or unreadable.
+
+    Example:
+        ```python
+        from dalifeed.train import TrainConfig, main
+
+        result = main(TrainConfig(data="/data/shards", out="runs/r50", epochs=16), resume="auto")
+        print(result.metrics["top1"])
+        ```
+    """
+    if isinstance(resume, (str, os.PathLike)):
+        run = None if resume == "auto" else Path(resume)
+        cfg, resume = resolve_run(cfg, (), run, world_size=launched().world_size)
     cfg.validate()
     dist = setup(cfg.device)
     try:
