@@ -42,7 +42,8 @@ def make_loader(data: str | os.PathLike | list | ShardData, split: str, batch_si
     `WORLD_SIZE` (never `LOCAL_RANK`, the rank on the node), else those of a Slurm step started by `srun`
     without torchrun (`SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`: srun sets the step's task count, sbatch's batch
     script has only the allocation's `SLURM_NTASKS` with `SLURM_PROCID=0`), else rank 0 of 1. Given, they win
-    over the environment; given values that disagree with an initialized process group raise ValueError.
+    over the environment; given values that disagree with an initialized process group raise ValueError, but
+    for a data-parallel subgroup's (a `world_size` above 1 dividing the group's size; ranks.py).
     `loader.options.ranks_from` says which source won ("arguments", "process group", "environment
     (RANK/WORLD_SIZE)", "environment (SLURM_PROCID/SLURM_STEP_NUM_TASKS)" or "default").
 

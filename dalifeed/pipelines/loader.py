@@ -79,9 +79,9 @@ class LoaderOptions:
     as channels_last NCHW tensors, the share of JPEGs `gpu` decoding gives the hardware decoder.
     `rank` and `world_size`, given together or not at all, default to the launcher's (ranks.py: an initialized
     process group, else torchrun's RANK/WORLD_SIZE, else srun's SLURM_PROCID/SLURM_STEP_NUM_TASKS, else 0 of
-    1); given ones that disagree with an initialized process group raise ValueError. `ranks_from` says which
-    of those `resolved()` took: "arguments", "process group", "environment (RANK/WORLD_SIZE)", "environment
-    (SLURM_PROCID/SLURM_STEP_NUM_TASKS)" or "default"."""
+    1); given ones that disagree with an initialized process group raise ValueError, but for a data-parallel
+    subgroup's (ranks.py). `ranks_from` says which of those `resolved()` took: "arguments", "process group",
+    "environment (RANK/WORLD_SIZE)", "environment (SLURM_PROCID/SLURM_STEP_NUM_TASKS)" or "default"."""
 
     split: str
     batch_size: int
