@@ -58,8 +58,8 @@ def open_gpu(device_index: int):
 
 def find_gpu(nvml, cuda_uuid: str, pci: tuple[int, int, int] | None = None):
     """The NVML handle of the GPU or MIG instance whose UUID CUDA reports, among those `nvml` (the pynvml module)
-    lets this process open; else the one GPU at CUDA's PCI (domain, bus, device); else None. GPUs whose handle or
-    UUID NVML refuses are another job's: skipped."""
+    lets this process open; else the one GPU not in MIG mode at CUDA's PCI (domain, bus, device); else None. GPUs
+    whose handle or UUID NVML refuses are another job's: skipped."""
     wanted, at_pci = _bare(cuda_uuid), []
     for index in range(nvml.nvmlDeviceGetCount()):
         try:
@@ -69,25 +69,27 @@ def find_gpu(nvml, cuda_uuid: str, pci: tuple[int, int, int] | None = None):
             continue
         if uuid == wanted:
             return handle
-        for instance in _mig_instances(nvml, handle):
+        instances = _mig_instances(nvml, handle)
+        for instance in instances or ():
             try:
                 if _bare(nvml.nvmlDeviceGetUUID(instance)) == wanted:
                     return instance
             except nvml.NVMLError:
                 continue
-        if pci is not None and _pci(nvml, handle) == tuple(pci):
+        # a GPU in MIG mode is no CUDA device; its instances share its bus id, and its figures are all tenants'
+        if instances is None and pci is not None and _pci(nvml, handle) == tuple(pci):
             at_pci.append(handle)
     return at_pci[0] if len(at_pci) == 1 else None
 
 
-def _mig_instances(nvml, handle) -> list:
-    """The MIG instances of a GPU in MIG mode this process may open; none on any other GPU."""
+def _mig_instances(nvml, handle) -> list | None:
+    """The MIG instances of a GPU in MIG mode this process may open; None for a GPU not in MIG mode."""
     try:
         if nvml.nvmlDeviceGetMigMode(handle)[0] != nvml.NVML_DEVICE_MIG_ENABLE:
-            return []
+            return None
         slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
     except nvml.NVMLError:  # NOT_SUPPORTED: a GPU without MIG
-        return []
+        return None
     instances = []
     for slot in range(slots):
         try:

@@ -283,3 +283,14 @@ def test_the_pci_bus_id_finds_a_gpu_whose_uuid_nvml_does_not_list_and_nothing_is
     assert find_gpu(nvml, unknown, (0, 0x12, 0)) is gpus[2]
     assert find_gpu(nvml, unknown, (0, 0x10, 0)) is None  # GPU 0 is another job's
     assert find_gpu(nvml, unknown) is None
+
+
+def test_a_mig_instance_whose_uuid_is_not_listed_is_not_given_its_parent_gpus_figures():
+    """A MIG instance's PCI bus id is its parent GPU's: the bus id must not hand out the whole GPU's figures (every
+    tenant's memory) for an instance NVML does not list by UUID (an older driver's MIG-GPU-<uuid>/<gi>/<ci> form)."""
+    instance = Gpu(uuid="MIG-11111111-1111-2222-3333-444444444444", bus=0x11)
+    gpus = machine(2, **{"1": dict(mig=[instance])})
+    nvml = fake_nvml(gpus)
+    assert find_gpu(nvml, "99999999-1111-2222-3333-444444444444", (0, 0x11, 0)) is None
+    assert find_gpu(nvml, "99999999-1111-2222-3333-444444444444", (0, 0x10, 0)) is gpus[0]
+    assert find_gpu(nvml, torch_uuid(instance), (0, 0x11, 0)) is instance
