@@ -10,7 +10,7 @@ import functools
 import os
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pynvml as real_nvml
@@ -259,6 +259,29 @@ def test_a_gpu_whose_name_nvml_cannot_read_does_not_discard_the_driver_or_the_st
     for index in (1, 3):  # CUDA's order is NVML's here (no CUDA_VISIBLE_DEVICES); GPU 3's UUID still reads
         assert nvml_stats(nvml, find_gpu(nvml, torch_uuid(gpus[index])), os.getpid()) == {
             "gpu_util_percent": 10 * index, "gpu_memory_used_gb": index + 1.0, "gpu_process_memory_gb": index + 0.5}
+
+
+def test_nvml_that_cannot_count_the_gpus_keeps_the_driver_and_lists_no_gpu_it_did_not_see(node):
+    """nvmlInit and the system calls answer, nvmlDeviceGetCount fails: the driver's versions stay, the job's device
+    file decides, and neither doctor nor the CPU note counts the failure as a GPU."""
+    nvml = fake_nvml(machine(2))
+
+    def count():
+        raise real_nvml.NVMLError_Unknown()
+    nvml.nvmlDeviceGetCount = count
+    stack = node(nvml, gpus_seen=1, devices=2, openable={1})
+    assert (stack.driver, stack.driver_cuda, stack.nvml_gpus, stack.nvml_closed) == ("580.65.06", "13.0", (), ())
+    assert stack.nvml_error == "nvmlDeviceGetCount: Unknown Error" and stack.device_files == ("/dev/nvidia1",)
+    report = check(stack)
+    assert report.problems == report.notes == [] and report.device == "gpu"
+    code, lines = doctor_lines()
+    assert code == 0, lines
+    assert ("  GPUs         NVML: not counted (nvmlDeviceGetCount: Unknown Error); device files: /dev/nvidia1"
+            in lines), lines
+    assert not any("NVML lists" in line for line in lines), lines
+
+    none_given = check(replace(stack, device_files=(), closed_device_files=(), torch_gpus=0, dali_gpus=0))
+    assert none_given.device == "cpu" and none_given.notes == [], none_given.notes
 
 
 # -- statistics: MIG, and the PCI bus id where the UUID is not listed -----------------------------------------
