@@ -4,7 +4,7 @@ torch numbers the GPUs CUDA_VISIBLE_DEVICES leaves visible, NVML every GPU of th
 CUDA_VISIBLE_DEVICES=2,3 (what Slurm and Kubernetes set), torch's cuda:0 is NVML's GPU 2, and NVML's GPU 0
 belongs to another job. Both report a GPU's UUID: torch as `get_device_properties(i).uuid` (a `_CUuuid` whose
 str is the bare "8-4-4-4-12" hex form, torch/csrc/cuda/Module.cpp), NVML as `nvmlDeviceGetUUID` with a
-"GPU-" prefix. `nvml_index` matches them; `open_gpu` and `gpu_stats` are what dali-train and gpu-check use.
+"GPU-" prefix. `find_gpu` matches them; `open_gpu` and `gpu_stats` are what dali-train and gpu-check use.
 
 NVML also lists GPUs this process may not open (another job's, under Slurm's ConstrainDevices: NO_PERMISSION on
 their handle): `find_gpu` skips them. A MIG instance has its own UUID, which CUDA reports and NVML gives on the
@@ -18,14 +18,6 @@ outside it. NVML's per-process figure holds them all; where NVML cannot attribut
 from __future__ import annotations
 
 import os
-
-
-def nvml_index(cuda_uuid: str, nvml_uuids: list[str]) -> int | None:
-    """The position in NVML's device list of the GPU whose UUID CUDA reports (with or without NVML's "GPU-"
-    prefix; any case), or None when NVML lists no such GPU (a MIG instance has its own "MIG-" UUID)."""
-    wanted = _bare(cuda_uuid)
-    matches = [i for i, uuid in enumerate(nvml_uuids) if _bare(uuid) == wanted]
-    return matches[0] if len(matches) == 1 else None
 
 
 def _bare(uuid: str | bytes) -> str:

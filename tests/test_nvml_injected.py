@@ -308,6 +308,18 @@ def test_the_pci_bus_id_finds_a_gpu_whose_uuid_nvml_does_not_list_and_nothing_is
     assert find_gpu(nvml, unknown) is None
 
 
+def test_the_uuid_finds_the_gpu_whatever_its_visible_index_case_or_type():
+    """CUDA_VISIBLE_DEVICES=2,3: torch's cuda:0 and cuda:1 are NVML's GPUs 2 and 3 (torch gives the UUID without
+    NVML's "GPU-" prefix); the raw index 0 would be another job's GPU."""
+    gpus = machine(4)
+    nvml = fake_nvml(gpus)
+    assert [find_gpu(nvml, torch_uuid(gpus[i])) for i in (2, 3)] == [gpus[2], gpus[3]]
+    assert find_gpu(nvml, gpus[1].uuid.upper()) is gpus[1]  # any case, with the prefix
+    gpus[3].uuid = gpus[3].uuid.encode()  # older nvidia-ml-py returns bytes
+    assert find_gpu(nvml, "00000003-aaaa-bbbb-cccc-000000000003") is gpus[3]
+    assert find_gpu(nvml, "4e4e4e4e-4444-4444-4444-444444444444") is None  # not listed
+
+
 def test_a_mig_instance_whose_uuid_is_not_listed_is_not_given_its_parent_gpus_figures():
     """A MIG instance's PCI bus id is its parent GPU's: the bus id must not hand out the whole GPU's figures (every
     tenant's memory) for an instance NVML does not list by UUID (an older driver's MIG-GPU-<uuid>/<gi>/<ci> form)."""
