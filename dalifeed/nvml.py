@@ -79,9 +79,12 @@ def _mig_instances(nvml, handle) -> list | None:
     try:
         if nvml.nvmlDeviceGetMigMode(handle)[0] != nvml.NVML_DEVICE_MIG_ENABLE:
             return None
-        slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
     except nvml.NVMLError:  # NOT_SUPPORTED: a GPU without MIG
         return None
+    try:
+        slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+    except nvml.NVMLError:  # in MIG mode all the same: no instance this process may read
+        return []
     instances = []
     for slot in range(slots):
         try:

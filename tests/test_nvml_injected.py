@@ -329,3 +329,8 @@ def test_a_mig_instance_whose_uuid_is_not_listed_is_not_given_its_parent_gpus_fi
     assert find_gpu(nvml, "99999999-1111-2222-3333-444444444444", (0, 0x11, 0)) is None
     assert find_gpu(nvml, "99999999-1111-2222-3333-444444444444", (0, 0x10, 0)) is gpus[0]
     assert find_gpu(nvml, torch_uuid(instance), (0, 0x11, 0)) is instance
+
+    def slots(gpu):
+        raise real_nvml.NVMLError_NoPermission()
+    nvml.nvmlDeviceGetMaxMigDeviceCount = slots  # in MIG mode, its instances unreadable: still not a PCI match
+    assert find_gpu(nvml, torch_uuid(instance), (0, 0x11, 0)) is None
