@@ -91,6 +91,8 @@ def render(doc: dict) -> str:
     driver = (f"{s['driver']} (runs CUDA up to {s['driver_cuda']})" if s["driver"] else
               f"not read: NVML does not answer ({s['nvml_error'] or 'no libnvidia-ml.so.1'})" if s["gpu_node"] else
               "none answers (NVML: no libnvidia-ml.so.1)")
+    nvml = ", ".join(s["nvml_gpus"]) or (f"not counted ({s['nvml_error']})" if s["driver"] and s["nvml_error"]
+                                         else "none")
     hidden = f"; CUDA_VISIBLE_DEVICES={s['cuda_visible_devices']!r}" if s["cuda_visible_devices"] is not None else ""
     lines = [
         "dalifeed doctor: the stack of this node",
@@ -101,7 +103,7 @@ def render(doc: dict) -> str:
         f"  torchvision  {doc['torchvision'] or 'not installed'}",
         f"  DALI         {s['dali'] or 'not installed'} ({dali_build}); sees {s['dali_gpus']} GPU(s)",
         f"  driver       {driver}",
-        f"  GPUs         NVML: {', '.join(s['nvml_gpus']) or 'none'}; device files: "
+        f"  GPUs         NVML: {nvml}; device files: "
         f"{', '.join(s['device_files']) or 'none'}{hidden}",
         *([f"{'':15}NVML lists, will not open or name: {', '.join(s['nvml_closed'])}"] if s["nvml_closed"] else []),
         *([f"{'':15}not openable here: {', '.join(s['closed_device_files'])}"] if s["closed_device_files"] else []),

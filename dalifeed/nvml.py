@@ -4,7 +4,7 @@ torch numbers the GPUs CUDA_VISIBLE_DEVICES leaves visible, NVML every GPU of th
 CUDA_VISIBLE_DEVICES=2,3 (what Slurm and Kubernetes set), torch's cuda:0 is NVML's GPU 2, and NVML's GPU 0
 belongs to another job. Both report a GPU's UUID: torch as `get_device_properties(i).uuid` (a `_CUuuid` whose
 str is the bare "8-4-4-4-12" hex form, torch/csrc/cuda/Module.cpp), NVML as `nvmlDeviceGetUUID` with a
-"GPU-" prefix. `nvml_index` matches them; `open_gpu` and `gpu_stats` are what dali-train and gpu-check use.
+"GPU-" prefix. `find_gpu` matches them; `open_gpu` and `gpu_stats` are what dali-train and gpu-check use.
 
 NVML also lists GPUs this process may not open (another job's, under Slurm's ConstrainDevices: NO_PERMISSION on
 their handle): `find_gpu` skips them. A MIG instance has its own UUID, which CUDA reports and NVML gives on the
@@ -18,14 +18,6 @@ outside it. NVML's per-process figure holds them all; where NVML cannot attribut
 from __future__ import annotations
 
 import os
-
-
-def nvml_index(cuda_uuid: str, nvml_uuids: list[str]) -> int | None:
-    """The position in NVML's device list of the GPU whose UUID CUDA reports (with or without NVML's "GPU-"
-    prefix; any case), or None when NVML lists no such GPU (a MIG instance has its own "MIG-" UUID)."""
-    wanted = _bare(cuda_uuid)
-    matches = [i for i, uuid in enumerate(nvml_uuids) if _bare(uuid) == wanted]
-    return matches[0] if len(matches) == 1 else None
 
 
 def _bare(uuid: str | bytes) -> str:
@@ -58,8 +50,8 @@ def open_gpu(device_index: int):
 
 def find_gpu(nvml, cuda_uuid: str, pci: tuple[int, int, int] | None = None):
     """The NVML handle of the GPU or MIG instance whose UUID CUDA reports, among those `nvml` (the pynvml module)
-    lets this process open; else the one GPU at CUDA's PCI (domain, bus, device); else None. GPUs whose handle or
-    UUID NVML refuses are another job's: skipped."""
+    lets this process open; else the one GPU not in MIG mode at CUDA's PCI (domain, bus, device); else None. GPUs
+    whose handle or UUID NVML refuses are another job's: skipped."""
     wanted, at_pci = _bare(cuda_uuid), []
     for index in range(nvml.nvmlDeviceGetCount()):
         try:
@@ -69,24 +61,29 @@ def find_gpu(nvml, cuda_uuid: str, pci: tuple[int, int, int] | None = None):
             continue
         if uuid == wanted:
             return handle
-        for instance in _mig_instances(nvml, handle):
+        instances = _mig_instances(nvml, handle)
+        for instance in instances or ():
             try:
                 if _bare(nvml.nvmlDeviceGetUUID(instance)) == wanted:
                     return instance
             except nvml.NVMLError:
                 continue
-        if pci is not None and _pci(nvml, handle) == tuple(pci):
+        # a GPU in MIG mode is no CUDA device; its instances share its bus id, and its figures are all tenants'
+        if instances is None and pci is not None and _pci(nvml, handle) == tuple(pci):
             at_pci.append(handle)
     return at_pci[0] if len(at_pci) == 1 else None
 
 
-def _mig_instances(nvml, handle) -> list:
-    """The MIG instances of a GPU in MIG mode this process may open; none on any other GPU."""
+def _mig_instances(nvml, handle) -> list | None:
+    """The MIG instances of a GPU in MIG mode this process may open; None for a GPU not in MIG mode."""
     try:
         if nvml.nvmlDeviceGetMigMode(handle)[0] != nvml.NVML_DEVICE_MIG_ENABLE:
-            return []
-        slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+            return None
     except nvml.NVMLError:  # NOT_SUPPORTED: a GPU without MIG
+        return None
+    try:
+        slots = nvml.nvmlDeviceGetMaxMigDeviceCount(handle)
+    except nvml.NVMLError:  # in MIG mode all the same: no instance this process may read
         return []
     instances = []
     for slot in range(slots):

@@ -55,7 +55,7 @@ class Stack:
     driver_cuda: str | None = None  # the newest CUDA the driver runs ("12.2", nvmlSystemGetCudaDriverVersion)
     nvml_gpus: tuple[str, ...] = ()  # the names of the GPUs NVML lists and lets this process open
     nvml_closed: tuple[str, ...] = ()  # "GPU <i>: <NVML error>" for each GPU NVML lists but will not open or name
-    nvml_error: str | None = None  # why NVML did not answer ("NVML Shared Library Not Found": no libnvidia-ml.so.1)
+    nvml_error: str | None = None  # why NVML did not answer or count the GPUs ("NVML Shared Library Not Found")
     device_files: tuple[str, ...] = ()  # /dev/nvidia<N> this process can open: GPUs even where NVML is silent
     closed_device_files: tuple[str, ...] = ()  # /dev/nvidia<N> it may not open (a job's cgroup device rules)
     host_gpus: tuple[str, ...] = ()  # /proc/driver/nvidia/gpus/<bus id>: the host's, seen also by a container without
@@ -365,7 +365,7 @@ def stack_report() -> StackReport:
 
 class NvmlAnswer(NamedTuple):
     """What NVML tells this process: the driver's version and newest CUDA ("12.2"), the names of the GPUs it may
-    open, "GPU <i>: <error>" for those it may not, and why NVML did not answer at all (None when it did)."""
+    open, "GPU <i>: <error>" for those it may not, and why NVML did not answer or count the GPUs (None when it did)."""
 
     driver: str | None = None
     cuda: str | None = None
@@ -396,7 +396,7 @@ def nvml_driver() -> NvmlAnswer:
         try:
             count = pynvml.nvmlDeviceGetCount()  # _v2: every GPU of the machine, also those this process may not open
         except Exception as e:
-            return NvmlAnswer(driver, cuda, closed=(f"nvmlDeviceGetCount: {e}",))
+            return NvmlAnswer(driver, cuda, error=f"nvmlDeviceGetCount: {e}")
         names, closed = [], []
         for i in range(count):
             try:

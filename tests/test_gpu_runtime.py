@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from dalifeed.nvml import nvml_index, process_memory
+from dalifeed.nvml import process_memory
 from dalifeed.train import checkpoint
 
 # ----------------------------------------------------------------------------------------------------
@@ -63,22 +63,7 @@ def test_a_checkpoint_restores_this_gpus_generator_even_from_more_gpus(tmp_path)
 
 
 # ----------------------------------------------------------------------------------------------------
-# NVML: this process's GPU by its UUID
-
-NVML = ["GPU-0a0a0a0a-0000-0000-0000-000000000000", "GPU-1b1b1b1b-1111-1111-1111-111111111111",
-        "GPU-2c2c2c2c-2222-2222-2222-222222222222", "GPU-3d3d3d3d-3333-3333-3333-333333333333"]
-
-
-def test_nvml_index_follows_the_uuid_not_the_visible_index():
-    """CUDA_VISIBLE_DEVICES=2,3: torch's cuda:0 and cuda:1 are NVML's GPUs 2 and 3 (torch gives the UUID
-    without NVML's "GPU-" prefix); the raw index 0 would be another job's GPU."""
-    visible = ["2c2c2c2c-2222-2222-2222-222222222222", "3d3d3d3d-3333-3333-3333-333333333333"]
-    assert [nvml_index(uuid, NVML) for uuid in visible] == [2, 3]
-    assert nvml_index("GPU-1B1B1B1B-1111-1111-1111-111111111111", NVML) == 1  # any case, with the prefix
-    assert nvml_index(NVML[3].encode(), NVML) == 3  # older nvidia-ml-py returns bytes
-    assert nvml_index("4e4e4e4e-4444-4444-4444-444444444444", NVML) is None  # not listed (e.g. a MIG UUID)
-    assert nvml_index(visible[0], NVML + [NVML[2]]) is None  # ambiguous: no guess
-
+# NVML: this process's figures (which GPU is this process's: tests/test_nvml_injected.py)
 
 def test_process_memory_is_nvmls_figure_for_this_pid_or_none():
     processes = [SimpleNamespace(pid=10, usedGpuMemory=5 * 2**30), SimpleNamespace(pid=42, usedGpuMemory=3 * 2**30),

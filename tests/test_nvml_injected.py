@@ -10,7 +10,7 @@ import functools
 import os
 import sys
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pynvml as real_nvml
@@ -261,6 +261,29 @@ def test_a_gpu_whose_name_nvml_cannot_read_does_not_discard_the_driver_or_the_st
             "gpu_util_percent": 10 * index, "gpu_memory_used_gb": index + 1.0, "gpu_process_memory_gb": index + 0.5}
 
 
+def test_nvml_that_cannot_count_the_gpus_keeps_the_driver_and_lists_no_gpu_it_did_not_see(node):
+    """nvmlInit and the system calls answer, nvmlDeviceGetCount fails: the driver's versions stay, the job's device
+    file decides, and neither doctor nor the CPU note counts the failure as a GPU."""
+    nvml = fake_nvml(machine(2))
+
+    def count():
+        raise real_nvml.NVMLError_Unknown()
+    nvml.nvmlDeviceGetCount = count
+    stack = node(nvml, gpus_seen=1, devices=2, openable={1})
+    assert (stack.driver, stack.driver_cuda, stack.nvml_gpus, stack.nvml_closed) == ("580.65.06", "13.0", (), ())
+    assert stack.nvml_error == "nvmlDeviceGetCount: Unknown Error" and stack.device_files == ("/dev/nvidia1",)
+    report = check(stack)
+    assert report.problems == report.notes == [] and report.device == "gpu"
+    code, lines = doctor_lines()
+    assert code == 0, lines
+    assert ("  GPUs         NVML: not counted (nvmlDeviceGetCount: Unknown Error); device files: /dev/nvidia1"
+            in lines), lines
+    assert not any("NVML lists" in line for line in lines), lines
+
+    none_given = check(replace(stack, device_files=(), closed_device_files=(), torch_gpus=0, dali_gpus=0))
+    assert none_given.device == "cpu" and none_given.notes == [], none_given.notes
+
+
 # -- statistics: MIG, and the PCI bus id where the UUID is not listed -----------------------------------------
 
 def test_a_mig_instance_is_found_by_its_own_uuid_and_keeps_the_figures_nvml_gives():
@@ -283,3 +306,31 @@ def test_the_pci_bus_id_finds_a_gpu_whose_uuid_nvml_does_not_list_and_nothing_is
     assert find_gpu(nvml, unknown, (0, 0x12, 0)) is gpus[2]
     assert find_gpu(nvml, unknown, (0, 0x10, 0)) is None  # GPU 0 is another job's
     assert find_gpu(nvml, unknown) is None
+
+
+def test_the_uuid_finds_the_gpu_whatever_its_visible_index_case_or_type():
+    """CUDA_VISIBLE_DEVICES=2,3: torch's cuda:0 and cuda:1 are NVML's GPUs 2 and 3 (torch gives the UUID without
+    NVML's "GPU-" prefix); the raw index 0 would be another job's GPU."""
+    gpus = machine(4)
+    nvml = fake_nvml(gpus)
+    assert [find_gpu(nvml, torch_uuid(gpus[i])) for i in (2, 3)] == [gpus[2], gpus[3]]
+    assert find_gpu(nvml, gpus[1].uuid.upper()) is gpus[1]  # any case, with the prefix
+    gpus[3].uuid = gpus[3].uuid.encode()  # older nvidia-ml-py returns bytes
+    assert find_gpu(nvml, "00000003-aaaa-bbbb-cccc-000000000003") is gpus[3]
+    assert find_gpu(nvml, "4e4e4e4e-4444-4444-4444-444444444444") is None  # not listed
+
+
+def test_a_mig_instance_whose_uuid_is_not_listed_is_not_given_its_parent_gpus_figures():
+    """A MIG instance's PCI bus id is its parent GPU's: the bus id must not hand out the whole GPU's figures (every
+    tenant's memory) for an instance NVML does not list by UUID (an older driver's MIG-GPU-<uuid>/<gi>/<ci> form)."""
+    instance = Gpu(uuid="MIG-11111111-1111-2222-3333-444444444444", bus=0x11)
+    gpus = machine(2, **{"1": dict(mig=[instance])})
+    nvml = fake_nvml(gpus)
+    assert find_gpu(nvml, "99999999-1111-2222-3333-444444444444", (0, 0x11, 0)) is None
+    assert find_gpu(nvml, "99999999-1111-2222-3333-444444444444", (0, 0x10, 0)) is gpus[0]
+    assert find_gpu(nvml, torch_uuid(instance), (0, 0x11, 0)) is instance
+
+    def slots(gpu):
+        raise real_nvml.NVMLError_NoPermission()
+    nvml.nvmlDeviceGetMaxMigDeviceCount = slots  # in MIG mode, its instances unreadable: still not a PCI match
+    assert find_gpu(nvml, torch_uuid(instance), (0, 0x11, 0)) is None

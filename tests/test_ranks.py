@@ -98,7 +98,8 @@ def test_the_readmes_loop_in_a_gloo_group_reads_half_the_epoch_per_rank(shards, 
     records = run_ranks(commands, tmp_path)
     check_parts(records, shards, coco_ids, "process group")
     assert records[1]["disagree"] == ("rank=0, world_size=1 disagree with the initialized process group (rank 1 of "
-                                      "2): pass the group's, or leave both out to use it")
+                                      "2): pass the group's, a data-parallel subgroup's (a world_size above 1 "
+                                      "dividing 2), or leave both out to use it")
 
 
 @pytest.mark.parametrize("environ, expected", [
@@ -150,7 +151,8 @@ def test_given_ranks_that_disagree_with_the_process_group_are_one_line(shards, m
         loader = make_loader(shards, "train", 4, device="cpu", num_threads=1)
         assert (loader.options.rank, loader.options.world_size, loader.options.ranks_from) == (0, 1, "process group")
         message = (r"^rank=1, world_size=2 disagree with the initialized process group \(rank 0 of 1\): pass the "
-                   r"group's, or leave both out to use it$")
+                   r"group's, a data-parallel subgroup's \(a world_size above 1 dividing 1\), or leave both out to "
+                   r"use it$")
         with pytest.raises(ValueError, match=message):
             make_loader(shards, "train", 4, rank=1, world_size=2, device="cpu")
         with pytest.raises(ValueError, match=message):
@@ -185,6 +187,30 @@ def test_dali_train_records_where_its_ranks_came_from_and_refuses_srun_without_t
                                           r"SLURM_STEP_NUM_TASKS\)\) but dali-train's ranks are torchrun's "
                                           r"RANK/WORLD_SIZE \(rank 0 of 1\): start it with torchrun"):
         loader_options(cfg, one, threads=1)
+
+
+@pytest.mark.parametrize("rank, world_size, allowed", [
+    (5, 8, True),    # the group's own
+    (1, 4, True),    # a data-parallel subgroup of 4 in 8 ranks (tensor parallel 2): given values win
+    (3, 4, True),
+    (3, 8, False),   # the group's size, another rank: LOCAL_RANK passed as rank on a second node
+    (0, 1, False),   # every rank reading the whole split: a forgotten rank=0, world_size=1
+    (1, 3, False),   # not a subgroup's size
+    (1, 16, False),  # more ranks than the group
+])
+def test_given_ranks_against_the_process_group(rank, world_size, allowed):
+    """Rank 5 of an 8-rank default group; a Megatron-style data-parallel subgroup's ranks are not refused."""
+    from dalifeed.pipelines.ranks import check_against_group
+
+    group = Ranks(5, 8, "process group")
+    if allowed:
+        check_against_group(rank, world_size, group)
+    else:
+        with pytest.raises(ValueError, match=rf"^rank={rank}, world_size={world_size} disagree with the initialized "
+                                             rf"process group \(rank 5 of 8\): pass the group's, a data-parallel "
+                                             rf"subgroup's \(a world_size above 1 dividing 8\), or leave both out"):
+            check_against_group(rank, world_size, group)
+    check_against_group(rank, world_size, None)  # no group: the arguments as given
 
 
 @pytest.mark.parametrize("current, visible, environ, expected", [

@@ -58,8 +58,9 @@ def make_loader(data: str | os.PathLike | list | ShardData, split: str, batch_si
             `batch_size`. `rank` and `world_size` (given together or not at all) default to the launcher's:
             an initialized `torch.distributed` process group's, else torchrun's `RANK` and `WORLD_SIZE` (never
             `LOCAL_RANK`, the rank on the node), else those of a Slurm step started by `srun` without torchrun
-            (`SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`), else rank 0 of 1. Given, they win over the environment.
-            `loader.options.ranks_from` says which source won.
+            (`SLURM_PROCID`, `SLURM_STEP_NUM_TASKS`), else rank 0 of 1. Given, they win over the environment;
+            given values must agree with an initialized process group, or be a data-parallel subgroup's (a
+            `world_size` above 1 dividing the group's size). `loader.options.ranks_from` says which source won.
 
     Returns:
         One shard folder: a `DaliLoader`. Several: a `MixedLoader` for a training split (every batch drawn

@@ -102,7 +102,8 @@ class LoaderOptions:
         rank: This process's rank, 0 to `world_size - 1`: which part of the split it reads; None (given
             together with `world_size` or not at all): the launcher's, from an initialized process group, else
             torchrun's `RANK`, else srun's `SLURM_PROCID`, else 0. Given, it wins over the environment; given
-            values that disagree with an initialized process group raise ValueError. Default None.
+            values that disagree with an initialized process group raise ValueError, but for a data-parallel
+            subgroup's (a `world_size` above 1 dividing the group's size). Default None.
         world_size: The number of processes reading the split together; None: the launcher's
             (`get_world_size()`, `WORLD_SIZE`, `SLURM_STEP_NUM_TASKS`, else 1). Default None.
         seed: Seeds the shuffle and the augmentations: an epoch's order depends on `(seed, epoch)` alone.

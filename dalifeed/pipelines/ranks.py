@@ -11,8 +11,10 @@ A loader left without `rank` and `world_size` takes them from, in order:
    there would otherwise read a fraction of the split. Under `srun torchrun`, torchrun's `RANK` comes first;
 4. otherwise rank 0 of 1: "default".
 
-Given values win over the environment; given values that disagree with an initialized process group are an
-error (one line): a rank the collectives do not share would read another rank's samples or none.
+Given values win over the environment. Given values that disagree with an initialized process group are an
+error (one line): a rank the collectives do not share would read another rank's samples or none. A
+data-parallel subgroup's ranks are the exception: a `world_size` above 1 that divides the group's size (tensor-
+or pipeline-parallel ranks, `dist.new_group`, sharing one part), with a rank below it.
 """
 
 from __future__ import annotations
@@ -84,10 +86,7 @@ def resolve_ranks(rank: int | None, world_size: int | None, ranks_from: str | No
     check_given(rank, world_size)
     if rank is None:
         return launcher_ranks(environ)
-    group = group_ranks()
-    if group is not None and (group.rank, group.world_size) != (rank, world_size):
-        raise ValueError(f"rank={rank}, world_size={world_size} disagree with the initialized process group (rank "
-                         f"{group.rank} of {group.world_size}): pass the group's, or leave both out to use it")
+    check_against_group(rank, world_size, group_ranks())
     if ranks_from not in (None, FROM_ARGUMENTS):
         try:
             launcher = launcher_ranks(environ)
@@ -96,6 +95,18 @@ def resolve_ranks(rank: int | None, world_size: int | None, ranks_from: str | No
         if launcher == Ranks(rank, world_size, ranks_from):
             return launcher
     return Ranks(rank, world_size, FROM_ARGUMENTS)
+
+
+def check_against_group(rank: int, world_size: int, group: Ranks | None) -> None:
+    """Raise ValueError where given ranks disagree with the initialized process group `group` (None: no group),
+    unless they can be a data-parallel subgroup's (module docstring)."""
+    if group is None or (group.rank, group.world_size) == (rank, world_size):
+        return
+    if 1 < world_size < group.world_size and group.world_size % world_size == 0:
+        return
+    raise ValueError(f"rank={rank}, world_size={world_size} disagree with the initialized process group (rank "
+                     f"{group.rank} of {group.world_size}): pass the group's, a data-parallel subgroup's (a world_size "
+                     f"above 1 dividing {group.world_size}), or leave both out to use it")
 
 
 def local_gpu(current: int, visible: int, environ: Mapping[str, str] | None = None) -> int:

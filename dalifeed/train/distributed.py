@@ -43,7 +43,8 @@ class Launch:
 
 
 def launched(environ=os.environ) -> Launch:
-    """The launcher's variables, read here and nowhere else (the CLI's messages and `setup` both use them)."""
+    """torchrun's variables as dali-train reads them (the CLI's messages and `setup` both use them); the loaders
+    read theirs in pipelines/ranks.py, and `data.loader_options` refuses a run where the two disagree."""
     return Launch(int(environ.get("RANK", 0)), int(environ.get("WORLD_SIZE", 1)), int(environ.get("LOCAL_RANK", 0)))
 
 
