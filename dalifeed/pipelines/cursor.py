@@ -57,12 +57,16 @@ class FollowsCursor:
 
     cursor: EpochCursor
     _restore = None
+    _ahead = True  # whether an epoch may start the next one's pipelines before it ends (`set_epoch`)
 
     @property
     def epoch(self) -> int:
         return self.cursor.epoch
 
-    def set_epoch(self, epoch: int) -> None:
-        """The next iteration yields epoch `epoch` from its start (a loaded state is dropped)."""
+    def set_epoch(self, epoch: int, *, ahead: bool = True) -> None:
+        """The next iteration yields epoch `epoch` from its start (a loaded state is dropped). `ahead=False`:
+        a pass over that epoch alone (a BatchNorm or evaluation pass over training data), during which nothing
+        of a next epoch is started, until the next `set_epoch`."""
         self.cursor.start(epoch)
         self._restore = None
+        self._ahead = ahead
