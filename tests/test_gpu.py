@@ -204,37 +204,49 @@ def test_gpu_check_recipe_step(tmp_path, step):
         assert case["gpu_vs_cpu"]["targets_equal"], case  # nvJPEG decodes the same crops of the same samples
 
 
-@pytest.mark.parametrize("amp", ["bf16", "fp16"])
-def test_a_training_slice_syncs_only_at_the_checks(shards, tmp_path, monkeypatch, amp):
-    """The sync test of tests/test_train_sync.py where it counts: on a GPU under
-    `torch.cuda.set_sync_debug_mode("error")`, which raises at any synchronizing CUDA call torch makes (an
-    `.item()`, a blocking copy to the host, in Python or C++), with every per-step option on; only the
-    checks, the epoch's end and the loss sum read there are let through, and `torch.cuda.synchronize` (the epoch's
-    last line; a synchronize inside a step fails tests/test_train_sync.py, which counts every call)."""
-    from dalifeed.train import progress, stop, trainer
-    from dalifeed.train.distributed import Dist
+def allowed(function):
+    """`function` run with torch's sync check off (what a slice lets through), back to "error" after it."""
+    def let_through(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+    return let_through
+
+
+def slice_config(shards: Path, out: Path, amp: str):
+    """Every per-step option on, as tests/test_train_sync.py's `sync_config`, on the GPU, with --swa-start."""
     from fast_recipe import fast_config
 
-    def allowed(function):
-        def let_through(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode(0)
-            try:
-                return function(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("error")
-        return let_through
-
-    monkeypatch.setattr(stop, "CHECK_SECONDS", 1e9)
-    cfg = fast_config(shards, tmp_path / "run", width=8, amp=amp, ema=0.9, clip_grad=1.0, mixup_alpha=0.2,
-                      cutmix_alpha=1.0, channels_last=True, label_smoothing=0.1, accum_steps=2, device="gpu",
-                      progress_every=1e-6, tensorboard_every=1, max_bad_steps=10**6, val_split=None)
+    cfg = fast_config(shards, out, width=8, amp=amp, ema=0.9, clip_grad=1.0, mixup_alpha=0.2, cutmix_alpha=1.0,
+                      channels_last=True, label_smoothing=0.1, accum_steps=2, device="gpu", progress_every=1e-6,
+                      tensorboard_every=1, max_bad_steps=10**6, val_split=None, epochs=2, swa_start=1, swa_lr=0.01,
+                      swa_anneal_epochs=0.5)
     cfg.validate()
-    (tmp_path / "run").mkdir()
-    run = trainer.build_run(cfg, Dist(0, 1, 0, torch.device("cuda", torch.cuda.current_device())), resume=None)
-    monkeypatch.setattr(trainer, "check", allowed(trainer.check))
-    monkeypatch.setattr(torch.cuda, "synchronize", allowed(torch.cuda.synchronize))
+    out.mkdir()
+    return cfg
+
+
+def run_slice(run, patcher) -> None:
+    """Two epochs and SWA's BatchNorm pass of `run` under `set_sync_debug_mode("error")`, the checks let
+    through (`patcher`: a `pytest.MonkeyPatch`)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from dalifeed.train import progress, stop, trainer
+    from dalifeed.train.swa import update_bn
+
+    patcher.setattr(stop, "CHECK_SECONDS", 1e9)
+    patcher.setattr(trainer, "check", allowed(trainer.check))
+    patcher.setattr(torch.cuda, "synchronize", allowed(torch.cuda.synchronize))
     for name in ("close", "snapshot"):
-        monkeypatch.setattr(progress.EpochProgress, name, allowed(getattr(progress.EpochProgress, name)))
+        patcher.setattr(progress.EpochProgress, name, allowed(getattr(progress.EpochProgress, name)))
+    pre_forward = DistributedDataParallel._pre_forward
+
+    def rebuilding_once(self, *args, **kwargs):  # DDP's one bucket rebuild reads the broadcast indices back
+        return (pre_forward if self._has_rebuilt_buckets else allowed(pre_forward))(self, *args, **kwargs)
+
+    patcher.setattr(DistributedDataParallel, "_pre_forward", rebuilding_once)
     for epoch in (0, 1):
         run.state.epoch = epoch
         run.start_epoch(epoch)
@@ -244,3 +256,69 @@ def test_a_training_slice_syncs_only_at_the_checks(shards, tmp_path, monkeypatch
         finally:
             torch.cuda.set_sync_debug_mode(0)
         assert stats.steps == len(run.train_loader) // 2
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        update_bn(run.swa.module, run.train_loader, run.dist, run.dtype, run.cfg.channels_last, epoch=1)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_a_training_slice_syncs_only_at_the_checks(shards, tmp_path, monkeypatch, amp):
+    """The sync test of tests/test_train_sync.py where it counts: on a GPU under
+    `torch.cuda.set_sync_debug_mode("error")`, with every per-step option on, then SWA's BatchNorm pass. The
+    mode raises at the synchronizing CUDA calls torch makes itself (an `.item()`, a blocking copy to the host,
+    from Python or C++: c10/cuda/CUDAFunctions.h, `memcpy_and_sync`, `stream_synchronize`); only the checks,
+    the epoch's end and the loss sum read there are let through, and `torch.cuda.synchronize` (the epoch's last
+    line; a synchronize inside a step fails tests/test_train_sync.py, which counts every call).
+
+    What the mode cannot see (its docstring leaves torch.distributed out; the rest are not torch's calls):
+    DALI's host waits for its pipelines' outputs, cuDNN benchmark's timing of algorithms for each new shape
+    (`cudnn.benchmark`, on in dali-train), and NCCL's collectives and their waits."""
+    from dalifeed.train import trainer
+    from dalifeed.train.distributed import Dist
+
+    cfg = slice_config(shards, tmp_path / "run", amp)
+    run = trainer.build_run(cfg, Dist(0, 1, 0, torch.device("cuda", torch.cuda.current_device())), resume=None)
+    run_slice(run, monkeypatch)
+
+
+def _slice_on_rank(rank: int, port: int, cfg) -> None:
+    import torch.distributed as dist
+
+    from dalifeed.train import trainer
+    from dalifeed.train.distributed import Dist
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            device_id=device)
+    try:
+        run = trainer.build_run(cfg, Dist(rank, 2, rank, device), resume=None)
+        patcher = pytest.MonkeyPatch()
+        try:
+            run_slice(run, patcher)
+        finally:
+            patcher.undo()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_two_rank_training_slice_syncs_only_at_the_checks(shards, tmp_path):
+    """The same slice on 2 GPUs of one node (NCCL): DDP's gradient buckets and buffer broadcasts, the skip-step
+    all-reduce, SWA's BatchNorm pass with its all-reduce. DDP's one bucket rebuild (its second forward:
+    torch/csrc/distributed/c10d/reducer.cpp, `sync_bucket_indices`, copies the broadcast indices back to the
+    host, non_blocking=false) is let through: once a run, not once a step."""
+    import torch.multiprocessing as mp
+
+    from test_elastic import free_port
+
+    cfg = slice_config(shards, tmp_path / "run", "bf16")
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_slice_on_rank, args=(rank, port, cfg)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=600)
+        assert p.exitcode == 0

@@ -15,10 +15,23 @@ Reads are counted at two levels, because a GPU waits for both:
 
 On the CPU a read costs nothing, but it is the same call that stalls a GPU. What neither sees is a read a CPU
 kernel makes where its CUDA kernel does not (on the CPU `F.one_hot` checks its labels with one; dalifeed's
-steps do not call it)."""
+steps do not call it).
+
+The count runs on one process and on two (a gloo group on the CPU: DDP's gradient buckets and buffer
+broadcasts, the skip-step all-reduce), with --ema, --swa-start and mixup, and over SWA's BatchNorm pass.
+
+What neither count sees, nor torch's `set_sync_debug_mode` on a GPU (tests/test_gpu.py), which checks only
+torch's own synchronizing copies and stream waits (c10/cuda/CUDAFunctions.h, `memcpy_and_sync`,
+`stream_synchronize`) and by its docstring not torch.distributed: DALI's host waits for its pipelines' outputs
+(DALI's own C++ and CUDA calls), cuDNN benchmark's timing of algorithms for each new shape (`cudnn.benchmark`,
+on in dali-train), and NCCL's collectives and their waits. Nor does a CPU count see DDP's one bucket rebuild
+(its first forward after a synchronized backward): its copy of the broadcast indices back to the host
+(torch/csrc/distributed/c10d/reducer.cpp, `sync_bucket_indices`, non_blocking=false) is a CPU copy on gloo,
+and one device read a run on NCCL, which tests/test_gpu.py lets through."""
 
 from __future__ import annotations
 
+import copy
 import traceback
 from collections import Counter
 from pathlib import Path
@@ -27,8 +40,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dalifeed.pipelines import AugmentConfig, make_loader
 from dalifeed.train import stop
 from dalifeed.train.distributed import Dist
+from dalifeed.train.swa import update_bn
 from dalifeed.train.trainer import build_run, train_one_epoch, update_ema
 from fast_recipe import fast_config
 
@@ -46,16 +61,16 @@ def shards(make_shards) -> Path:
 
 class DispatchReads(TorchDispatchMode):
     """Every device read torch makes below Python while active (module docstring), as (optimizer steps done,
-    operator) in `calls`."""
+    operator) in `calls` (steps None without a `run`)."""
 
-    def __init__(self, run):
+    def __init__(self, run=None):
         super().__init__()
         self.run, self.calls = run, []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if is_device_read(func, args, kwargs):
-            self.calls.append((self.run.state.step, str(func)))
+            self.calls.append((self.run.state.step if self.run is not None else None, str(func)))
         return func(*args, **kwargs)
 
 
@@ -90,39 +105,125 @@ def count_syncs(monkeypatch, run) -> list[tuple[int, str, str]]:
     return calls
 
 
-@pytest.mark.parametrize("mixing", [True, False], ids=["mixup-cutmix", "hard-labels"])
-@pytest.mark.parametrize("amp", ["bf16", "fp16", "off"])
-def test_no_host_sync_between_checks(shards, tmp_path, monkeypatch, amp, mixing):
-    """Two epochs of 12 optimizer steps with every option that runs per step on (--ema, --clip-grad,
-    --accum-steps, channels-last, label smoothing, --swa-lr's schedule; mixup/cutmix's soft targets, or the hard
-    labels' loss),
-    progress lines and TensorBoard points at every step: only the check after each epoch's first step (one
-    read: its all-reduced tallies) and each epoch's end (the check's read and the loss sum's) read the device,
-    in Python; below Python, nothing does.
-    fp16 too: the GradScaler hands its verdict to the fused optimizer on the device instead of reading it
-    (torch/amp/grad_scaler.py, `_step_supports_amp_scaling`)."""
-    monkeypatch.setattr(stop, "CHECK_SECONDS", 1e9)  # no timed check inside these short epochs: only the fixed ones
-    cfg = fast_config(shards, tmp_path / "run", width=8, amp=amp, ema=0.9, clip_grad=1.0,
+def sync_config(shards: Path, out: Path, amp: str, mixing: bool):
+    """Every option that runs per step on (--ema, --clip-grad, --accum-steps, channels-last, label smoothing,
+    --swa-start with --swa-lr's per-step schedule; mixup/cutmix's soft targets, or the hard labels' loss),
+    progress lines and TensorBoard points at every step, 2 epochs."""
+    cfg = fast_config(shards, out, width=8, amp=amp, ema=0.9, clip_grad=1.0,
                       mixup_alpha=0.2 if mixing else 0.0, cutmix_alpha=1.0 if mixing else 0.0, channels_last=True,
                       label_smoothing=0.1, accum_steps=2, progress_every=1e-6, tensorboard_every=1,
                       max_bad_steps=10**6,  # a skipped step is one of the paths: it must not sync either
-                      epochs=2, swa_start=1, swa_lr=0.01, swa_anneal_epochs=0.5)  # SWA's schedule is per step
+                      epochs=2, swa_start=1, swa_lr=0.01, swa_anneal_epochs=0.5)
     cfg.validate()
-    Path(cfg.out).mkdir()
-    run = build_run(cfg, Dist(0, 1, 0, torch.device("cpu")), resume=None)
-    below = DispatchReads(run)
-    with monkeypatch.context() as m:
+    out.mkdir()
+    return cfg
+
+
+def count_run(run, patcher, bn_pass: bool = True) -> tuple[list, list, list[int]]:
+    """The reads in Python (`count_syncs`) and below it (`DispatchReads`) of `run`'s epochs, then (`bn_pass`)
+    of SWA's BatchNorm pass over the last; and the optimizer steps each epoch took. `patcher`: a
+    `pytest.MonkeyPatch`."""
+    below, steps = DispatchReads(run), []
+    patcher.setattr(stop, "CHECK_SECONDS", 1e9)  # no timed check inside these short epochs: only the fixed ones
+    with patcher.context() as m:
         calls = count_syncs(m, run)
-        for epoch in (0, 1):
+        for epoch in range(run.cfg.epochs):
             run.state.epoch = epoch
             run.start_epoch(epoch)
             with below:
-                stats = train_one_epoch(run)
-            assert stats.steps == 12
-    assert below.calls == []
+                steps.append(train_one_epoch(run).steps)
+        if bn_pass:
+            with below:
+                batches = update_bn(run.swa.module, run.train_loader, run.dist, run.dtype, run.cfg.channels_last,
+                                    run.cfg.epochs - 1)
+            assert batches == len(run.train_loader)
+    return calls, below.calls, steps
+
+
+@pytest.mark.parametrize("mixing", [True, False], ids=["mixup-cutmix", "hard-labels"])
+@pytest.mark.parametrize("amp", ["bf16", "fp16", "off"])
+def test_no_host_sync_between_checks(shards, tmp_path, monkeypatch, amp, mixing):
+    """Two epochs of 12 optimizer steps with every option that runs per step on (`sync_config`), then (once
+    per precision) SWA's BatchNorm pass: only the check after each epoch's first step (one read: its
+    all-reduced tallies) and each epoch's end (the check's read and the loss sum's) read the device, in
+    Python; below Python, nothing does, the BatchNorm pass included.
+    fp16 too: the GradScaler hands its verdict to the fused optimizer on the device instead of reading it
+    (torch/amp/grad_scaler.py, `_step_supports_amp_scaling`)."""
+    cfg = sync_config(shards, tmp_path / "run", amp, mixing)
+    run = build_run(cfg, Dist(0, 1, 0, torch.device("cpu")), resume=None)
+    calls, below, steps = count_run(run, monkeypatch, bn_pass=mixing)
+    assert steps == [12, 12] and below == []
     per_step = Counter(step for step, _, _ in calls)
     assert dict(per_step) == {1: 1, 12: 2, 13: 1, 24: 2}, calls
     assert sorted(name for _, name, _ in calls) == ["tolist"] * 6, calls
+
+
+def _count_on_rank(rank: int, port: int, cfg, results: Path) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        run = build_run(cfg, Dist(rank, 2, rank, torch.device("cpu")), resume=None)
+        patcher = pytest.MonkeyPatch()
+        try:
+            counted = count_run(run, patcher)
+        finally:
+            patcher.undo()
+        torch.save(counted, results / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_no_host_sync_between_checks_on_two_ranks(shards, tmp_path):
+    """The same count on 2 processes of a gloo group on the CPU, with fp16, mixup and cutmix: DDP (its gradient
+    buckets, each forward's buffer broadcast, `no_sync` in the accumulation window), the skip-step all-reduce
+    (`stop.agree_to_skip`), the checks' all-reduced tallies, the EMA, and SWA's BatchNorm pass with its
+    all-reduce of the statistics. Each rank: 6 optimizer steps an epoch (100 images in batches of 8, 2 a step),
+    the same reads as on one process, at the same places."""
+    import torch.multiprocessing as mp
+
+    from test_elastic import free_port
+
+    cfg = sync_config(shards, tmp_path / "run", "fp16", mixing=True)
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_count_on_rank, args=(rank, port, cfg, tmp_path)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    for rank in range(2):
+        calls, below, steps = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert steps == [6, 6] and below == []
+        assert dict(Counter(step for step, _, _ in calls)) == {1: 1, 6: 2, 7: 1, 12: 2}, calls
+        assert sorted(name for _, name, _ in calls) == ["tolist"] * 6, calls
+
+
+def test_update_bn_is_torchs_and_reads_nothing_on_the_host(shards):
+    """swa.update_bn over a DALI loader against torch.optim.swa_utils.update_bn over the same batches: the same
+    running statistics and counts, bit for bit (each batch's factor is the same Python float 1/(k+1) handed to
+    the same batch_norm kernel), the momenta and the mode restored; and no device read, where torch's
+    `momentum=None` reads `num_batches_tracked` on the host in every BatchNorm forward
+    (torch/nn/modules/batchnorm.py, `1.0 / float(self.num_batches_tracked)`)."""
+    from torch.optim.swa_utils import update_bn as torchs_update_bn
+
+    loader = make_loader(shards, "train", 8, augment=AugmentConfig(image_size=16), seed=1, device="cpu", epochs=3)
+    loader.set_epoch(2)
+    batches = [images.clone() for images, _ in loader]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                torch.nn.Conv2d(4, 5, 3), torch.nn.BatchNorm2d(5, momentum=0.3),
+                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.BatchNorm1d(5)).eval()
+    ours = copy.deepcopy(model)
+    torchs_update_bn(batches, model)
+    below = DispatchReads()
+    with below:
+        assert update_bn(ours, loader, Dist(0, 1, 0, torch.device("cpu")), None, False, epoch=2) == len(batches)
+    assert below.calls == []
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), ours.buffers(), strict=True))
+    assert int(ours[1].num_batches_tracked) == len(batches) == 25
+    assert [m.momentum for m in (ours[1], ours[4], ours[7])] == [0.1, 0.3, 0.1] and not ours.training
 
 
 @pytest.mark.kernels

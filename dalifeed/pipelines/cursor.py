@@ -57,16 +57,22 @@ class FollowsCursor:
 
     cursor: EpochCursor
     _restore = None
+    _ahead = True  # whether an epoch may start the next one's pipelines before it ends (`set_epoch`)
 
     @property
     def epoch(self) -> int:
         return self.cursor.epoch
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, *, ahead: bool = True) -> None:
         """Make the next iteration yield an epoch from its start (a loaded state is dropped).
 
         Args:
             epoch: The epoch, counted from 0; its order depends on `(seed, epoch)` alone.
+            ahead: True: a training loader starts the next epoch's pipelines over this epoch's last batches,
+                so that it begins without a pause (never past `epochs`, the run's end). False: a pass over
+                this epoch alone (a BatchNorm or evaluation pass over training data), starting nothing of a
+                next epoch until the next `set_epoch`. Default True.
         """
         self.cursor.start(epoch)
         self._restore = None
+        self._ahead = ahead

@@ -53,8 +53,8 @@ def make_loader(data: str | os.PathLike | list | ShardData, split: str, batch_si
             Default None.
         **options: `LoaderOptions`' fields other than `split` and `batch_size`, as keywords: `rank`,
             `world_size`, `seed`, `train`, `device`, `device_id`, `num_threads`, `prefetch_queue_depth`,
-            `initial_fill`, `checkpointing`, `lanes`, `fp16`, `channels_last`, `hw_decoder_load` (each
-            described there). A run that keeps a `LoaderOptions` passes `**asdict(options)` minus `split` and
+            `initial_fill`, `checkpointing`, `lanes`, `fp16`, `channels_last`, `hw_decoder_load`, `epochs`
+            (each described there). A run that keeps a `LoaderOptions` passes `**asdict(options)` minus `split` and
             `batch_size`. `rank` and `world_size` (given together or not at all) default to the launcher's:
             an initialized `torch.distributed` process group's, else torchrun's `RANK` and `WORLD_SIZE` (never
             `LOCAL_RANK`, the rank on the node), else those of a Slurm step started by `srun` without torchrun

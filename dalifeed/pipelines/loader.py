@@ -133,6 +133,8 @@ class LoaderOptions:
         ranks_from: Which source `resolved()` took `rank` and `world_size` from: `"arguments"`,
             `"process group"`, `"environment (RANK/WORLD_SIZE)"`, `"environment
             (SLURM_PROCID/SLURM_STEP_NUM_TASKS)"` or `"default"`; None before. Default None.
+        epochs: The run's number of epochs; None: no end known. A training loader starts no pipeline of
+            epoch `epochs` or later ahead of time, so the last epoch leaves none behind it. Default None.
 
     Raises:
         ValueError: A value out of range, named.
@@ -155,8 +157,11 @@ class LoaderOptions:
     channels_last: bool = False
     hw_decoder_load: float = DEFAULT_HW_DECODER_LOAD
     ranks_from: str | None = None
+    epochs: int | None = None
 
     def __post_init__(self) -> None:
+        if self.epochs is not None and self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         if self.lanes is not None and self.lanes < 1:
             raise ValueError(f"lanes must be >= 1, got {self.lanes}")
         if self.ranks_from not in (None, *RANKS_FROM):
@@ -370,6 +375,7 @@ class DaliLoader(FollowsCursor):
         """
         refuse_foreign_state(state, self.options)
         self.cursor.load_state_dict(state)
+        self._ahead = True
         self._paused = state if self.cursor.samples_done else None
         self._restore = Restore.from_state(state) if self.cursor.samples_done else None
         if self._restore is not None and state["dali"] is not None and self._lanes_given:
@@ -417,6 +423,13 @@ class DaliLoader(FollowsCursor):
                 raise
             self._next = None
 
+    def _reads_next_epoch(self) -> bool:
+        """Whether the epoch being read is followed by another this loader will read: not the run's last
+        (`LoaderOptions.epochs`), nor a pass alone (`set_epoch(..., ahead=False)`). Only then is the next
+        epoch defined, and in training started, before this one ends."""
+        epochs = self.options.epochs
+        return self._ahead and (epochs is None or self.cursor.epoch + 1 < epochs)
+
     def _release_pipeline(self) -> None:
         """Drop the epoch's pipeline now, not on a background thread where it would overlap the next build."""
         self._iterator = None
@@ -449,10 +462,11 @@ class DaliLoader(FollowsCursor):
                 self._next = None
             # when this epoch's pipelines have no run left to schedule, their threads fall idle: start the next
             start_next_at = len(self._iterator.pipes) * self.options.prefetch_queue_depth \
-                if left and self.options.train and self.plan.shard_cache is None else None
+                if left and self.options.train and self.plan.shard_cache is None and self._reads_next_epoch() \
+                else None
             # DALI decodes the rest of the rank's slice too, the batch dropped at the end included (so a sample
             # it cannot decode fails the epoch wherever it lands), but none of it is handed out
-            next_defined = False
+            next_defined = not self._reads_next_epoch()
             for outputs in self._iterator if left else ():
                 if not next_defined:  # after the first batch, which would otherwise share the cores and the GIL
                     self.definitions.define_ahead(cursor.epoch + 1)

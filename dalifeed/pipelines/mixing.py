@@ -108,6 +108,7 @@ class MixedLoader(FollowsCursor):
         """
         self.cursor.load_state_dict(state)
         self._restore = state["datasets"]
+        self._ahead = True
 
     def _stream(self, i: int):
         loader = self.loaders[i]
@@ -125,7 +126,7 @@ class MixedLoader(FollowsCursor):
         else:
             cursor.start(cursor.epoch)
             for loader, reserved in zip(self.loaders, self.reserved):
-                loader.set_epoch(cursor.epoch * reserved)
+                loader.set_epoch(cursor.epoch * reserved, ahead=self._ahead)
         streams = [self._stream(i) for i in range(len(self.loaders))]
         remaps = None
         left = batches_left(self.total_samples, cursor.samples_done, cursor.global_batch)
@@ -220,12 +221,15 @@ def mixed_loader(dataset: ShardData, options, make_one, size_schedule=None) -> M
     for source, share, total, threads in zip(dataset.sources, shares, totals,
                                              share_threads(options.num_threads, shares)):
         size = None
-        if size_schedule is not None:  # a DaliLoader's training epoch: (total // world) // batch (loader.py)
-            reserved = own_epochs(batches, (total // options.world_size) // share)
-
+        # a DaliLoader's training epoch: (total // world) // batch (loader.py)
+        reserved = own_epochs(batches, (total // options.world_size) // share)
+        if size_schedule is not None:
             def size(epoch, reserved=reserved):
                 return size_schedule(epoch // reserved)
-        loaders.append(make_one(source, replace(options, batch_size=share, num_threads=threads), size))
+        # mixed epoch e reads this loader's epochs from e * reserved on: the run's last, none from epochs * reserved
+        epochs = options.epochs * reserved if options.epochs is not None else None
+        loaders.append(make_one(source, replace(options, batch_size=share, num_threads=threads, epochs=epochs),
+                                size))
     return MixedLoader(loaders, shares, [source.remap for source in dataset.sources],
                        sum(loader.total_samples for loader in loaders), options.batch_size, options.world_size,
                        dataset)

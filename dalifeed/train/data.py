@@ -58,7 +58,8 @@ def loader_options(cfg: TrainConfig, dist: Dist, threads: int) -> tuple[LoaderOp
     """This rank's training and validation (None with --val-split none) `LoaderOptions`, `threads` DALI threads
     per pipeline. DALI's checkpointing costs nothing measurable (docs) and lets any training step become a
     mid-epoch checkpoint: when --checkpoint-every says, and when a signal stops the run. The ranks are the
-    loaders' own rule's (`ranks_from` says which source), which must be dali-train's (torchrun's)."""
+    loaders' own rule's (`ranks_from` says which source), which must be dali-train's (torchrun's). The training
+    loader is told --epochs, so that it starts no pipeline past the last."""
     try:
         ranks = launcher_ranks()
     except ValueError as e:  # RANK without WORLD_SIZE, or not a number
@@ -71,7 +72,8 @@ def loader_options(cfg: TrainConfig, dist: Dist, threads: int) -> tuple[LoaderOp
                   seed=cfg.seed,
                   device=loader_device(cfg, dist), device_id=dist.device.index if dist.device.type == "cuda" else None,
                   num_threads=threads, channels_last=cfg.channels_last, hw_decoder_load=cfg.hw_decoder_load)
-    train = LoaderOptions(cfg.train_split, train=True, checkpointing=True, lanes=cfg.lanes, **common)
+    train = LoaderOptions(cfg.train_split, train=True, checkpointing=True, lanes=cfg.lanes, epochs=cfg.epochs,
+                          **common)
     val = LoaderOptions(cfg.val_split, train=False, **common) if cfg.val_split is not None else None
     return train, val
 

@@ -52,24 +52,29 @@ def swa_schedule(factor: Callable[[int], float], swa_step: int, anneal_steps: in
 def update_bn(module: torch.nn.Module, loader, dist: Dist, dtype: torch.dtype | None, channels_last: bool,
               epoch: int) -> int:
     """torch.optim.swa_utils.update_bn for a DALI loader on every rank: each BatchNorm's running statistics
-    reset and recomputed as the plain mean over one pass of the training data (`momentum=None`), in the
-    epoch `epoch`'s order and image size (the last one trained: --progressive-resize's final size), then
-    averaged over the ranks, whose shares of the epoch are the same number of batches. Returns the batches
-    this rank read."""
+    reset and recomputed as the plain mean over one pass of the training data, in the epoch `epoch`'s order
+    and image size (the last one trained: --progressive-resize's final size), then averaged over the ranks,
+    whose shares of the epoch are the same number of batches. Returns the batches this rank read.
+
+    torch's `momentum=None` makes every BatchNorm forward read its `num_batches_tracked` on the host
+    (torch/nn/modules/batchnorm.py, `1.0 / float(self.num_batches_tracked)`); the same factor, 1/(k+1) before
+    batch k, is set here from a host counter, so the pass reads nothing from the device. The loader is
+    pointed at `epoch` for this one pass (`ahead=False`): it starts nothing of a next epoch during it."""
     norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     if not norms:
         return 0
     momenta = [m.momentum for m in norms]
     for m in norms:
         m.reset_running_stats()
-        m.momentum = None
     training = module.training
     module.train()
-    loader.set_epoch(epoch)
+    loader.set_epoch(epoch, ahead=False)
     batches = 0
     for images, _ in loader:
         if channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
+        for m in norms:  # the cumulative mean's weight of batch `batches`, as torch computes it from the count
+            m.momentum = 1.0 / (batches + 1)
         with autocast(dist, dtype):
             module(images)
         batches += 1
