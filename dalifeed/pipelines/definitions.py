@@ -112,18 +112,26 @@ class EpochDefinitions:
         resumed_at = excluded.count() if excluded is not None else 0
         graph = self.epoch_graph(epoch)
         serialized = self._serialized.get(graph_key(graph)) if reuse else None
-        pipes = [self._lane_pipeline(graph, serialized, tars, indexes if remaining is None else remaining,
+        indexes = indexes if remaining is None else remaining
+        counts = [s.samples for s in shards]
+        pipes = [self._lane_pipeline(graph, serialized, tars, indexes, plan.lane_files(tars, indexes, counts, lanes,
+                                                                                       lane, epoch),
                                      lane=lane, lanes=lanes, seed=plan.pipeline_seed(epoch, resumed_at, lane),
                                      checkpoint=checkpoints[lane])
                  for lane in range(lanes)]
         return pipes, keys, plan.lane_sizes(total, lanes)
 
-    def _lane_pipeline(self, graph: Graph, serialized: bytes | None, tars: list[str], indexes: list[str], *,
-                       lane: int, lanes: int, seed: int, checkpoint: bytes | None):
-        """Lane `lane`'s pipeline (of `lanes`) over `tars`: `graph` defined, or `serialized` (the same graph's,
-        serialized) with this reader's arguments."""
+    def _lane_pipeline(self, graph: Graph, serialized: bytes | None, tars: list[str], indexes: list[str],
+                       own: tuple[list[str], list[str]] | None, *, lane: int, lanes: int, seed: int,
+                       checkpoint: bytes | None):
+        """Lane `lane`'s pipeline (of `lanes`): `graph` defined, or `serialized` (the same graph's, serialized)
+        with this reader's arguments. It reads the files `own` (`EpochPlan.lane_files`) whole, or, where that
+        is None, its shard of `tars`."""
         o = self.options
-        reader = dict(shard_id=o.rank * lanes + lane, num_shards=o.world_size * lanes)
+        if own is not None:
+            (tars, indexes), reader = own, dict(shard_id=0, num_shards=1)
+        else:
+            reader = dict(shard_id=o.rank * lanes + lane, num_shards=o.world_size * lanes)
         params = dict(
             batch_size=o.batch_size, num_threads=max(1, o.num_threads // lanes), device_id=o.device_id, seed=seed,
             prefetch_queue_depth=o.prefetch_queue_depth, enable_checkpointing=o.checkpointing, checkpoint=checkpoint,
@@ -133,9 +141,12 @@ class EpochDefinitions:
             # exec_async and exec_pipelined are on and the prefetch queues are not split (pipeline.py).
             exec_dynamic=True)
         if serialized is not None:
-            return SerializedPipeline(with_reader_arguments(serialized, paths=tars, index_paths=indexes, **reader),
+            pipe = SerializedPipeline(with_reader_arguments(serialized, paths=tars, index_paths=indexes, **reader),
                                       **params)
-        return graph(tars, indexes, train=o.train, device=o.device, initial_fill=o.initial_fill, **reader, **params)
+        else:
+            pipe = graph(tars, indexes, train=o.train, device=o.device, initial_fill=o.initial_fill, **reader, **params)
+        pipe.dalifeed_tars = len(tars)  # the file mappings its reader reserves when built (`mappings_fit`)
+        return pipe
 
     def remember(self, pipe, epoch: int) -> None:
         """Serialize the first pipeline of epoch `epoch`'s graph, which later epochs are made from (`define`),
@@ -174,6 +185,12 @@ class EpochDefinitions:
         if ahead is not None and restored is None and ahead[0] == epoch:
             return ahead[1].result()
         return self.define(epoch) if restored is None else self.define(epoch, *restored)
+
+    def keep(self, epoch: int, defined: Defined) -> None:
+        """Epoch `epoch`'s pipelines, defined and not built, are what `defined` gives for it next."""
+        done: Future = Future()
+        done.set_result(defined)
+        self._ahead = (epoch, done)
 
     def close(self) -> None:
         """Let a definition under way finish: one left running would outlive the loader, and a process forked

@@ -42,7 +42,7 @@ from .definitions import EpochDefinitions, Graph
 from .elastic import ElasticError, SampleKeys, SampleSet, batches_left
 from .epoch_iterator import EpochIterator
 from .graphs import DEFAULT_HW_DECODER_LOAD, Output, shard_pipeline, uses_gpu
-from .lanes import LaneBatches
+from .lanes import LaneBatches, mappings_fit
 from .names import DEVICES
 from .plan import EpochPlan, Files, epoch_files
 
@@ -299,6 +299,9 @@ class DaliLoader(FollowsCursor):
         epoch = self.cursor.epoch + 1
         try:
             pipes, keys, sizes = self.definitions.defined(epoch)
+            if not mappings_fit(self._iterator.pipes + pipes):  # built once this epoch's are freed, not beside them
+                self.definitions.keep(epoch, (pipes, keys, sizes))
+                return
             self._next = (epoch, self._started(pipes, sizes, None, epoch), keys)
         except Exception as e:
             if not is_pipeline_failure(e):
