@@ -10,10 +10,12 @@ end (`DefinitionsAhead`)."""
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from .elastic import SampleKeys, SampleSet
@@ -114,11 +116,15 @@ class EpochDefinitions:
         serialized = self._serialized.get(graph_key(graph)) if reuse else None
         indexes = indexes if remaining is None else remaining
         counts = [s.samples for s in shards]
-        pipes = [self._lane_pipeline(graph, serialized, tars, indexes, plan.lane_files(tars, indexes, counts, lanes,
-                                                                                       lane, epoch),
+        # the lanes' cut indexes, removed with the last of these pipelines (DALI reads them when one is built)
+        cuts = tempfile.TemporaryDirectory(prefix="dalifeed-lanes-")
+        pipes = [self._lane_pipeline(graph, serialized, tars, indexes,
+                                     plan.lane_files(tars, indexes, counts, lanes, lane, Path(cuts.name)),
                                      lane=lane, lanes=lanes, seed=plan.pipeline_seed(epoch, resumed_at, lane),
                                      checkpoint=checkpoints[lane])
                  for lane in range(lanes)]
+        for pipe in pipes:
+            pipe.dalifeed_cuts = cuts
         return pipes, keys, plan.lane_sizes(total, lanes)
 
     def _lane_pipeline(self, graph: Graph, serialized: bytes | None, tars: list[str], indexes: list[str],

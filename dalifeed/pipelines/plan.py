@@ -6,7 +6,6 @@ folder in a store, the node's shard cache the tars are fetched into), so that an
 from __future__ import annotations
 
 import random
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import replace
@@ -39,7 +38,6 @@ class EpochPlan:
         self.shards = manifest.split_info(options.split).shards
         self.total_samples = manifest.num_samples(options.split)
         self._rest: tempfile.TemporaryDirectory | None = None  # index files of a resumed epoch's remaining samples
-        self._cuts: tempfile.TemporaryDirectory | None = None  # index files of the tars a lane reads in part
 
     def shard_range(self, shard_id: int, total: int | None = None) -> tuple[int, int]:
         """DALI's split of N samples (default: the split's) into `world_size` contiguous shards: shard
@@ -80,31 +78,24 @@ class EpochPlan:
         return kept, indexes
 
     def lane_files(self, tars: list[str], indexes: list[str], counts: list[int], lanes: int, lane: int,
-                   epoch: int) -> tuple[list[str], list[str]] | None:
+                   cuts: Path) -> tuple[list[str], list[str]] | None:
         """The tars and indexes lane `lane` (of `lanes`) of this rank reads of an epoch's `tars` (with `indexes`
         listing `counts` samples): only those holding its samples, the first and last through index files cut to
-        them (kept for the epochs around `epoch`), which a reader given them reads whole (shard 0 of 1) as it
-        read its shard of all. DALI maps or opens every tar its reader is given (lanes.py); None for a lane of
-        no samples (given every tar, as a rank with none is)."""
+        them, written in the folder `cuts`, which a reader given them reads whole (shard 0 of 1) as it read its
+        shard of all. DALI maps or opens every tar its reader is given (lanes.py); None for a lane of no samples
+        (given every tar, as a rank with none is)."""
         o = self.options
         start, end = lane_range(sum(counts), o.rank, o.world_size, lanes, lane)
         parts = lane_files(counts, start, end)
         if not parts:
             return None
-        if self._cuts is None:
-            self._cuts = tempfile.TemporaryDirectory(prefix="dalifeed-lanes-")
-        folder = Path(self._cuts.name) / str(epoch)
-        for old in Path(self._cuts.name).iterdir():  # those of epochs no pipeline is being made for
-            if abs(int(old.name) - epoch) > 1:
-                shutil.rmtree(old, ignore_errors=True)
-        folder.mkdir(exist_ok=True)
         lane_tars, lane_indexes = [], []
         for i, first, samples in parts:
             lane_tars.append(tars[i])
             if samples == counts[i]:
                 lane_indexes.append(indexes[i])
                 continue
-            out = folder / f"{lane}-{first}-{samples}-{Path(indexes[i]).name}"
+            out = cuts / f"{lane}-{first}-{Path(indexes[i]).name}"
             write_atomic(out, index_text(list(index_samples(indexes[i]))[first:first + samples]).encode())
             lane_indexes.append(str(out))
         return lane_tars, lane_indexes
