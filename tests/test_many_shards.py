@@ -87,7 +87,8 @@ def test_the_mapping_budget_is_half_the_kernels_map_count():
 @pytest.mark.slow
 def test_twenty_thousand_shards_train_in_two_lanes_under_a_limit_of_5000_open_files(tmp_path):
     """The CPU loader's default lanes (two) read an epoch of 20,000 one-sample tars, and begin the next, holding
-    a few descriptors: each lane's reader maps its own 10,000 tars."""
+    a few descriptors: each lane's reader maps its own 10,000 tars (the two lanes of the next epoch are built once
+    this epoch's are freed, where both would not fit DALI's mapping budget)."""
     shards = many_shards(tmp_path, 20_000)
     got = run_limited(f"""
         import json, os
@@ -99,14 +100,17 @@ def test_twenty_thousand_shards_train_in_two_lanes_under_a_limit_of_5000_open_fi
         for images, y in loader:
             labels += y.tolist()
             most = max(most, fds())
+        ahead = loader._next is not None
         first = next(iter(loader))[1].tolist()
         most = max(most, fds())
         print(json.dumps(dict(lanes=loader.options.lanes, batches=len(loader), labels=labels, before=before,
-                              most=most, first=len(first))))
+                              most=most, first=len(first), ahead=ahead)))
         """, open_files=5000)
     assert got["lanes"] == 2
     assert len(got["labels"]) == got["batches"] * 64 == 20_000 // 64 * 64
     assert got["first"] == 64
+    # the next epoch's lanes start before this one ends only where both epochs' tars keep mapped
+    assert got["ahead"] == (2 * 20_000 <= mapping_budget())
     # labels follow i % 3 (a, a, b): an epoch of whole batches holds nearly a third of b
     assert abs(got["labels"].count(1) - len(got["labels"]) / 3) < 64
     assert got["most"] - got["before"] < 50, got
@@ -157,6 +161,6 @@ def test_past_the_mapping_budget_a_reader_holds_a_descriptor_per_tar_and_the_lim
     error = got["error"]
     assert error["type"] == "OpenFileLimit", got
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    assert f"may open {got['soft']} (soft limit; hard {hard})" in error["message"]
-    assert "ulimit -n" in error["message"] and "vm.max_map_count" in error["message"]
+    assert f"may open {got['soft']} files (hard limit {hard}). Raise the limit before the run (ulimit -n {hard})" \
+        in error["message"] and "vm.max_map_count" in error["message"]
     assert "shard-convert verify" not in error["message"] and ".tar" not in error["message"]

@@ -124,11 +124,11 @@ def open_file_limit(split: str, tars: int) -> OpenFileLimit:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
-    raise_to = f"ulimit -n {hard_text}" if hard != soft else "the hard limit (limits.conf, docker --ulimit nofile)"
+    how = f"ulimit -n {hard_text}" if hard != soft else "its hard limit first: limits.conf, docker run --ulimit nofile"
     return OpenFileLimit(
-        f"DALI ran out of open files reading split {split!r} ({tars} tars): this process may open {soft} (soft "
-        f"limit; hard {hard_text}); raise it before the run ({raise_to}), or the kernel's vm.max_map_count: DALI "
-        f"keeps {mapping_budget()} tars per process mapped, without a descriptor, and opens each one beyond")
+        f"DALI ran out of open files reading split {split!r} ({tars} tars): this process may open {soft} files "
+        f"(hard limit {hard_text}). Raise the limit before the run ({how}), or vm.max_map_count: DALI maps up to "
+        f"{mapping_budget()} tars per process and keeps each tar past that open")
 
 
 def explain_dali_error(error: BaseException, *, location: str, split: str, remote: bool, tars: list[str],
