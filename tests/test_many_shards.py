@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from dalifeed.pipelines import AugmentConfig, make_loader
 from dalifeed.pipelines.lanes import lane_files, lane_range, lane_sizes, mapping_budget
+from dalifeed.pipelines.loader import OWN_TARS
 from helpers import convert, one_image_classes, write_imagefolder
 
 SEED_SAMPLES = 3
@@ -164,3 +166,37 @@ def test_past_the_mapping_budget_a_reader_holds_a_descriptor_per_tar_and_the_lim
     assert f"may open {got['soft']} files (hard limit {hard}). Raise the limit before the run (ulimit -n {hard})" \
         in error["message"] and "vm.max_map_count" in error["message"]
     assert "shard-convert verify" not in error["message"] and ".tar" not in error["message"]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return one_image_classes(tmp_path_factory.mktemp("small"), 37, seed=4, prefix="s", samples_per_shard=5)
+
+
+@pytest.mark.parametrize("world, lanes", [(1, 2), (2, 1)])
+def test_a_state_saved_when_readers_were_given_every_tar_resumes_exactly(small, world, lanes):
+    """A mid-epoch state of a dalifeed whose lane readers were given every tar (its DALI checkpoints fit only such
+    readers, and carry no `own_tars` mark) resumes into such readers: the rest of the epoch is the uninterrupted
+    run's."""
+    options = dict(device="cpu", augment=AugmentConfig(image_size=16), seed=3, initial_fill=8, num_threads=2,
+                   lanes=lanes, checkpointing=True, world_size=world)
+    before = make_loader(small, "train", 4, **options)
+    before.plan.lane_files = lambda *args: None  # every tar to every lane, as before lanes were given their own
+    it = iter(before)
+    for _ in range(3):
+        next(it)
+    state = before.state_dict()
+    rest = [y.tolist() for _, y in it]
+    assert state.pop(OWN_TARS) is True and len(rest) == len(before) - 3
+    after = make_loader(small, "train", 4, **options)
+    after.load_state_dict(state)
+    assert [y.tolist() for _, y in after] == rest
+    ours = make_loader(small, "train", 4, **options)  # and a state of readers given their own tars, into such
+    it = iter(ours)
+    for _ in range(3):
+        next(it)
+    state = ours.state_dict()
+    assert state[OWN_TARS] is True
+    resumed = make_loader(small, "train", 4, **options)
+    resumed.load_state_dict(state)
+    assert [y.tolist() for _, y in resumed] == [y.tolist() for _, y in it] == rest

@@ -94,11 +94,12 @@ class EpochDefinitions:
         self._background: ThreadPoolExecutor | None = None
 
     def define(self, epoch: int, checkpoint: bytes | list[bytes] | None = None, excluded: SampleSet | None = None,
-               reuse: bool = True) -> Defined:
+               own_tars: bool = True, reuse: bool = True) -> Defined:
         """Epoch `epoch`'s pipelines; with `excluded`, over the epoch's samples not in it (a resume on another
-        number of ranks: elastic.py); `checkpoint`, each lane's DALI checkpoint (a list), or lane 0's alone.
-        With `reuse`, made from the first pipeline of the same graph, serialized, where there is one
-        (serialized.py), instead of defining the graph again."""
+        number of ranks: elastic.py); `checkpoint`, each lane's DALI checkpoint (a list), or lane 0's alone;
+        `own_tars` False: each lane's reader given every tar (a state saved when lanes were given them). With
+        `reuse`, made from the first pipeline of the same graph, serialized, where there is one (serialized.py),
+        instead of defining the graph again."""
         plan = self.plan
         shards = plan.epoch_shards(epoch)
         full_index = {s.path: str(plan.manifest.root / s.index) for s in shards}
@@ -119,7 +120,8 @@ class EpochDefinitions:
         # the lanes' cut indexes, removed with the last of these pipelines (DALI reads them when one is built)
         cuts = tempfile.TemporaryDirectory(prefix="dalifeed-lanes-")
         pipes = [self._lane_pipeline(graph, serialized, tars, indexes,
-                                     plan.lane_files(tars, indexes, counts, lanes, lane, Path(cuts.name)),
+                                     plan.lane_files(tars, indexes, counts, lanes, lane, Path(cuts.name))
+                                     if own_tars else None,
                                      lane=lane, lanes=lanes, seed=plan.pipeline_seed(epoch, resumed_at, lane),
                                      checkpoint=checkpoints[lane])
                  for lane in range(lanes)]
@@ -183,9 +185,10 @@ class EpochDefinitions:
         """The epoch being defined in the background, or None."""
         return self._ahead[0] if self._ahead is not None else None
 
-    def defined(self, epoch: int, restored: tuple[list[bytes] | None, SampleSet | None] | None = None) -> Defined:
+    def defined(self, epoch: int, restored: tuple[list[bytes] | None, SampleSet | None, bool] | None = None) \
+            -> Defined:
         """Epoch `epoch`'s `define`: the one defined ahead if it is this epoch's and nothing is `restored` (lane
-        checkpoints, samples excluded) (a definition that failed raises here, as it would have defined now),
+        checkpoints, samples excluded, own tars) (a definition that failed raises here, as it would have defined now),
         else defined now."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and restored is None and ahead[0] == epoch:

@@ -50,6 +50,8 @@ CLASSIFICATION_OUTPUTS = ("images", "labels")
 # The graph output naming each sample where it was read (`graphs.sample_sources`), taken off the batch before
 # `to_torch`: a checkpointing training loader records with it which samples it has handed out (elastic.py).
 SAMPLE_SOURCES = "sources"
+# A mid-epoch state's mark that each lane's reader was given only its own tars (`EpochPlan.lane_files`)
+OWN_TARS = "own_tars"
 
 
 def resolve_device(device: str, report: StackReport | None = None) -> str:
@@ -163,12 +165,15 @@ class Restore:
     excluded: SampleSet | None = None
     seen: dict | None = None
     handed: list[int] | None = None  # whole batches each lane had handed out (several lanes: lanes.py)
+    # whether each lane's reader was given only its own tars (False: a state of a dalifeed that gave every tar,
+    # whose DALI checkpoints restore only into readers given every tar)
+    own_tars: bool = True
 
     @classmethod
     def from_state(cls, state: dict) -> Restore:
         excluded = state.get("excluded")
         return cls(state["dali"], SampleSet.from_state(excluded) if excluded is not None else None,
-                   state.get("seen"), state.get("handed"))
+                   state.get("seen"), state.get("handed"), state.get(OWN_TARS, False))
 
     def lane_checkpoints(self) -> list[bytes] | None:
         """Each lane's DALI checkpoint (a state of one lane holds it alone, as before lanes)."""
@@ -253,7 +258,7 @@ class DaliLoader(FollowsCursor):
         checkpoints = self._iterator.checkpoints()
         lanes = {} if len(checkpoints) == 1 else {"lanes": len(checkpoints), "handed": list(self._iterator.handed)}
         return {**self.cursor.state_dict(), "dali": checkpoints[0] if len(checkpoints) == 1 else checkpoints,
-                **lanes, "world_size": self.options.world_size,
+                **lanes, "world_size": self.options.world_size, OWN_TARS: True,
                 "excluded": self._excluded.to_state() if self._excluded is not None else None,
                 "seen": self._seen.to_state() if self.tracks_samples else None}
 
@@ -287,7 +292,7 @@ class DaliLoader(FollowsCursor):
         started, self._next = self._next, None
         if started is not None and restore is None and started[0] == self.cursor.epoch:
             return started[1], started[2]
-        restored = (restore.lane_checkpoints(), restore.excluded) if restore is not None else None
+        restored = (restore.lane_checkpoints(), restore.excluded, restore.own_tars) if restore is not None else None
         pipes, keys, sizes = self.definitions.defined(self.cursor.epoch, restored)
         handed = restore.handed if restore is not None and restore.dali is not None else None
         return self._started(pipes, sizes, handed, self.cursor.epoch), keys
