@@ -21,7 +21,6 @@ import torch
 from dalifeed import s3
 from dalifeed.convert import ConvertConfig, convert_imagefolder
 from dalifeed.pipelines import AugmentConfig, make_loader, open_dataset
-from dalifeed.pipelines.checks import ShardDataError
 from dalifeed.pipelines.elastic import merge_rank_states
 from dalifeed.pipelines.shardcache import CacheConfig, CacheFull, ShardCache, cache_config, rank_shards
 from dalifeed.shardfolder import open_shard_folder
@@ -411,17 +410,17 @@ def test_a_cache_limit_that_is_not_a_size_is_a_usage_error(store, tmp_path):
 
 def test_dali_opens_every_tar_when_it_builds_the_pipeline(store, tmp_path):
     """The premise of the cache's design (docs/storage.md): DALI 2.4 maps every tar of `paths` at build, even
-    another rank's, so a rank's tars must all be local before its epoch's pipeline is built. If a DALI
-    version opens them lazily, this fails, and the cache could hand tars over while the epoch runs."""
+    one its reader reaches last, so a rank's tars must all be local before its epoch's pipeline is built. If a
+    DALI version opens them lazily, this fails, and the cache could hand tars over while the epoch runs."""
     loader = make_loader(store.local, "train", 4, rank=0, world_size=2, **OPTIONS)
     tars, indexes = loader.plan.epoch_files(loader.plan.epoch_shards(0), 0)
-    others = [t for t in tars if Path(t).name not in {s.path for s in rank_shards(loader.plan.epoch_shards(0),
-                                                                                  loader.plan.shard_range(0))}]
+    own = [t for t in tars if Path(t).name in {s.path for s in rank_shards(loader.plan.epoch_shards(0),
+                                                                           loader.plan.shard_range(0))}]
     missing = str(tmp_path / "missing.tar")
-    loader.plan.epoch_files = lambda shards, epoch: ([missing if t == others[0] else t for t in tars], indexes)
-    loader.definitions.defined(0)  # taken and dropped: defined ahead at construction, it read the real files
-    with pytest.raises(ShardDataError, match=rf"\(File mapping failed: {re.escape(missing)}\); check the shards"):
-        next(iter(loader))
+    loader.plan.epoch_files = lambda shards, epoch: ([missing if t == own[-1] else t for t in tars], indexes)
+    pipes, _, _ = loader.definitions.define(0)  # the lane reading the rank's last tar, built alone
+    with pytest.raises(RuntimeError, match=rf"File mapping failed: {re.escape(missing)}"):
+        pipes[-1].build()
 
 
 def shifted_labels(tar: bytes) -> bytes:

@@ -18,7 +18,7 @@ import click
 
 from dalifeed.atomic import write_json_atomic
 from dalifeed.cliutil import LOCATION, default, run_command, size_option
-from dalifeed.pipelines.checks import ShardDataError
+from dalifeed.pipelines.checks import OpenFileLimit, ShardDataError
 from dalifeed.pipelines.names import POLICIES
 from dalifeed.s3 import StorageError
 from dalifeed.stack import StackMismatch
@@ -184,7 +184,7 @@ def main(debug: bool, **options):
 
     with own_temp_folder():
         reports = run_command(bench, debug=debug, usage_errors=(BenchUsageError, StackMismatch),
-                              runtime_errors=(ShardDataError, StorageError),
+                              runtime_errors=(ShardDataError, OpenFileLimit, StorageError),
                               log=lambda: cfg.out / "bench-error.log" if cfg.out.is_dir() else None,
                               stopped=lambda e: "nothing was written")
     for race, report in zip(races, reports):

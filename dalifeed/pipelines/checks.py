@@ -20,6 +20,8 @@ from dalifeed.decode import DaliDecoder, summarize_dali_error
 from dalifeed.format import index_samples, split_member_name
 from dalifeed.s3 import StorageError
 
+from .lanes import mapping_budget
+
 VERIFY_HINT = "check the shards with: shard-convert verify --decode {root}"
 
 _SAMPLE_SOURCE = re.compile(r"(?P<tar>\S+?\.tar):(?P<offset>\d+):(?P<member>[^\s:]+)")
@@ -111,15 +113,35 @@ def is_pipeline_failure(error: BaseException) -> bool:
     return "Critical error" in str(error)
 
 
+class OpenFileLimit(OSError):
+    """DALI could not open a file because this process has as many open as its limit allows (EMFILE): the
+    message says the limit and how to raise it; the shards are not at fault."""
+
+
+def open_file_limit(split: str, tars: int) -> OpenFileLimit:
+    """The one line for a pipeline of `split` (over `tars` tars) that met this process's open-file limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    how = f"ulimit -n {hard_text}" if hard != soft else "its hard limit first: limits.conf, docker run --ulimit nofile"
+    return OpenFileLimit(
+        f"DALI ran out of open files reading split {split!r} ({tars} tars): this process may open {soft} files "
+        f"(hard limit {hard_text}). Raise the limit before the run ({how}), or vm.max_map_count: DALI maps up to "
+        f"{mapping_budget()} tars per process and keeps each tar past that open")
+
+
 def explain_dali_error(error: BaseException, *, location: str, split: str, remote: bool, tars: list[str],
                        indexes: list[str], suspects: Iterable[SampleRef], decoder: DaliDecoder,
-                       reindex: str | None = None) -> ShardDataError | StorageError:
+                       reindex: str | None = None) -> ShardDataError | StorageError | OpenFileLimit:
     """One line for a pipeline that failed reading split `split` of the shard folder at `location` (`remote`:
     an s3:// one) from `tars` with `indexes`: the tar, and the sample when DALI names it or a re-decode of
     `suspects` (the samples the reader may have reached, most likely first) with `decoder` finds it; or what
     DALI's S3 client met. `reindex`: for tars `shard-convert index` adopted, its command with --decode, which
     leaves an undecodable sample out of the index (the tars stay as they are): what the line then says to run."""
     summary = summarize_dali_error(error)
+    if "Too many open files" in summary:  # EMFILE: the process's limit, not the data
+        return open_file_limit(split, len(tars))
     if remote and (summary.startswith("S3 ") or "curlCode" in summary):  # the store, not the data
         return StorageError(f"{location}: DALI could not read from the store: {_store_detail(error)}")
     undecodable = _named_sample_line(summary)

@@ -10,10 +10,12 @@ end (`DefinitionsAhead`)."""
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from .elastic import SampleKeys, SampleSet
@@ -92,11 +94,12 @@ class EpochDefinitions:
         self._background: ThreadPoolExecutor | None = None
 
     def define(self, epoch: int, checkpoint: bytes | list[bytes] | None = None, excluded: SampleSet | None = None,
-               reuse: bool = True) -> Defined:
+               own_tars: bool = True, reuse: bool = True) -> Defined:
         """Epoch `epoch`'s pipelines; with `excluded`, over the epoch's samples not in it (a resume on another
-        number of ranks: elastic.py); `checkpoint`, each lane's DALI checkpoint (a list), or lane 0's alone.
-        With `reuse`, made from the first pipeline of the same graph, serialized, where there is one
-        (serialized.py), instead of defining the graph again."""
+        number of ranks: elastic.py); `checkpoint`, each lane's DALI checkpoint (a list), or lane 0's alone;
+        `own_tars` False: each lane's reader given every tar (a state saved when lanes were given them). With
+        `reuse`, made from the first pipeline of the same graph, serialized, where there is one (serialized.py),
+        instead of defining the graph again."""
         plan = self.plan
         shards = plan.epoch_shards(epoch)
         full_index = {s.path: str(plan.manifest.root / s.index) for s in shards}
@@ -112,18 +115,31 @@ class EpochDefinitions:
         resumed_at = excluded.count() if excluded is not None else 0
         graph = self.epoch_graph(epoch)
         serialized = self._serialized.get(graph_key(graph)) if reuse else None
-        pipes = [self._lane_pipeline(graph, serialized, tars, indexes if remaining is None else remaining,
+        indexes = indexes if remaining is None else remaining
+        counts = [s.samples for s in shards]
+        # the lanes' cut indexes, removed with the last of these pipelines (DALI reads them when one is built)
+        cuts = tempfile.TemporaryDirectory(prefix="dalifeed-lanes-")
+        pipes = [self._lane_pipeline(graph, serialized, tars, indexes,
+                                     plan.lane_files(tars, indexes, counts, lanes, lane, Path(cuts.name))
+                                     if own_tars else None,
                                      lane=lane, lanes=lanes, seed=plan.pipeline_seed(epoch, resumed_at, lane),
                                      checkpoint=checkpoints[lane])
                  for lane in range(lanes)]
+        for pipe in pipes:
+            pipe.dalifeed_cuts = cuts
         return pipes, keys, plan.lane_sizes(total, lanes)
 
-    def _lane_pipeline(self, graph: Graph, serialized: bytes | None, tars: list[str], indexes: list[str], *,
-                       lane: int, lanes: int, seed: int, checkpoint: bytes | None):
-        """Lane `lane`'s pipeline (of `lanes`) over `tars`: `graph` defined, or `serialized` (the same graph's,
-        serialized) with this reader's arguments."""
+    def _lane_pipeline(self, graph: Graph, serialized: bytes | None, tars: list[str], indexes: list[str],
+                       own: tuple[list[str], list[str]] | None, *, lane: int, lanes: int, seed: int,
+                       checkpoint: bytes | None):
+        """Lane `lane`'s pipeline (of `lanes`): `graph` defined, or `serialized` (the same graph's, serialized)
+        with this reader's arguments. It reads the files `own` (`EpochPlan.lane_files`) whole, or, where that
+        is None, its shard of `tars`."""
         o = self.options
-        reader = dict(shard_id=o.rank * lanes + lane, num_shards=o.world_size * lanes)
+        if own is not None:
+            (tars, indexes), reader = own, dict(shard_id=0, num_shards=1)
+        else:
+            reader = dict(shard_id=o.rank * lanes + lane, num_shards=o.world_size * lanes)
         params = dict(
             batch_size=o.batch_size, num_threads=max(1, o.num_threads // lanes), device_id=o.device_id, seed=seed,
             prefetch_queue_depth=o.prefetch_queue_depth, enable_checkpointing=o.checkpointing, checkpoint=checkpoint,
@@ -133,9 +149,12 @@ class EpochDefinitions:
             # exec_async and exec_pipelined are on and the prefetch queues are not split (pipeline.py).
             exec_dynamic=True)
         if serialized is not None:
-            return SerializedPipeline(with_reader_arguments(serialized, paths=tars, index_paths=indexes, **reader),
+            pipe = SerializedPipeline(with_reader_arguments(serialized, paths=tars, index_paths=indexes, **reader),
                                       **params)
-        return graph(tars, indexes, train=o.train, device=o.device, initial_fill=o.initial_fill, **reader, **params)
+        else:
+            pipe = graph(tars, indexes, train=o.train, device=o.device, initial_fill=o.initial_fill, **reader, **params)
+        pipe.dalifeed_tars = len(tars)  # the file mappings its reader reserves when built (`mappings_fit`)
+        return pipe
 
     def remember(self, pipe, epoch: int) -> None:
         """Serialize the first pipeline of epoch `epoch`'s graph, which later epochs are made from (`define`),
@@ -166,14 +185,21 @@ class EpochDefinitions:
         """The epoch being defined in the background, or None."""
         return self._ahead[0] if self._ahead is not None else None
 
-    def defined(self, epoch: int, restored: tuple[list[bytes] | None, SampleSet | None] | None = None) -> Defined:
+    def defined(self, epoch: int, restored: tuple[list[bytes] | None, SampleSet | None, bool] | None = None) \
+            -> Defined:
         """Epoch `epoch`'s `define`: the one defined ahead if it is this epoch's and nothing is `restored` (lane
-        checkpoints, samples excluded) (a definition that failed raises here, as it would have defined now),
+        checkpoints, samples excluded, own tars) (a definition that failed raises here, as it would have defined now),
         else defined now."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and restored is None and ahead[0] == epoch:
             return ahead[1].result()
         return self.define(epoch) if restored is None else self.define(epoch, *restored)
+
+    def keep(self, epoch: int, defined: Defined) -> None:
+        """Epoch `epoch`'s pipelines, defined and not built, are what `defined` gives for it next."""
+        done: Future = Future()
+        done.set_result(defined)
+        self._ahead = (epoch, done)
 
     def close(self) -> None:
         """Let a definition under way finish: one left running would outlive the loader, and a process forked

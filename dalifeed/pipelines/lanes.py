@@ -9,7 +9,10 @@ run it and on which samples. A lane's first batch is a whole batch of its one th
 next epoch's lanes before an epoch ends, and uses two from epochs of 24 batches (`loader.default_lanes`).
 
 How: lane k of rank r reads DALI shard r * K + k of world * K, and the union of a rank's K lane shards is
-exactly the shard it reads alone (DALI splits N samples at N * i // shards). Each lane makes whole batches of
+exactly the shard it reads alone (DALI splits N samples at N * i // shards). Its reader is given only the tars
+holding those samples (`lane_files`; the two at its ends through cut indexes) and reads them whole: DALI reserves
+a mapping for every tar a reader is given, from a budget of half `vm.max_map_count` per process, and opens each
+tar past it for the pipeline's life (`mapping_budget`). Each lane makes whole batches of
 the loader's batch size, so a batch is one lane's DALI output, handed out without a copy. A lane's shard ends
 in a partial batch; the lanes' partial batches are joined (the one copy of the epoch) into the epoch's last
 batch or batches. The order is a pure function of the lane sizes: `next_lane` takes the lane that has handed
@@ -20,6 +23,7 @@ checkpoint and batch count) continues exactly.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -29,6 +33,43 @@ def lane_sizes(total: int, rank: int, world_size: int, lanes: int) -> list[int]:
     shards = world_size * lanes
     bounds = [total * (rank * lanes + k) // shards for k in range(lanes + 1)]
     return [end - start for start, end in zip(bounds, bounds[1:])]
+
+
+def lane_range(total: int, rank: int, world_size: int, lanes: int, lane: int) -> tuple[int, int]:
+    """[start, end) of `total` samples read by lane `lane` of `rank`: DALI's shard rank * lanes + lane of
+    world_size * lanes."""
+    shard, shards = rank * lanes + lane, world_size * lanes
+    return total * shard // shards, total * (shard + 1) // shards
+
+
+def lane_files(counts: list[int], start: int, end: int) -> list[tuple[int, int, int]]:
+    """The files holding samples [start, end) of files of `counts` samples read in order: (file, its first sample
+    read, samples read) of each, the first and last possibly cut. A lane's reader is given these alone: DALI
+    keeps every file it is given mapped (or open) for the pipeline's life, from a process-wide budget."""
+    out, position = [], 0
+    for i, count in enumerate(counts):
+        first, last = max(start, position), min(end, position + count)
+        if first < last:
+            out.append((i, first - position, last - first))
+        position += count
+        if position >= end:
+            break
+    return out
+
+
+def mapping_budget() -> int:
+    """The tar mappings DALI's readers may reserve in one process, DALI's rule (dali/util/mmaped_file.cc,
+    `dali_max_mv_cnt`): half of the kernel's `vm.max_map_count`. A reader whose tars do not fit reads each
+    through a file it keeps open for the pipeline's life: one descriptor per tar."""
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text()) // 2
+    except (OSError, ValueError):
+        return 0
+
+
+def mappings_fit(pipes: list) -> bool:
+    """Whether the readers of `pipes`, built together, keep their tars mapped (`mapping_budget`), not open."""
+    return sum(getattr(pipe, "dalifeed_tars", 0) for pipe in pipes) <= mapping_budget()
 
 
 def next_lane(handed: list[int], whole: list[int]) -> int | None:

@@ -42,7 +42,7 @@ from .definitions import EpochDefinitions, Graph
 from .elastic import ElasticError, SampleKeys, SampleSet, batches_left
 from .epoch_iterator import EpochIterator
 from .graphs import DEFAULT_HW_DECODER_LOAD, Output, shard_pipeline, uses_gpu
-from .lanes import LaneBatches
+from .lanes import LaneBatches, mappings_fit
 from .names import DEVICES
 from .plan import EpochPlan, Files, epoch_files
 from .ranks import FROM_ARGUMENTS, RANKS_FROM, check_given, local_gpu, resolve_ranks
@@ -51,6 +51,8 @@ CLASSIFICATION_OUTPUTS = ("images", "labels")
 # The graph output naming each sample where it was read (`graphs.sample_sources`), taken off the batch before
 # `to_torch`: a checkpointing training loader records with it which samples it has handed out (elastic.py).
 SAMPLE_SOURCES = "sources"
+# A mid-epoch state's mark that each lane's reader was given only its own tars (`EpochPlan.lane_files`)
+OWN_TARS = "own_tars"
 
 
 def resolve_device(device: str, report: StackReport | None = None) -> str:
@@ -242,12 +244,15 @@ class Restore:
     excluded: SampleSet | None = None
     seen: dict | None = None
     handed: list[int] | None = None  # whole batches each lane had handed out (several lanes: lanes.py)
+    # whether each lane's reader was given only its own tars (False: a state of a dalifeed that gave every tar,
+    # whose DALI checkpoints restore only into readers given every tar)
+    own_tars: bool = True
 
     @classmethod
     def from_state(cls, state: dict) -> Restore:
         excluded = state.get("excluded")
         return cls(state["dali"], SampleSet.from_state(excluded) if excluded is not None else None,
-                   state.get("seen"), state.get("handed"))
+                   state.get("seen"), state.get("handed"), state.get(OWN_TARS, False))
 
     def lane_checkpoints(self) -> list[bytes] | None:
         """Each lane's DALI checkpoint (a state of one lane holds it alone, as before lanes)."""
@@ -357,7 +362,7 @@ class DaliLoader(FollowsCursor):
         checkpoints = self._iterator.checkpoints()
         lanes = {} if len(checkpoints) == 1 else {"lanes": len(checkpoints), "handed": list(self._iterator.handed)}
         return {**self.cursor.state_dict(), "dali": checkpoints[0] if len(checkpoints) == 1 else checkpoints,
-                **lanes, "world_size": self.options.world_size,
+                **lanes, "world_size": self.options.world_size, OWN_TARS: True,
                 "excluded": self._excluded.to_state() if self._excluded is not None else None,
                 "seen": self._seen.to_state() if self.tracks_samples else None}
 
@@ -405,7 +410,7 @@ class DaliLoader(FollowsCursor):
         started, self._next = self._next, None
         if started is not None and restore is None and started[0] == self.cursor.epoch:
             return started[1], started[2]
-        restored = (restore.lane_checkpoints(), restore.excluded) if restore is not None else None
+        restored = (restore.lane_checkpoints(), restore.excluded, restore.own_tars) if restore is not None else None
         pipes, keys, sizes = self.definitions.defined(self.cursor.epoch, restored)
         handed = restore.handed if restore is not None and restore.dali is not None else None
         return self._started(pipes, sizes, handed, self.cursor.epoch), keys
@@ -417,6 +422,9 @@ class DaliLoader(FollowsCursor):
         epoch = self.cursor.epoch + 1
         try:
             pipes, keys, sizes = self.definitions.defined(epoch)
+            if not mappings_fit(self._iterator.pipes + pipes):  # built once this epoch's are freed, not beside them
+                self.definitions.keep(epoch, (pipes, keys, sizes))
+                return
             self._next = (epoch, self._started(pipes, sizes, None, epoch), keys)
         except Exception as e:
             if not is_pipeline_failure(e):

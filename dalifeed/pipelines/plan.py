@@ -11,10 +11,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from dalifeed.format import ShardInfo, ShardManifest
+from dalifeed.atomic import write_atomic
+from dalifeed.format import ShardInfo, ShardManifest, index_samples, index_text
 
 from .elastic import SampleSet, remaining_index
-from .lanes import lane_sizes
+from .lanes import lane_files, lane_range, lane_sizes
 from .shardcache import ShardCache
 
 # files(manifest, shards) -> (tars, indexes): where DALI reads `shards` from
@@ -75,6 +76,29 @@ class EpochPlan:
                 kept.append(replace(shard, samples=samples))
                 indexes.append(str(out))
         return kept, indexes
+
+    def lane_files(self, tars: list[str], indexes: list[str], counts: list[int], lanes: int, lane: int,
+                   cuts: Path) -> tuple[list[str], list[str]] | None:
+        """The tars and indexes lane `lane` (of `lanes`) of this rank reads of an epoch's `tars` (with `indexes`
+        listing `counts` samples): only those holding its samples, the first and last through index files cut to
+        them, written in the folder `cuts`, which a reader given them reads whole (shard 0 of 1) as it read its
+        shard of all. DALI maps or opens every tar its reader is given (lanes.py); None for a lane of no samples
+        (given every tar, as a rank with none is)."""
+        o = self.options
+        start, end = lane_range(sum(counts), o.rank, o.world_size, lanes, lane)
+        parts = lane_files(counts, start, end)
+        if not parts:
+            return None
+        lane_tars, lane_indexes = [], []
+        for i, first, samples in parts:
+            lane_tars.append(tars[i])
+            if samples == counts[i]:
+                lane_indexes.append(indexes[i])
+                continue
+            out = cuts / f"{lane}-{first}-{Path(indexes[i]).name}"
+            write_atomic(out, index_text(list(index_samples(indexes[i]))[first:first + samples]).encode())
+            lane_indexes.append(str(out))
+        return lane_tars, lane_indexes
 
     def end_rest(self) -> None:
         """The epoch resumed on other ranks is over: its remaining-sample index files go."""

@@ -15,7 +15,7 @@ from dalifeed.s3 import StorageError
 from dalifeed.stack import StackMismatch
 
 try:
-    from dalifeed.pipelines.checks import ShardDataError
+    from dalifeed.pipelines.checks import OpenFileLimit, ShardDataError
     from dalifeed.pipelines.dataset import MixError
 
     from .config import NO_SPLIT, RECIPE_GAPS, RECIPES, ConfigError, TrainConfig
@@ -287,7 +287,8 @@ def main(ctx: click.Context, resume: str, debug: bool, **options) -> None:
         train(cfg, resume=saved)
 
     run_command(run, debug=debug, usage_errors=(ConfigError, FolderInUse, MixError, StackMismatch, GpuAssignmentError),
-                runtime_errors=(ShardDataError, TrainingDiverged, DiskFull, StorageError), prefix=rank_prefix(launch),
+                runtime_errors=(ShardDataError, OpenFileLimit, TrainingDiverged, DiskFull, StorageError),
+                prefix=rank_prefix(launch),
                 log=lambda: error_log(run_folder, launch) if run_folder else None,
                 stopped=lambda e: (e.detail if isinstance(e, TrainingStopped) else
                                    "stopped before training began; run the same command again")
