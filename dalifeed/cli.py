@@ -1,11 +1,12 @@
 """`dalifeed`: the commands about dalifeed itself (the data and training ones are shard-convert, dali-train and
-dali-bench). One so far: `dalifeed doctor`."""
+dali-bench): `dalifeed doctor`, `dalifeed export`."""
 
 from __future__ import annotations
 
 import click
 
 from .doctor import doctor
+from .export.cli import export
 
 
 @click.group()
@@ -14,6 +15,7 @@ def main() -> None:
 
 
 main.add_command(doctor)
+main.add_command(export)
 
 if __name__ == "__main__":
     main()
