@@ -197,3 +197,15 @@ def test_usage_errors_are_one_line_and_exit_2(run, tmp_path):
     code, out = export_cli(run, foreign)
     assert code == 2 and "holds other files than an earlier export" in out
     assert (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_the_skew_bench_measures_both_paths_and_gives_the_exports_top1(shards, run, tmp_path):
+    from dalifeed.bench.serving_skew import markdown, measure
+
+    record = measure(run, shards, "val", [1, 4], repeats=1, threads=1, workdir=tmp_path, log=lambda line: None)
+    ours, theirs = record["paths"]
+    assert ours["top1"] == load_run_weights(run).top1 == record["recorded_top1"]
+    assert all(rate > 0 for path in (ours, theirs) for rate in path["images_per_s"].values())
+    assert 0 < record["mean_abs_pixel_difference"] < 0.1  # PIL's and DALI's decoders and resizers differ a little
+    table = markdown(record)
+    assert "| dalifeed export (DALI + onnxruntime) |" in table and "images/s at batch 4" in table
