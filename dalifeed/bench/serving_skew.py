@@ -5,7 +5,7 @@ the run's validation split, on the CPU:
 
     python -m dalifeed.bench.serving_skew --run build/demo/digits-run
 
-For each batch size (--batches, default 1, 8, 32): images/s of preprocessing + model, the median of --repeats
+For each batch size (--batches, default 1, 8, 32): images a second through preprocessing + model, the median of --repeats
 passes over the split after one pass of warm-up; both paths get --threads cores (DALI's threads; a thread pool
 for PIL, which releases the GIL while it decodes and resizes) and onnxruntime the same. Then the top-1 each
 path gives, how many predictions differ, and the mean absolute difference of their preprocessed pixels. Prints
