@@ -3,10 +3,10 @@ validation graph, then the classifier in onnxruntime) against the preprocessing 
 (PIL decoding, torchvision's Resize + CenterCrop + ToTensor + Normalize, then the same onnxruntime session), on
 the run's validation split, on the CPU:
 
-    python -m dalifeed.bench.serving_skew --run build/demo/digits-run
+    python -m dalifeed.bench.serving_skew --run build/demo/run    # the run `make demo` trains
 
-For each batch size (--batches, default 1, 8, 32): images a second through preprocessing + model, the median of --repeats
-passes over the split after one pass of warm-up; both paths get --threads cores (DALI's threads; a thread pool
+For each batch size (--batches, default 1, 8, 32): images a second through preprocessing + model, the median of
+--repeats passes over the split after one pass of warm-up; both paths get --threads cores (DALI's threads; a thread pool
 for PIL, which releases the GIL while it decodes and resizes) and onnxruntime the same. Then the top-1 each
 path gives, how many predictions differ, and the mean absolute difference of their preprocessed pixels. Prints
 a markdown table; writes the JSON record with the environment into --workdir.
