@@ -65,7 +65,8 @@ def export_repository(cfg: ExportConfig, log=print) -> dict:
     augment = run_cfg.val_augment()
     tensors = triton.Tensors(name=cfg.name, size=augment.image_size, classes=len(found.classes),
                              max_batch_size=cfg.max_batch_size, gpu=cfg.device == "gpu")
-    log(f"{found.run}: {found.weights} weights ({found.file.name}, epoch {found.epoch}), {run_cfg.model}, "
+    saved_at = "mid-epoch" if found.epoch is None else f"epoch {found.epoch}"
+    log(f"{found.run}: {found.weights} weights ({found.file.name}, {saved_at}), {run_cfg.model}, "
         f"{tensors.classes} classes, validation at {augment.image_size} px after a resize to "
         f"{augment.val_shorter_side}")
     record = exported_record(cfg, found, augment, tensors)
@@ -86,6 +87,8 @@ def export_repository(cfg: ExportConfig, log=print) -> dict:
 
 
 def exported_record(cfg: ExportConfig, found: RunWeights, augment: AugmentConfig, tensors: triton.Tensors) -> dict:
+    """REPO/export.json: the options, which weights of which checkpoint, what the run recorded for them, the
+    preprocessing's numbers and the versions that wrote the models."""
     import nvidia.dali
 
     return {"config": asdict(cfg), "weights": found.weights, "checkpoint": found.file.name, "epoch": found.epoch,
