@@ -1,7 +1,8 @@
 """An exported repository run in this process, without Triton: `LocalRepository` deserializes model.dali as DALI's
 Triton backend does (the pipeline built with the config's max_batch_size, its own threads and device) and runs
 model.onnx with onnxruntime (the backend of the classifier's config.pbtxt). What the tests check an export with
-and what `dalifeed.bench.serving_skew` measures."""
+and what `dalifeed.bench.serving_skew` measures. Needs DALI, numpy and onnxruntime only (not torch): what a
+serving process has (pytriton_server.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,6 @@ from pathlib import Path
 
 import numpy as np
 from nvidia.dali import Pipeline
-
-from dalifeed.format import CLASS_I64_MEMBER, IMAGE_MEMBER, ShardManifest
-from dalifeed.shardfolder import read_samples
 
 from . import triton
 from .config import EXPORT_RECORD
@@ -60,5 +58,8 @@ class LocalRepository:
 def split_images(shards: str | Path, split: str) -> Iterator[tuple[str, bytes, int]]:
     """(key, encoded image, label) of every sample of `split` of an ImageFolder shard folder, in the order the
     validation loader reads them (shard order, then tar order)."""
+    from dalifeed.format import CLASS_I64_MEMBER, IMAGE_MEMBER, ShardManifest
+    from dalifeed.shardfolder import read_samples
+
     for sample in read_samples(ShardManifest.load(shards), split, {IMAGE_MEMBER, CLASS_I64_MEMBER}):
         yield sample["__key__"], sample[IMAGE_MEMBER], int.from_bytes(sample[CLASS_I64_MEMBER], "little", signed=True)
