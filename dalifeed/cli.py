@@ -1,5 +1,5 @@
 """`dalifeed`: the commands about dalifeed itself (the data and training ones are shard-convert, dali-train and
-dali-bench): `dalifeed doctor`, `dalifeed export`."""
+dali-bench): `dalifeed doctor`, `dalifeed export`, `dalifeed serve`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import click
 
 from .doctor import doctor
 from .export.cli import export
+from .export.serve import serve
 
 
 @click.group()
@@ -16,6 +17,7 @@ def main() -> None:
 
 main.add_command(doctor)
 main.add_command(export)
+main.add_command(serve)
 
 if __name__ == "__main__":
     main()
