@@ -6,7 +6,13 @@ Triton's ModelConfig and agrees with the others, with the DALI pipeline and with
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
@@ -209,3 +215,69 @@ def test_the_skew_bench_measures_both_paths_and_gives_the_exports_top1(shards, r
     assert 0 < record["mean_abs_pixel_difference"] < 0.1  # PIL's and DALI's decoders and resizers differ a little
     table = markdown(record)
     assert "| dalifeed export (DALI + onnxruntime) |" in table and "images/s at batch 4" in table
+
+
+SERVE_PYTHON = os.environ.get("DALIFEED_SERVE_PYTHON")  # a Python with nvidia-pytriton, nvidia-dali, onnxruntime
+
+CLIENT = """
+import sys
+import numpy as np
+import tritonclient.grpc as grpc
+import tritonclient.http as http
+from dalifeed.export.local import split_images
+
+samples = list(split_images(sys.argv[1], "val"))
+labels = np.array([label for _, _, label in samples])
+for module, port in ((http, sys.argv[2]), (grpc, sys.argv[3])):
+    client, found = module.InferenceServerClient(f"127.0.0.1:{port}"), []
+    for i in range(0, len(samples), 4):
+        data = np.array([[image] for _, image, _ in samples[i:i + 4]], dtype=np.object_)
+        image = module.InferInput("IMAGE", list(data.shape), "BYTES")
+        image.set_data_from_numpy(data)
+        found.append(client.infer("classifier", [image]).as_numpy("LOGITS").argmax(1))
+    print(module.__name__, float((np.concatenate(found) == labels).mean()))
+"""
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(SERVE_PYTHON is None, reason="DALIFEED_SERVE_PYTHON names no serving environment "
+                                                   "(docs/serving.md, 'Serve it without a GPU')")
+def test_dalifeed_serve_answers_over_http_and_grpc_with_the_exports_top1(shards, run, tmp_path):
+    http_port, grpc_port, metrics_port = free_ports(3)
+    checkout = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": checkout}
+    with open(tmp_path / "serve.log", "wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "dalifeed.cli", "serve", str(run), "--python", SERVE_PYTHON,
+                                   "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port",
+                                   str(metrics_port), "--max-batch-size", "4"], stdout=log, stderr=subprocess.STDOUT,
+                                  env=env)
+    try:
+        ready = f"http://127.0.0.1:{http_port}/v2/models/classifier/ready"
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-2000:]
+            try:
+                if urllib.request.urlopen(ready, timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-2000:]
+            time.sleep(1)
+        client = subprocess.run([SERVE_PYTHON, "-c", CLIENT, str(shards), str(http_port), str(grpc_port)],
+                                capture_output=True, text=True, env=env, timeout=240)
+        assert client.returncode == 0, client.stderr[-2000:]
+        top1 = load_run_weights(run).top1
+        assert client.stdout.split() == ["tritonclient.http", str(top1), "tritonclient.grpc", str(top1)]
+    finally:
+        server.terminate()
+        assert server.wait(timeout=60) is not None
