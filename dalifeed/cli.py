@@ -1,11 +1,13 @@
 """`dalifeed`: the commands about dalifeed itself (the data and training ones are shard-convert, dali-train and
-dali-bench). One so far: `dalifeed doctor`."""
+dali-bench): `dalifeed doctor`, `dalifeed export`, `dalifeed serve`."""
 
 from __future__ import annotations
 
 import click
 
 from .doctor import doctor
+from .export.cli import export
+from .export.serve import serve
 
 
 @click.group()
@@ -14,6 +16,8 @@ def main() -> None:
 
 
 main.add_command(doctor)
+main.add_command(export)
+main.add_command(serve)
 
 if __name__ == "__main__":
     main()

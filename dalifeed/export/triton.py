@@ -1,0 +1,128 @@
+"""The text of a Triton model repository: each model's config.pbtxt (Triton's `ModelConfig` protobuf in text
+format) and the README that says how to serve it. Names and shapes come from `Tensors`, the one place the three
+models' inputs and outputs are named, so that the ensemble's wiring and the models agree by construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The DALI backend feeds each request's input to the `fn.external_source` of the same name.
+DALI_INPUT = "DALI_INPUT_0"
+# The DALI backend matches a pipeline's outputs to the config's outputs in order; pipelines have no output names.
+DALI_OUTPUT = "DALI_OUTPUT_0"
+ONNX_INPUT, ONNX_OUTPUT = "images", "logits"
+ENSEMBLE_INPUT, ENSEMBLE_OUTPUT = "IMAGE", "LOGITS"
+PREPROCESSED = "preprocessed"  # the ensemble's name for the tensor between its two steps
+LABELS = "labels.txt"
+
+
+@dataclass(frozen=True)
+class Tensors:
+    """The repository's models and the shapes between them.
+
+    Attributes:
+        name: The ensemble's name, what clients call; the models are `{name}_preprocess` and `{name}_onnx`.
+        size: The side of the square images the DALI model hands out and the classifier takes.
+        classes: The number of classes, the classifier's logits per image.
+        max_batch_size: Triton's largest batch for each model.
+        gpu: Whether the models run on the GPU (KIND_GPU) or the CPU (KIND_CPU).
+    """
+
+    name: str
+    size: int
+    classes: int
+    max_batch_size: int
+    gpu: bool
+
+    @property
+    def preprocess(self) -> str:
+        return f"{self.name}_preprocess"
+
+    @property
+    def classifier(self) -> str:
+        return f"{self.name}_onnx"
+
+    @property
+    def image_dims(self) -> list[int]:
+        return [3, self.size, self.size]
+
+
+def _tensor(name: str, dtype: str, dims: list[int], label_filename: str | None = None) -> str:
+    label = f' label_filename: "{label_filename}"' if label_filename else ""
+    return f'  {{ name: "{name}" data_type: {dtype} dims: [ {", ".join(map(str, dims))} ]{label} }}'
+
+
+def _instances(t: Tensors) -> str:
+    return f"instance_group [ {{ count: 1 kind: {'KIND_GPU' if t.gpu else 'KIND_CPU'} }} ]\n"
+
+
+def dali_config(t: Tensors) -> str:
+    """config.pbtxt of the DALI model: encoded image bytes in, the validation graph's float32 CHW image out."""
+    return (f'name: "{t.preprocess}"\nbackend: "dali"\nmax_batch_size: {t.max_batch_size}\n'
+            f"input [\n{_tensor(DALI_INPUT, 'TYPE_UINT8', [-1])}\n]\n"
+            f"output [\n{_tensor(DALI_OUTPUT, 'TYPE_FP32', t.image_dims)}\n]\n"
+            f"{_instances(t)}dynamic_batching {{ }}\n")
+
+
+def onnx_config(t: Tensors) -> str:
+    """config.pbtxt of the classifier: images in, logits out, the label file for Triton's classification
+    extension (a client asking for `class_count` gets "score:index:label")."""
+    return (f'name: "{t.classifier}"\nbackend: "onnxruntime"\nmax_batch_size: {t.max_batch_size}\n'
+            f"input [\n{_tensor(ONNX_INPUT, 'TYPE_FP32', t.image_dims)}\n]\n"
+            f"output [\n{_tensor(ONNX_OUTPUT, 'TYPE_FP32', [t.classes], LABELS)}\n]\n"
+            f"{_instances(t)}dynamic_batching {{ }}\n")
+
+
+def ensemble_config(t: Tensors) -> str:
+    """config.pbtxt of the ensemble: bytes -> the DALI model -> the classifier."""
+    steps = [(t.preprocess, {DALI_INPUT: ENSEMBLE_INPUT}, {DALI_OUTPUT: PREPROCESSED}),
+             (t.classifier, {ONNX_INPUT: PREPROCESSED}, {ONNX_OUTPUT: ENSEMBLE_OUTPUT})]
+    text = ",\n".join(
+        f'    {{\n      model_name: "{model}"\n      model_version: -1\n'
+        + "".join(f'      input_map {{ key: "{k}" value: "{v}" }}\n' for k, v in inputs.items())
+        + "".join(f'      output_map {{ key: "{k}" value: "{v}" }}\n' for k, v in outputs.items()) + "    }"
+        for model, inputs, outputs in steps)
+    return (f'name: "{t.name}"\nplatform: "ensemble"\nmax_batch_size: {t.max_batch_size}\n'
+            f"input [\n{_tensor(ENSEMBLE_INPUT, 'TYPE_UINT8', [-1])}\n]\n"
+            f"output [\n{_tensor(ENSEMBLE_OUTPUT, 'TYPE_FP32', [t.classes], LABELS)}\n]\n"
+            f"ensemble_scheduling {{\n  step [\n{text}\n  ]\n}}\n")
+
+
+def readme(t: Tensors, *, run: str, weights: str, top1: float | None, dali_version: str, triton: str) -> str:
+    """REPO/README.md: what each folder is and the two commands that serve and load-test it."""
+    device = "GPU" if t.gpu else "CPU"
+    gpus = "--gpus all " if t.gpu else ""
+    recorded = f"{top1:.4f}" if top1 is not None else "not recorded"
+    return f"""# Triton model repository: {t.name}
+
+Exported by `dalifeed export` from the dali-train run `{run}` ({weights} weights; validation top-1 the run
+recorded for them: {recorded}).
+
+| model | what it is |
+|---|---|
+| `{t.name}/` | the ensemble clients call: `{ENSEMBLE_INPUT}` (encoded image bytes, UINT8 [-1]) -> \
+`{ENSEMBLE_OUTPUT}` (FP32 [{t.classes}]) |
+| `{t.preprocess}/1/model.dali` | the run's validation preprocessing (decode, resize, centre crop {t.size}, \
+normalise), serialized by DALI {dali_version} |
+| `{t.classifier}/1/model.onnx` | the classifier, batch dimension dynamic, {t.classes} classes named in `{LABELS}` |
+
+Every model runs on the {device} (`instance_group`), in batches of up to {t.max_batch_size} (`dynamic_batching`).
+The DALI backend of the container must run DALI {dali_version} or newer (NVIDIA's frameworks support matrix
+lists the DALI version of each release).
+
+Serve it with NVIDIA's container (ports 8000 HTTP, 8001 gRPC, 8002 metrics):
+
+```
+docker run --rm {gpus}-p 8000:8000 -p 8001:8001 -p 8002:8002 -v "$PWD":/models \\
+  nvcr.io/nvidia/tritonserver:{triton}-py3 tritonserver --model-repository=/models
+```
+
+Measure it with `perf_analyzer` (in the `nvcr.io/nvidia/tritonserver:{triton}-py3-sdk` container): it reads an
+input's bytes from a file named after the input, here one of your JPEGs:
+
+```
+mkdir -p perf-data && cp photo.jpg perf-data/{ENSEMBLE_INPUT}
+perf_analyzer -m {t.name} --input-data perf-data --shape {ENSEMBLE_INPUT}:$(stat -c %s photo.jpg) \\
+  -b 8 --concurrency-range 1:4
+```
+"""
