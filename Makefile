@@ -86,14 +86,14 @@ gpu-lint: venv
 SHELL_SCRIPTS := $(wildcard examples/slurm/*.sbatch) .ci/run
 lint: venv
 	$(VENV)/bin/ruff check dalifeed tests examples
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	for f in $(SHELL_SCRIPTS); do bash -n "$$f" || exit 1; done
 	$(VENV)/bin/shellcheck $(SHELL_SCRIPTS)
 	$(VENV)/bin/hadolint docker/Dockerfile
 
 # The reference site (docs/ and the API pages generated from the docstrings) into build/site.
 docs: venv
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	@echo "docs: $(BUILD)/site/index.html"
 
 # On a GPU node: the gpu tests, every loader, hw_decoder_load, a ResNet-50 training slice, a mixed checkpoint

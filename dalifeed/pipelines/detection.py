@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 from nvidia.dali import fn, pipeline_def, types
@@ -191,7 +192,7 @@ def targets_from_batch(batch: dict) -> tuple[list[torch.Tensor], list[dict]]:
 
 
 def make_detection_loader(data: str | os.PathLike | ShardData, split: str, batch_size: int, *,
-                          detection: DetectionConfig | None = None, **options) -> DaliLoader:
+                          detection: DetectionConfig | None = None, **options: Any) -> DaliLoader:
     """The detection loader of one split of COCO shards for this rank: DALI reads, crops, flips and resizes
     images and boxes together and hands out batches for torchvision detection models.
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
 from .augment import AugmentConfig
 from .dataset import DatasetError, ShardData, open_dataset
@@ -26,7 +27,7 @@ from .mixing import ConcatLoader, MixedLoader, mixed_loader
 
 def make_loader(data: str | os.PathLike | list | ShardData, split: str, batch_size: int, *,
                 augment: AugmentConfig | None = None, size_schedule: Callable[[int], int] | None = None,
-                **options) -> DaliLoader | MixedLoader | ConcatLoader:
+                **options: Any) -> DaliLoader | MixedLoader | ConcatLoader:
     """The loader of one split for this rank: DALI reads the shards and hands out `(images, labels)` torch
     batches.
 
