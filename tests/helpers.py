@@ -224,12 +224,41 @@ def write_shapes_coco(root: Path, n_images: int, seed: int = 0, label_counts=(0,
     return images_dir, path
 
 
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(target, *args, world_size: int = 2, timeout: float = 300) -> None:
+    """`target(rank, port, *args)` in `world_size` spawned processes that meet on `port`; every one must exit 0
+    within `timeout` seconds. Once one fails, or the time is up, the others are killed: a rank waiting in a
+    collective for a peer that died would wait for ever, beside the tests after this one."""
+    import torch.multiprocessing as mp
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=target, args=(rank, port, *args)) for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    assert [p.exitcode for p in procs] == [0] * world_size, f"exit codes of ranks 0..{world_size - 1}"
+
+
 def start_s3_server(log: Path, **env) -> tuple[subprocess.Popen, str]:
     """moto's standalone S3 server as a subprocess on a free loopback port; returns it and its endpoint
     once it answers. `env`: extra variables for the server (e.g. INITIAL_NO_AUTH_ACTION_COUNT)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"  # an IP: DALI's AWS SDK then addresses buckets path-style
     with open(log, "wb") as out:
         server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 
 from dalifeed.runtime import Stopped
 from dalifeed.train.stop import Seen, StepChecks, Stop, agree_to_skip
-from helpers import kill_run
+from helpers import free_port, kill_run, run_ranks
 
 PY = sys.executable
 # 405 train samples, batch 4 on each of 2 ranks: 50 steps an epoch, a mid-epoch checkpoint every 3
@@ -37,12 +36,6 @@ STEPS = 50
 def shards(make_shards) -> Path:
     return make_shards({"train": {"red": 137, "green": 135, "blue": 133}, "val": {"red": 7, "green": 7, "blue": 7}},
                        samples_per_shard=20)[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_torchrun(shards: Path, out: Path, log: Path) -> subprocess.Popen:
@@ -270,15 +263,7 @@ def _agree_on_rank(rank: int, port: int, results: Path) -> None:
 
 
 def test_the_ranks_agree_on_a_non_finite_step_and_on_a_stop_any_of_them_saw(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=_agree_on_rank, args=(rank, port, tmp_path)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
+    run_ranks(_agree_on_rank, tmp_path, timeout=120)
     expected = ([0.0, 1.0, 0.0], 0, Seen(steps=3, skipped=1, streak=0, worst=1), signal.SIGTERM)
     assert [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)] == [expected, expected]
 

@@ -310,15 +310,6 @@ def test_a_two_rank_training_slice_syncs_only_at_the_checks(shards, tmp_path):
     all-reduce, SWA's BatchNorm pass with its all-reduce. DDP's one bucket rebuild (its second forward:
     torch/csrc/distributed/c10d/reducer.cpp, `sync_bucket_indices`, copies the broadcast indices back to the
     host, non_blocking=false) is let through: once a run, not once a step."""
-    import torch.multiprocessing as mp
+    from helpers import run_ranks
 
-    from test_elastic import free_port
-
-    cfg = slice_config(shards, tmp_path / "run", "bf16")
-    ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=_slice_on_rank, args=(rank, port, cfg)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-        assert p.exitcode == 0
+    run_ranks(_slice_on_rank, slice_config(shards, tmp_path / "run", "bf16"), timeout=600)

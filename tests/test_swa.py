@@ -110,6 +110,13 @@ def test_a_run_that_fails_before_its_last_checkpoint_writes_swa_pt_on_resume(sha
     assert checkpoint.load(run / "swa.pt")["swa"]["epochs_averaged"] == 1
 
 
+class PassLoader(list):
+    """Batches `update_bn` reads as a training loader's one pass (`set_epoch(e, ahead=False)`)."""
+
+    def set_epoch(self, epoch, ahead=True):
+        self.epoch, self.ahead = epoch, ahead
+
+
 def test_update_bn_is_torchs_update_bn():
     """Over the same batches, in one process without autocast: the statistics torch's update_bn gives, bit for
     bit (each batch weighed by the same Python float 1/(k+1) torch computes from its count); the loader is
@@ -118,19 +125,54 @@ def test_update_bn_is_torchs_update_bn():
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
                                 torch.nn.Conv2d(4, 4, 3), torch.nn.BatchNorm2d(4))
     batches = [(torch.randn(5, 3, 8, 8) * (i + 1), torch.zeros(5)) for i in range(4)]
-
-    class Loader(list):
-        def set_epoch(self, epoch, ahead=True):
-            self.epoch, self.ahead = epoch, ahead
-
     ours, torchs = copy.deepcopy(model), copy.deepcopy(model)
-    loader = Loader(batches)
+    loader = PassLoader(batches)
     read = update_bn(ours, loader, Dist(0, 1, 0, torch.device("cpu")), None, channels_last=False, epoch=7)
     torch.optim.swa_utils.update_bn(batches, torchs)
     assert read == 4 and loader.epoch == 7 and loader.ahead is False
     assert all(torch.equal(a, b) for a, b in zip(ours.buffers(), torchs.buffers(), strict=True))
     assert all(m.momentum == 0.1 for m in ours.modules() if isinstance(m, torch.nn.BatchNorm2d))
 
+
+def test_update_bn_counts_each_call_of_a_batchnorm_as_torch_does():
+    """A BatchNorm applied twice a batch (a shared layer), one without running statistics and one whose
+    momentum is None: torch counts every call of a layer (`num_batches_tracked`), so its cumulative weights are
+    1/1, 1/2, ... per call, not per batch; the same buffers bit for bit, and each layer's momentum back."""
+    torch.manual_seed(0)
+    shared = torch.nn.BatchNorm2d(3, momentum=None)
+    model = torch.nn.Sequential(shared, torch.nn.Conv2d(3, 3, 3), shared, torch.nn.BatchNorm2d(3, affine=False),
+                                torch.nn.BatchNorm2d(3, track_running_stats=False))
+    batches = [(torch.randn(5, 3, 9, 9) * (i + 1) + i, torch.zeros(5)) for i in range(3)]
+    ours, torchs = copy.deepcopy(model), copy.deepcopy(model)
+    assert update_bn(ours, PassLoader(batches), Dist(0, 1, 0, torch.device("cpu")), None, False, epoch=0) == 3
+    torch.optim.swa_utils.update_bn(batches, torchs)
+    assert int(ours[0].num_batches_tracked) == 6
+    assert all(torch.equal(a, b) for a, b in zip(ours.buffers(), torchs.buffers(), strict=True))
+    assert [ours[0].momentum, ours[3].momentum, ours[4].momentum] == [None, 0.1, 0.1]
+
+
+def test_update_bn_over_ranks_skips_a_batchnorm_without_running_statistics():
+    """The ranks' average is of the statistics a BatchNorm keeps: one with `track_running_stats=False` has none
+    to average (no process group here: the sum is this rank's own)."""
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.BatchNorm2d(3, track_running_stats=False))
+    batches = [(torch.randn(4, 3, 5, 5), torch.zeros(4))]
+    assert update_bn(model, PassLoader(batches), Dist(0, 2, 0, torch.device("cpu")), None, False, epoch=0) == 1
+    assert model[1].running_mean is None and model[0].running_mean.abs().sum() > 0
+
+
+def test_update_bn_that_fails_leaves_the_momenta_and_the_mode_as_they_were():
+    """A pass that stops with an error (a shard that fails to decode) restores what it changed for the pass."""
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(3, momentum=0.2), torch.nn.BatchNorm2d(3, momentum=None)).eval()
+
+    class Failing(PassLoader):
+        def __iter__(self):
+            yield torch.randn(4, 3, 5, 5), torch.zeros(4)
+            raise RuntimeError("a shard failed")
+
+    with pytest.raises(RuntimeError, match="a shard failed"):
+        update_bn(model, Failing(), Dist(0, 1, 0, torch.device("cpu")), None, False, epoch=0)
+    assert [m.momentum for m in model] == [0.2, None] and not model.training
+    assert not any(m._forward_pre_hooks for m in model)
 
 def test_swa_schedule_anneals_from_the_schedule_to_the_swa_lr():
     base = warmup_cosine(100, 10, 0.0)

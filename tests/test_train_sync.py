@@ -46,6 +46,7 @@ from dalifeed.train.distributed import Dist
 from dalifeed.train.swa import update_bn
 from dalifeed.train.trainer import build_run, train_one_epoch, update_ema
 from fast_recipe import fast_config
+from helpers import run_ranks
 
 TENSOR_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 # Functions that read a tensor known to be on the host, whatever the device (their docstrings say why)
@@ -181,18 +182,8 @@ def test_no_host_sync_between_checks_on_two_ranks(shards, tmp_path):
     (`stop.agree_to_skip`), the checks' all-reduced tallies, the EMA, and SWA's BatchNorm pass with its
     all-reduce of the statistics. Each rank: 6 optimizer steps an epoch (100 images in batches of 8, 2 a step),
     the same reads as on one process, at the same places."""
-    import torch.multiprocessing as mp
-
-    from test_elastic import free_port
-
     cfg = sync_config(shards, tmp_path / "run", "fp16", mixing=True)
-    ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=_count_on_rank, args=(rank, port, cfg, tmp_path)) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
+    run_ranks(_count_on_rank, cfg, tmp_path)
     for rank in range(2):
         calls, below, steps = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert steps == [6, 6] and below == []

@@ -57,33 +57,46 @@ def update_bn(module: torch.nn.Module, loader, dist: Dist, dtype: torch.dtype | 
     whose shares of the epoch are the same number of batches. Returns the batches this rank read.
 
     torch's `momentum=None` makes every BatchNorm forward read its `num_batches_tracked` on the host
-    (torch/nn/modules/batchnorm.py, `1.0 / float(self.num_batches_tracked)`); the same factor, 1/(k+1) before
-    batch k, is set here from a host counter, so the pass reads nothing from the device. The loader is
-    pointed at `epoch` for this one pass (`ahead=False`): it starts nothing of a next epoch during it."""
+    (torch/nn/modules/batchnorm.py, `1.0 / float(self.num_batches_tracked)`); the same factor, 1/j before a
+    layer's j-th call of the pass (a layer applied twice a batch is counted twice, as torch counts it), is set
+    here from a host counter, so the pass reads nothing from the device. The loader is pointed at `epoch` for
+    this one pass (`ahead=False`): it starts nothing of a next epoch during it. The momenta and the mode are
+    restored also when the pass fails."""
     norms = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
     if not norms:
         return 0
     momenta = [m.momentum for m in norms]
+    calls = dict.fromkeys(norms, 0)
+
+    def cumulative(norm, _inputs) -> None:  # the cumulative mean's weight torch computes from the layer's count
+        calls[norm] += 1
+        norm.momentum = 1.0 / calls[norm]
+
+    hooks = [m.register_forward_pre_hook(cumulative) for m in norms]
     for m in norms:
         m.reset_running_stats()
     training = module.training
     module.train()
-    loader.set_epoch(epoch, ahead=False)
     batches = 0
-    for images, _ in loader:
-        if channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        for m in norms:  # the cumulative mean's weight of batch `batches`, as torch computes it from the count
-            m.momentum = 1.0 / (batches + 1)
-        with autocast(dist, dtype):
-            module(images)
-        batches += 1
-    for m, momentum in zip(norms, momenta):
-        m.momentum = momentum
-        if dist.enabled:
-            m.running_mean.copy_(all_reduce_sum(m.running_mean) / dist.world_size)
-            m.running_var.copy_(all_reduce_sum(m.running_var) / dist.world_size)
-    module.train(training)
+    try:
+        loader.set_epoch(epoch, ahead=False)
+        for images, _ in loader:
+            if channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            with autocast(dist, dtype):
+                module(images)
+            batches += 1
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for m, momentum in zip(norms, momenta):
+            m.momentum = momentum
+        module.train(training)
+    if dist.enabled:
+        for m in norms:
+            if m.running_mean is not None:  # a layer with track_running_stats=False keeps none
+                m.running_mean.copy_(all_reduce_sum(m.running_mean) / dist.world_size)
+                m.running_var.copy_(all_reduce_sum(m.running_var) / dist.world_size)
     return batches
 
 
