@@ -485,3 +485,64 @@ def test_the_small_edges_each_have_their_line(tmp_path):
         "train-00001-of-00003": "empty file (0 bytes)",
         "train-00002-of-00003 record 0": "not a TFRecord file (its first bytes frame no record and start no gzip "
                                          "or zlib stream)"}
+
+
+def test_several_image_and_class_label_features_are_told_apart_by_supervised_keys(tmp_path):
+    """cifar100's label and coarse_label, oxford_iiit_pet's image and segmentation_mask: dataset_info.json's
+    supervisedKeys (TFDS 4.9's tuple form, or the older input/output) says which; without it the run is
+    refused naming both, as is a feature features.json does not have. The older features.json form
+    ({"type", "content"}) is read too."""
+    from dalifeed.convert.options import UsageError
+
+    src = tmp_path / "pets" / "1.0.0"
+    src.mkdir(parents=True)
+    rng = np.random.default_rng(11)
+    images = [helpers.jpeg_bytes(helpers.random_image(rng, (14, 18), i % 3)) for i in range(5)]
+    write_records(src / "pets-train.tfrecord-00000-of-00001",
+                  [example(image=img, mask=helpers.png_bytes(Image.new("L", (18, 14), i)), label=i % 3,
+                           species=i % 2, file_name=f"{i}.jpg") for i, img in enumerate(images)])
+    tfds_cls = "tensorflow_datasets.core.features."
+    image = {"pythonClassName": f"{tfds_cls}image_feature.Image", "image": {"dtype": "uint8"}}
+
+    def label(n):
+        return {"pythonClassName": f"{tfds_cls}class_label_feature.ClassLabel", "classLabel": {"numClasses": str(n)}}
+
+    features = {"pythonClassName": f"{tfds_cls}features_dict.FeaturesDict", "featuresDict": {"features": {
+        "file_name": {"pythonClassName": f"{tfds_cls}text_feature.Text", "text": {}}, "image": image,
+        "label": label(3), "mask": image, "species": label(2)}}}
+    (src / "features.json").write_text(json.dumps(features, indent=4, sort_keys=True))
+    (src / "label.labels.txt").write_text("abyssinian\nbengal\nbirman\n")
+    (src / "species.labels.txt").write_text("cat\ndog\n")
+    (src / "LICENSE").write_text("CC BY-SA 4.0\n")
+    info = {"fileFormat": "tfrecord", "name": "pets", "version": "1.0.0", "splits": [
+        {"filepathTemplate": "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}", "name": "train", "numBytes": "900",
+         "shardLengths": ["5"]}]}
+    (src / "dataset_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
+    with pytest.raises(UsageError, match=r"features.json: 2 Image features \(image, mask\) and dataset_info.json's "
+                                         r"supervisedKeys names none: give --image-feature NAME$"):
+        convert_tfrecord(TFRecordConfig(src=src, out=tmp_path / "refused", workers=1, progress=False))
+    with pytest.raises(UsageError, match=r"^--label-feature lable: .*features.json has no such feature \(its "
+                                         r"features: file_name, image, label, mask, species\)$"):
+        convert_tfrecord(TFRecordConfig(src=src, out=tmp_path / "refused", image_feature="image",
+                                        label_feature="lable", workers=1, progress=False))
+
+    for keys in ({"tuple": {"items": [{"featureKey": "image"}, {"featureKey": "label"}]}},
+                 {"input": "image", "output": "label"}):
+        (src / "dataset_info.json").write_text(json.dumps({**info, "supervisedKeys": keys}, indent=2))
+        out = tmp_path / f"out{len(keys)}"
+        convert_tfrecord(TFRecordConfig(src=src, out=out, workers=1, progress=False))
+        manifest = ShardManifest.load(out)
+        assert manifest.classes == ["abyssinian", "bengal", "birman"] and manifest.skipped == []
+        assert manifest.extra["tfrecord"]["tfds_metadata"] == ["features.json", "dataset_info.json",
+                                                               "label.labels.txt", "species.labels.txt", "LICENSE"]
+        assert sorted(s["jpg"] for s in samples_of(out)) == sorted(images)
+
+    legacy = {"type": f"{tfds_cls}features_dict.FeaturesDict", "content": {
+        "image": {"type": f"{tfds_cls}image_feature.Image", "content": {"shape": [None, None, 3], "dtype": "uint8"}},
+        "mask": {"type": f"{tfds_cls}image_feature.Image", "content": {"shape": [None, None, 1], "dtype": "uint8"}},
+        "species": {"type": f"{tfds_cls}class_label_feature.ClassLabel", "content": {"num_classes": 2}}}}
+    (src / "features.json").write_text(json.dumps(legacy, indent=4))
+    out = tmp_path / "legacy"
+    convert_tfrecord(TFRecordConfig(src=src, out=out, label_feature="species", workers=1, progress=False))
+    assert ShardManifest.load(out).classes == ["cat", "dog"]
+    assert {json.loads(s["json"])["class"] for s in samples_of(out)} == {"cat", "dog"}

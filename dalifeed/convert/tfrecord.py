@@ -489,15 +489,19 @@ def tfds_of(cfg: TFRecordConfig, listing: Listing) -> TfdsInfo | None:
 
 def features_of(cfg: TFRecordConfig, tfds: TfdsInfo | None) -> tuple[str, str]:
     """The image and label features: as given, or, left at their defaults where features.json has no such
-    feature, TFDS's one Image and one ClassLabel feature (`image`, `label`)."""
-    image, label = cfg.image_feature, cfg.label_feature
-    if tfds is not None and tfds.kinds:
-        fields = TFRecordConfig.__dataclass_fields__
-        if image == fields["image_feature"].default and image not in tfds.kinds:
-            image = tfds.the_feature("Image") or image
-        if label == fields["label_feature"].default and label not in tfds.kinds:
-            label = tfds.the_feature("ClassLabel") or label
-    return image, label
+    feature, TFDS's Image and ClassLabel feature (`image`, `label`; `TfdsInfo.the_feature`). A feature
+    given that features.json does not have is refused, as every record would be skipped for lacking it."""
+    chosen = []
+    for option, kind, flag in (("image_feature", "Image", "--image-feature"),
+                               ("label_feature", "ClassLabel", "--label-feature")):
+        name = getattr(cfg, option)
+        if tfds is not None and tfds.kinds and name not in tfds.kinds:
+            if name != TFRecordConfig.__dataclass_fields__[option].default:
+                raise UsageError(f"{flag} {name}: {tfds.folder / 'features.json'} has no such feature (its "
+                                 f"features: {', '.join(tfds.kinds)})")
+            name = tfds.the_feature(kind, flag)
+        chosen.append(name)
+    return chosen[0], chosen[1]
 
 
 def build_plan(cfg: TFRecordConfig, inflated: list[Path]) -> Plan:
