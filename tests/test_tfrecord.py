@@ -26,6 +26,7 @@ from dalifeed.convert.shards import ConversionFailed
 from dalifeed.convert.tfrecord import TFRecordConfig, convert_tfrecord, parse_example
 from dalifeed.convert.verify import verify_shards
 from dalifeed.format import ShardManifest
+from dalifeed.runtime import FolderInUse
 from fast_recipe import fast_args
 
 # synsets deliberately not in sorted order: their labels below are those of the sorted order, 1-based
@@ -405,14 +406,25 @@ def test_a_failed_conversion_leaves_no_inflated_copy_and_a_stopped_one_says_wher
     from dalifeed.convert import tfrecord
     from dalifeed.runtime import Stopped
 
-    def stopped(plan, cfg, command):
+    write_records(tmp_path / "src" / "train-00000-of-00001", records[:3], gzip.open)
+    holder = helpers.hold_lock(tmp_path / "out")  # the same command, running: the copies are the ones it reads
+    try:
+        with pytest.raises(FolderInUse):
+            convert_tfrecord(TFRecordConfig(src=tmp_path / "src", out=tmp_path / "out", workers=1, progress=False))
+    finally:
+        holder.kill()
+        holder.wait()
+    (copy,) = own_tmpdir.glob("dalifeed-inflated/*.tfrecord")
+
+    def stopped(plan, cfg, command):  # as a SIGTERM finds it: a worker killed while inflating another file
+        (copy.parent / f".{copy.name}.12345.tmp").write_bytes(b"half")
         raise Stopped(__import__("signal").SIGTERM)
 
-    write_records(tmp_path / "src" / "train-00000-of-00001", records[:3], gzip.open)
     monkeypatch.setattr(tfrecord, "convert", stopped)
     with pytest.raises(Stopped) as info:
         convert_tfrecord(TFRecordConfig(src=tmp_path / "src", out=tmp_path / "out", workers=1, progress=False))
     (kept,) = own_tmpdir.glob("dalifeed-inflated/*.tfrecord")
+    assert sorted(p.name for p in kept.parent.iterdir()) == [kept.name]  # no half-written copy
     assert info.value.__notes__ == [f"the inflated copies of its 1 compressed files are kept for the resume: "
                                     f"{kept.stat().st_size / 2**20:.1f} MiB in {kept.parent} (removed when the "
                                     f"conversion finishes)"]

@@ -40,7 +40,7 @@ from ..format import (
     check_split_name,
     listing_digest,
 )
-from ..runtime import Stopped
+from ..runtime import FolderInUse, Stopped
 from .core import Plan, convert, stat_source
 from .imagefolder import SPLIT_NAMES, SPLIT_ORDER
 from .images import ImageError, to_jpeg
@@ -600,9 +600,14 @@ def convert_tfrecord(cfg: TFRecordConfig) -> ShardManifest:
     inflated: list[Path] = []
     try:
         manifest = convert(build_plan(cfg, inflated), cfg, "shard-convert tfrecord")
+    except FolderInUse:  # the copies are the same command's, which holds OUT's lock and is reading them
+        raise
     except Stopped as e:
+        remove_partial(inflated)  # a killed worker's: a resume starts that copy anew
         kept = [p for p in inflated if p.is_file()]
-        if kept:
+        if not kept:
+            remove_inflated(inflated)  # their folder, left empty
+        else:
             size = sum(p.stat().st_size for p in kept)
             e.add_note(f"the inflated copies of its {len(kept)} compressed files are kept for the resume: "
                        f"{size / 2**20:.1f} MiB in {kept[0].parent} (removed when the conversion finishes)")
@@ -617,10 +622,16 @@ def convert_tfrecord(cfg: TFRecordConfig) -> ShardManifest:
 def remove_inflated(inflated: list[Path]) -> None:
     """Remove the inflated copies (with their .problem notes and the temporary file of a copy a killed
     worker left half-written), and their folder once empty."""
+    remove_partial(inflated)
     for path in inflated:
         path.unlink(missing_ok=True)
         path.with_suffix(".problem").unlink(missing_ok=True)
-        for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-            tmp.unlink(missing_ok=True)
     if inflated and inflated[0].parent.is_dir() and not any(inflated[0].parent.iterdir()):
         shutil.rmtree(inflated[0].parent, ignore_errors=True)
+
+
+def remove_partial(inflated: list[Path]) -> None:
+    """Remove the temporary files of copies that workers killed mid-inflation left half-written."""
+    for path in inflated:
+        for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
