@@ -558,3 +558,25 @@ def test_several_image_and_class_label_features_are_told_apart_by_supervised_key
     convert_tfrecord(TFRecordConfig(src=src, out=out, label_feature="species", workers=1, progress=False))
     assert ShardManifest.load(out).classes == ["cat", "dog"]
     assert {json.loads(s["json"])["class"] for s in samples_of(out)} == {"cat", "dog"}
+
+
+def test_a_tensorflow_datasets_folder_of_array_records_is_refused_saying_so(tmp_path):
+    from dalifeed.convert.options import UsageError
+
+    (tmp_path / "pets-train.array_record-00000-of-00001").write_bytes(b"\x00" * 40)
+    info = {"fileFormat": "array_record", "name": "pets", "splits": [{"name": "train", "shardLengths": ["1"]}]}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
+    for split in (None, "train"):
+        with pytest.raises(UsageError, match=r"dataset_info.json: the records are array_record files, not "
+                                             r"TFRecord: prepare the dataset with download_and_prepare\(file_format="
+                                             r"'tfrecord'\)$"):
+            convert_tfrecord(TFRecordConfig(src=tmp_path, out=tmp_path.parent / "out", split=split, workers=1,
+                                            progress=False))
+    info["alternativeFileFormats"] = ["tfrecord"]  # both were written: the TFRecord files are converted
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    write_records(tmp_path / "pets-train.tfrecord-00000-of-00001", [example(image=b"x", label=0)])
+    out = tmp_path.parent / "both"
+    convert_tfrecord(TFRecordConfig(src=tmp_path, out=out, image_feature="image", label_feature="label", workers=1,
+                                    progress=False))
+    assert sorted(s["path"] for s in ShardManifest.load(out).skipped) == [
+        "pets-train.array_record-00000-of-00001", "pets-train.tfrecord-00000-of-00001 record 0"]  # b"x": no image

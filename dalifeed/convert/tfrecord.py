@@ -48,7 +48,7 @@ from .options import ShardOptions, UsageError
 from .shards import ConversionFailed, Sample, Skip, SourceFile, ordered_map
 from .tfrecord_example import ExampleError, Feature, parse_example
 from .tfrecord_labels import Labelling, label_records
-from .tfrecord_tfds import TfdsInfo, count_warnings, is_metadata, read_tfds, tfds_name
+from .tfrecord_tfds import TfdsInfo, check_file_format, count_warnings, is_metadata, read_tfds, tfds_name
 
 HEADER = struct.Struct("<QI")  # length, masked CRC32C of the length's 8 bytes
 FOOTER = struct.Struct("<I")  # masked CRC32C of the data
@@ -452,6 +452,7 @@ def list_files(cfg: TFRecordConfig) -> Listing:
     files: dict[str, list[Path]] = {}
     skipped, named = [], {}  # named: the split a file's name says -> the first such file
     root = cfg.root
+    check_file_format(cfg.src)
     for path in find_files(cfg.src):
         source = stat_source(path)
         said = split_of(path.name)

@@ -105,6 +105,18 @@ def read_tfds(folder: Path) -> TfdsInfo | None:
     return info if info.files else None
 
 
+def check_file_format(folder: Path) -> None:
+    """Refuse (`UsageError`) a TFDS folder whose dataset_info.json says its records are in another format
+    (array_record, riegeli, parquet) and not also in TFRecord files (`alternativeFileFormats`)."""
+    info = _json(folder / DATASET_INFO) if folder.is_dir() else None
+    if not isinstance(info, dict):
+        return
+    formats = [info.get("fileFormat") or "tfrecord", *info.get("alternativeFileFormats", [])]
+    if "tfrecord" not in formats:
+        raise UsageError(f"{folder / DATASET_INFO}: the records are {formats[0]} files, not TFRecord: prepare the "
+                         f"dataset with download_and_prepare(file_format='tfrecord')")
+
+
 def _json(path: Path):
     if not path.is_file():
         return None
