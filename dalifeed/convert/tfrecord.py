@@ -79,8 +79,10 @@ class TFRecordConfig(ShardOptions):
             background). With synsets the labels are the sorted synsets' indices and this, if given, is
             checked against them (or, with the first class absent, numbers the present classes from 0).
             Default None.
-        image_feature: The bytes feature holding the encoded image. Default `"image/encoded"`.
-        label_feature: The int64 feature holding the class index. Default `"image/class/label"`.
+        image_feature: The bytes feature holding the encoded image. Default `"image/encoded"`; in a TensorFlow
+            Datasets folder that lacks it, its `Image` feature (among several, the one `supervisedKeys` names).
+        label_feature: The int64 feature holding the class index. Default `"image/class/label"`; in a TensorFlow
+            Datasets folder that lacks it, its `ClassLabel` feature (likewise).
         synset_feature: The bytes feature naming the class (e.g. n01440764); where records have it, the
             classes are the sorted synsets (torchvision ImageFolder's order). `""` ignores it and numbers the
             classes by the label feature alone. Default `"image/class/synset"`.
