@@ -26,6 +26,7 @@ from dalifeed.convert.shards import ConversionFailed
 from dalifeed.convert.tfrecord import TFRecordConfig, convert_tfrecord, parse_example
 from dalifeed.convert.verify import verify_shards
 from dalifeed.format import ShardManifest
+from dalifeed.runtime import FolderInUse
 from fast_recipe import fast_args
 
 # synsets deliberately not in sorted order: their labels below are those of the sorted order, 1-based
@@ -405,14 +406,25 @@ def test_a_failed_conversion_leaves_no_inflated_copy_and_a_stopped_one_says_wher
     from dalifeed.convert import tfrecord
     from dalifeed.runtime import Stopped
 
-    def stopped(plan, cfg, command):
+    write_records(tmp_path / "src" / "train-00000-of-00001", records[:3], gzip.open)
+    holder = helpers.hold_lock(tmp_path / "out")  # the same command, running: the copies are the ones it reads
+    try:
+        with pytest.raises(FolderInUse):
+            convert_tfrecord(TFRecordConfig(src=tmp_path / "src", out=tmp_path / "out", workers=1, progress=False))
+    finally:
+        holder.kill()
+        holder.wait()
+    (copy,) = own_tmpdir.glob("dalifeed-inflated/*.tfrecord")
+
+    def stopped(plan, cfg, command):  # as a SIGTERM finds it: a worker killed while inflating another file
+        (copy.parent / f".{copy.name}.12345.tmp").write_bytes(b"half")
         raise Stopped(__import__("signal").SIGTERM)
 
-    write_records(tmp_path / "src" / "train-00000-of-00001", records[:3], gzip.open)
     monkeypatch.setattr(tfrecord, "convert", stopped)
     with pytest.raises(Stopped) as info:
         convert_tfrecord(TFRecordConfig(src=tmp_path / "src", out=tmp_path / "out", workers=1, progress=False))
     (kept,) = own_tmpdir.glob("dalifeed-inflated/*.tfrecord")
+    assert sorted(p.name for p in kept.parent.iterdir()) == [kept.name]  # no half-written copy
     assert info.value.__notes__ == [f"the inflated copies of its 1 compressed files are kept for the resume: "
                                     f"{kept.stat().st_size / 2**20:.1f} MiB in {kept.parent} (removed when the "
                                     f"conversion finishes)"]
@@ -485,3 +497,86 @@ def test_the_small_edges_each_have_their_line(tmp_path):
         "train-00001-of-00003": "empty file (0 bytes)",
         "train-00002-of-00003 record 0": "not a TFRecord file (its first bytes frame no record and start no gzip "
                                          "or zlib stream)"}
+
+
+def test_several_image_and_class_label_features_are_told_apart_by_supervised_keys(tmp_path):
+    """cifar100's label and coarse_label, oxford_iiit_pet's image and segmentation_mask: dataset_info.json's
+    supervisedKeys (TFDS 4.9's tuple form, or the older input/output) says which; without it the run is
+    refused naming both, as is a feature features.json does not have. The older features.json form
+    ({"type", "content"}) is read too."""
+    from dalifeed.convert.options import UsageError
+
+    src = tmp_path / "pets" / "1.0.0"
+    src.mkdir(parents=True)
+    rng = np.random.default_rng(11)
+    images = [helpers.jpeg_bytes(helpers.random_image(rng, (14, 18), i % 3)) for i in range(5)]
+    write_records(src / "pets-train.tfrecord-00000-of-00001",
+                  [example(image=img, mask=helpers.png_bytes(Image.new("L", (18, 14), i)), label=i % 3,
+                           species=i % 2, file_name=f"{i}.jpg") for i, img in enumerate(images)])
+    tfds_cls = "tensorflow_datasets.core.features."
+    image = {"pythonClassName": f"{tfds_cls}image_feature.Image", "image": {"dtype": "uint8"}}
+
+    def label(n):
+        return {"pythonClassName": f"{tfds_cls}class_label_feature.ClassLabel", "classLabel": {"numClasses": str(n)}}
+
+    features = {"pythonClassName": f"{tfds_cls}features_dict.FeaturesDict", "featuresDict": {"features": {
+        "file_name": {"pythonClassName": f"{tfds_cls}text_feature.Text", "text": {}}, "image": image,
+        "label": label(3), "mask": image, "species": label(2)}}}
+    (src / "features.json").write_text(json.dumps(features, indent=4, sort_keys=True))
+    (src / "label.labels.txt").write_text("abyssinian\nbengal\nbirman\n")
+    (src / "species.labels.txt").write_text("cat\ndog\n")
+    (src / "LICENSE").write_text("CC BY-SA 4.0\n")
+    info = {"fileFormat": "tfrecord", "name": "pets", "version": "1.0.0", "splits": [
+        {"filepathTemplate": "{DATASET}-{SPLIT}.{FILEFORMAT}-{SHARD_X_OF_Y}", "name": "train", "numBytes": "900",
+         "shardLengths": ["5"]}]}
+    (src / "dataset_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
+    with pytest.raises(UsageError, match=r"features.json: 2 Image features \(image, mask\) and dataset_info.json's "
+                                         r"supervisedKeys names none: give --image-feature NAME$"):
+        convert_tfrecord(TFRecordConfig(src=src, out=tmp_path / "refused", workers=1, progress=False))
+    with pytest.raises(UsageError, match=r"^--label-feature lable: .*features.json has no such feature \(its "
+                                         r"features: file_name, image, label, mask, species\)$"):
+        convert_tfrecord(TFRecordConfig(src=src, out=tmp_path / "refused", image_feature="image",
+                                        label_feature="lable", workers=1, progress=False))
+
+    for keys in ({"tuple": {"items": [{"featureKey": "image"}, {"featureKey": "label"}]}},
+                 {"input": "image", "output": "label"}):
+        (src / "dataset_info.json").write_text(json.dumps({**info, "supervisedKeys": keys}, indent=2))
+        out = tmp_path / f"out{len(keys)}"
+        convert_tfrecord(TFRecordConfig(src=src, out=out, workers=1, progress=False))
+        manifest = ShardManifest.load(out)
+        assert manifest.classes == ["abyssinian", "bengal", "birman"] and manifest.skipped == []
+        assert manifest.extra["tfrecord"]["tfds_metadata"] == ["features.json", "dataset_info.json",
+                                                               "label.labels.txt", "species.labels.txt", "LICENSE"]
+        assert sorted(s["jpg"] for s in samples_of(out)) == sorted(images)
+
+    legacy = {"type": f"{tfds_cls}features_dict.FeaturesDict", "content": {
+        "image": {"type": f"{tfds_cls}image_feature.Image", "content": {"shape": [None, None, 3], "dtype": "uint8"}},
+        "mask": {"type": f"{tfds_cls}image_feature.Image", "content": {"shape": [None, None, 1], "dtype": "uint8"}},
+        "species": {"type": f"{tfds_cls}class_label_feature.ClassLabel", "content": {"num_classes": 2}}}}
+    (src / "features.json").write_text(json.dumps(legacy, indent=4))
+    out = tmp_path / "legacy"
+    convert_tfrecord(TFRecordConfig(src=src, out=out, label_feature="species", workers=1, progress=False))
+    assert ShardManifest.load(out).classes == ["cat", "dog"]
+    assert {json.loads(s["json"])["class"] for s in samples_of(out)} == {"cat", "dog"}
+
+
+def test_a_tensorflow_datasets_folder_of_array_records_is_refused_saying_so(tmp_path):
+    from dalifeed.convert.options import UsageError
+
+    (tmp_path / "pets-train.array_record-00000-of-00001").write_bytes(b"\x00" * 40)
+    info = {"fileFormat": "array_record", "name": "pets", "splits": [{"name": "train", "shardLengths": ["1"]}]}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
+    for split in (None, "train"):
+        with pytest.raises(UsageError, match=r"dataset_info.json: the records are array_record files, not "
+                                             r"TFRecord: prepare the dataset with download_and_prepare\(file_format="
+                                             r"'tfrecord'\)$"):
+            convert_tfrecord(TFRecordConfig(src=tmp_path, out=tmp_path.parent / "out", split=split, workers=1,
+                                            progress=False))
+    info["alternativeFileFormats"] = ["tfrecord"]  # both were written: the TFRecord files are converted
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    write_records(tmp_path / "pets-train.tfrecord-00000-of-00001", [example(image=b"x", label=0)])
+    out = tmp_path.parent / "both"
+    convert_tfrecord(TFRecordConfig(src=tmp_path, out=out, image_feature="image", label_feature="label", workers=1,
+                                    progress=False))
+    assert sorted(s["path"] for s in ShardManifest.load(out).skipped) == [
+        "pets-train.array_record-00000-of-00001", "pets-train.tfrecord-00000-of-00001 record 0"]  # b"x": no image

@@ -40,7 +40,7 @@ from ..format import (
     check_split_name,
     listing_digest,
 )
-from ..runtime import Stopped
+from ..runtime import FolderInUse, Stopped
 from .core import Plan, convert, stat_source
 from .imagefolder import SPLIT_NAMES, SPLIT_ORDER
 from .images import ImageError, to_jpeg
@@ -48,7 +48,7 @@ from .options import ShardOptions, UsageError
 from .shards import ConversionFailed, Sample, Skip, SourceFile, ordered_map
 from .tfrecord_example import ExampleError, Feature, parse_example
 from .tfrecord_labels import Labelling, label_records
-from .tfrecord_tfds import TfdsInfo, count_warnings, is_metadata, read_tfds, tfds_name
+from .tfrecord_tfds import TfdsInfo, check_file_format, count_warnings, is_metadata, read_tfds, tfds_name
 
 HEADER = struct.Struct("<QI")  # length, masked CRC32C of the length's 8 bytes
 FOOTER = struct.Struct("<I")  # masked CRC32C of the data
@@ -79,8 +79,10 @@ class TFRecordConfig(ShardOptions):
             background). With synsets the labels are the sorted synsets' indices and this, if given, is
             checked against them (or, with the first class absent, numbers the present classes from 0).
             Default None.
-        image_feature: The bytes feature holding the encoded image. Default `"image/encoded"`.
-        label_feature: The int64 feature holding the class index. Default `"image/class/label"`.
+        image_feature: The bytes feature holding the encoded image. Default `"image/encoded"`; in a TensorFlow
+            Datasets folder that lacks it, its `Image` feature (among several, the one `supervisedKeys` names).
+        label_feature: The int64 feature holding the class index. Default `"image/class/label"`; in a TensorFlow
+            Datasets folder that lacks it, its `ClassLabel` feature (likewise).
         synset_feature: The bytes feature naming the class (e.g. n01440764); where records have it, the
             classes are the sorted synsets (torchvision ImageFolder's order). `""` ignores it and numbers the
             classes by the label feature alone. Default `"image/class/synset"`.
@@ -452,6 +454,7 @@ def list_files(cfg: TFRecordConfig) -> Listing:
     files: dict[str, list[Path]] = {}
     skipped, named = [], {}  # named: the split a file's name says -> the first such file
     root = cfg.root
+    check_file_format(cfg.src)
     for path in find_files(cfg.src):
         source = stat_source(path)
         said = split_of(path.name)
@@ -489,15 +492,19 @@ def tfds_of(cfg: TFRecordConfig, listing: Listing) -> TfdsInfo | None:
 
 def features_of(cfg: TFRecordConfig, tfds: TfdsInfo | None) -> tuple[str, str]:
     """The image and label features: as given, or, left at their defaults where features.json has no such
-    feature, TFDS's one Image and one ClassLabel feature (`image`, `label`)."""
-    image, label = cfg.image_feature, cfg.label_feature
-    if tfds is not None and tfds.kinds:
-        fields = TFRecordConfig.__dataclass_fields__
-        if image == fields["image_feature"].default and image not in tfds.kinds:
-            image = tfds.the_feature("Image") or image
-        if label == fields["label_feature"].default and label not in tfds.kinds:
-            label = tfds.the_feature("ClassLabel") or label
-    return image, label
+    feature, TFDS's Image and ClassLabel feature (`image`, `label`; `TfdsInfo.the_feature`). A feature
+    given that features.json does not have is refused, as every record would be skipped for lacking it."""
+    chosen = []
+    for option, kind, flag in (("image_feature", "Image", "--image-feature"),
+                               ("label_feature", "ClassLabel", "--label-feature")):
+        name = getattr(cfg, option)
+        if tfds is not None and tfds.kinds and name not in tfds.kinds:
+            if name != TFRecordConfig.__dataclass_fields__[option].default:
+                raise UsageError(f"{flag} {name}: {tfds.folder / 'features.json'} has no such feature (its "
+                                 f"features: {', '.join(tfds.kinds)})")
+            name = tfds.the_feature(kind, flag)
+        chosen.append(name)
+    return chosen[0], chosen[1]
 
 
 def build_plan(cfg: TFRecordConfig, inflated: list[Path]) -> Plan:
@@ -596,9 +603,14 @@ def convert_tfrecord(cfg: TFRecordConfig) -> ShardManifest:
     inflated: list[Path] = []
     try:
         manifest = convert(build_plan(cfg, inflated), cfg, "shard-convert tfrecord")
+    except FolderInUse:  # the copies are the same command's, which holds OUT's lock and is reading them
+        raise
     except Stopped as e:
+        remove_partial(inflated)  # a killed worker's: a resume starts that copy anew
         kept = [p for p in inflated if p.is_file()]
-        if kept:
+        if not kept:
+            remove_inflated(inflated)  # their folder, left empty
+        else:
             size = sum(p.stat().st_size for p in kept)
             e.add_note(f"the inflated copies of its {len(kept)} compressed files are kept for the resume: "
                        f"{size / 2**20:.1f} MiB in {kept[0].parent} (removed when the conversion finishes)")
@@ -613,10 +625,16 @@ def convert_tfrecord(cfg: TFRecordConfig) -> ShardManifest:
 def remove_inflated(inflated: list[Path]) -> None:
     """Remove the inflated copies (with their .problem notes and the temporary file of a copy a killed
     worker left half-written), and their folder once empty."""
+    remove_partial(inflated)
     for path in inflated:
         path.unlink(missing_ok=True)
         path.with_suffix(".problem").unlink(missing_ok=True)
-        for tmp in path.parent.glob(f".{path.name}.*.tmp"):
-            tmp.unlink(missing_ok=True)
     if inflated and inflated[0].parent.is_dir() and not any(inflated[0].parent.iterdir()):
         shutil.rmtree(inflated[0].parent, ignore_errors=True)
+
+
+def remove_partial(inflated: list[Path]) -> None:
+    """Remove the temporary files of copies that workers killed mid-inflation left half-written."""
+    for path in inflated:
+        for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+            tmp.unlink(missing_ok=True)

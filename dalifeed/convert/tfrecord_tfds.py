@@ -5,7 +5,8 @@ TFDS names its record files `<dataset>-<split>.tfrecord-NNNNN-of-NNNNN` and writ
 `dataset_info.json` (the splits, with the records in each file: `shardLengths`), `features.json` (each
 feature's class: `Image`, `ClassLabel` with `numClasses`, ...) and `<feature>.labels.txt` (a ClassLabel's
 names, one a line, in label order). This module reads those: which split a file is, which features hold the
-image and the label, the class names, and the records each file should hold.
+image and the label (the one Image and ClassLabel feature, or among several the one `supervisedKeys` names),
+the class names, and the records each file should hold.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .options import UsageError
 from .shards import ConversionFailed
 
 TFDS_FILE = re.compile(r"(?P<dataset>[^-/]+)-(?P<split>[^./]+)\.tfrecord-(?P<shard>\d+)-of-(?P<shards>\d+)")
 DATASET_INFO, FEATURES = "dataset_info.json", "features.json"
 LABELS_SUFFIX = ".labels.txt"
+OTHER_METADATA = ("LICENSE", "metadata.json")  # DatasetInfo.write_to_directory's license and tfds.core.MetadataDict
 
 
 def is_metadata(name: str) -> bool:
     """Whether a file name is one of the metadata files TFDS writes beside its records."""
-    return name in (DATASET_INFO, FEATURES) or name.endswith(LABELS_SUFFIX)
+    return name in (DATASET_INFO, FEATURES, *OTHER_METADATA) or name.endswith(LABELS_SUFFIX)
 
 
 def tfds_name(name: str) -> tuple[str, int, int] | None:
@@ -44,11 +47,22 @@ class TfdsInfo:
     kinds: dict[str, str] = field(default_factory=dict)  # feature name (as in the records) -> its class (Image)
     num_classes: dict[str, int] = field(default_factory=dict)  # ClassLabel feature -> numClasses
     shard_lengths: dict[str, list[int]] = field(default_factory=dict)  # TFDS split name -> records per file
+    supervised: tuple[str, ...] = ()  # the features dataset_info.json's supervisedKeys names: (image, label)
 
-    def the_feature(self, kind: str) -> str | None:
-        """The one feature of this class (Image, ClassLabel), or None when there are none or several."""
+    def the_feature(self, kind: str, flag: str) -> str:
+        """The feature of this class (Image, ClassLabel): the only one, or among several the one supervisedKeys
+        names (cifar100's label, not coarse_label; oxford_iiit_pet's image, not segmentation_mask). Refused
+        (`UsageError`, naming `flag`) when there is none or that does not tell one."""
         names = [name for name, k in self.kinds.items() if k == kind]
-        return names[0] if len(names) == 1 else None
+        chosen = names if len(names) == 1 else [name for name in names if name in self.supervised]
+        if len(chosen) == 1:
+            return chosen[0]
+        if not names:
+            raise UsageError(f"{self.folder / FEATURES}: no {kind} feature (its features: "
+                             f"{', '.join(self.kinds)}): give {flag} NAME")
+        raise UsageError(f"{self.folder / FEATURES}: {len(names)} {kind} features ({', '.join(names)}) and "
+                         f"{DATASET_INFO}'s supervisedKeys names {'both' if len(chosen) > 1 else 'none'}: "
+                         f"give {flag} NAME")
 
     def class_names(self, feature: str) -> tuple[list[str], str] | None:
         """A ClassLabel feature's names and the file they come from: `<feature>.labels.txt` (a nested
@@ -85,8 +99,22 @@ def read_tfds(folder: Path) -> TfdsInfo | None:
             lengths = split.get("shardLengths") if isinstance(split, dict) else None
             if isinstance(lengths, list) and split.get("name"):
                 info.shard_lengths[str(split["name"])] = [int(n) for n in lengths]
+        info.supervised = _supervised_keys(dataset.get("supervisedKeys") if isinstance(dataset, dict) else None)
     info.files += sorted(p.name for p in folder.glob(f"*{LABELS_SUFFIX}"))
+    info.files += [name for name in OTHER_METADATA if info.files and (folder / name).is_file()]
     return info if info.files else None
+
+
+def check_file_format(folder: Path) -> None:
+    """Refuse (`UsageError`) a TFDS folder whose dataset_info.json says its records are in another format
+    (array_record, riegeli, parquet) and not also in TFRecord files (`alternativeFileFormats`)."""
+    info = _json(folder / DATASET_INFO) if folder.is_dir() else None
+    if not isinstance(info, dict):
+        return
+    formats = [info.get("fileFormat") or "tfrecord", *info.get("alternativeFileFormats", [])]
+    if "tfrecord" not in formats:
+        raise UsageError(f"{folder / DATASET_INFO}: the records are {formats[0]} files, not TFRecord: prepare the "
+                         f"dataset with download_and_prepare(file_format='tfrecord')")
 
 
 def _json(path: Path):
@@ -98,10 +126,25 @@ def _json(path: Path):
         raise ConversionFailed(f"{path}: not TensorFlow Datasets' JSON ({e})") from None
 
 
+def _supervised_keys(keys) -> tuple[str, ...]:
+    """The feature names of a SupervisedKeys message as JSON: `{"input": .., "output": ..}` (older TFDS),
+    or `{"tuple": {"items": [{"featureKey": ..}, ..]}}`; nested dicts and tuples of keys are not read."""
+    if not isinstance(keys, dict):
+        return ()
+    if keys.get("input") or keys.get("output"):
+        return tuple(str(keys[k]) for k in ("input", "output") if keys.get(k))
+    items = keys.get("tuple", {}).get("items", []) if isinstance(keys.get("tuple"), dict) else []
+    return tuple(str(item["featureKey"]) for item in items if isinstance(item, dict) and "featureKey" in item)
+
+
 def _read_features(feature: dict, prefix: str, info: TfdsInfo) -> None:
     """features.json as FeatureConnector.save_config writes it (the Feature proto as JSON): a FeaturesDict's
-    children under "featuresDict"/"features", nested ones flattened with '/' as in the records."""
+    children under "featuresDict"/"features", nested ones flattened with '/' as in the records. Also the
+    form older TFDS wrote, before the proto: `{"type": <class>, "content": ...}`."""
     if not isinstance(feature, dict):
+        return
+    if isinstance(feature.get("type"), str):
+        _read_legacy_feature(feature, prefix, info)
         return
     children = feature.get("featuresDict", {}).get("features")
     if isinstance(children, dict):
@@ -115,6 +158,20 @@ def _read_features(feature: dict, prefix: str, info: TfdsInfo) -> None:
     label = feature.get("classLabel")
     if isinstance(label, dict) and "numClasses" in label:
         info.num_classes[name] = int(label["numClasses"])
+
+
+def _read_legacy_feature(feature: dict, prefix: str, info: TfdsInfo) -> None:
+    kind, content = feature["type"].rsplit(".", 1)[-1], feature.get("content")
+    if kind == "FeaturesDict" and isinstance(content, dict):
+        for name, child in content.items():
+            _read_features(child, f"{prefix}{name}/", info)
+        return
+    name = prefix.rstrip("/")
+    if not name:
+        return
+    info.kinds[name] = kind
+    if kind == "ClassLabel" and isinstance(content, dict) and isinstance(content.get("num_classes"), int):
+        info.num_classes[name] = content["num_classes"]
 
 
 def count_warnings(info: TfdsInfo, counted: dict[str, tuple[str, int, int, int]]) -> list[str]:
