@@ -179,7 +179,7 @@ def test_a_state_saved_when_readers_were_given_every_tar_resumes_exactly(small, 
     readers, and carry no `own_tars` mark) resumes into such readers: the rest of the epoch is the uninterrupted
     run's."""
     options = dict(device="cpu", augment=AugmentConfig(image_size=16), seed=3, initial_fill=8, num_threads=2,
-                   lanes=lanes, checkpointing=True, world_size=world)
+                   lanes=lanes, checkpointing=True, rank=0, world_size=world)
     before = make_loader(small, "train", 4, **options)
     before.plan.lane_files = lambda *args: None  # every tar to every lane, as before lanes were given their own
     it = iter(before)

@@ -20,8 +20,6 @@ from dalifeed.decode import DaliDecoder, summarize_dali_error
 from dalifeed.format import index_samples, split_member_name
 from dalifeed.s3 import StorageError
 
-from .lanes import mapping_budget
-
 VERIFY_HINT = "check the shards with: shard-convert verify --decode {root}"
 
 _SAMPLE_SOURCE = re.compile(r"(?P<tar>\S+?\.tar):(?P<offset>\d+):(?P<member>[^\s:]+)")
@@ -111,6 +109,16 @@ def is_pipeline_failure(error: BaseException) -> bool:
     "Critical error in pipeline" (while running) or "Critical error when building pipeline" (a reader's first
     read); anything else is not the data's fault."""
     return "Critical error" in str(error)
+
+
+def mapping_budget() -> int:
+    """The tar mappings DALI's readers may reserve in one process, DALI's rule (dali/util/mmaped_file.cc,
+    `dali_max_mv_cnt`): half of the kernel's `vm.max_map_count`. A reader whose tars do not fit reads each
+    through a file it keeps open for the pipeline's life: one descriptor per tar."""
+    try:
+        return int(Path("/proc/sys/vm/max_map_count").read_text()) // 2
+    except (OSError, ValueError):
+        return 0
 
 
 class OpenFileLimit(OSError):

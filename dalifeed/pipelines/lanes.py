@@ -23,9 +23,10 @@ checkpoint and batch count) continues exactly.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
+
+from .checks import mapping_budget
 
 
 def lane_sizes(total: int, rank: int, world_size: int, lanes: int) -> list[int]:
@@ -55,16 +56,6 @@ def lane_files(counts: list[int], start: int, end: int) -> list[tuple[int, int, 
         if position >= end:
             break
     return out
-
-
-def mapping_budget() -> int:
-    """The tar mappings DALI's readers may reserve in one process, DALI's rule (dali/util/mmaped_file.cc,
-    `dali_max_mv_cnt`): half of the kernel's `vm.max_map_count`. A reader whose tars do not fit reads each
-    through a file it keeps open for the pipeline's life: one descriptor per tar."""
-    try:
-        return int(Path("/proc/sys/vm/max_map_count").read_text()) // 2
-    except (OSError, ValueError):
-        return 0
 
 
 def mappings_fit(pipes: list) -> bool:
