@@ -126,6 +126,9 @@ def test_every_config_parses_as_tritons_model_config_and_they_agree(shards, repo
 
     image, logits = (pb.TYPE_FP32, [3, 16, 16]), (pb.TYPE_FP32, [3])
     assert tensors(dali.input) == {"DALI_INPUT_0": (pb.TYPE_UINT8, [-1])}
+    # requests of one image each, of different lengths, are batched by the DALI model only with a ragged input
+    assert dali.input[0].allow_ragged_batch and not model.input[0].allow_ragged_batch
+    assert dali.parameters["num_threads"].string_value == "4"  # --dali-threads, read by the DALI backend
     assert tensors(ensemble.input) == {"IMAGE": (pb.TYPE_UINT8, [-1])}
     assert tensors(dali.output) == {"DALI_OUTPUT_0": image}
     assert tensors(model.input) == {"images": image} and tensors(model.output) == {"logits": logits}
@@ -170,7 +173,8 @@ def test_a_gpu_export_decodes_on_the_gpu_and_asks_for_gpu_instances(run, tmp_pat
         assert "kind: KIND_GPU" in (tmp_path / "gpu" / name / "config.pbtxt").read_text()
     readme = (tmp_path / "gpu" / "README.md").read_text()
     assert "docker run --rm --gpus all" in readme and "tritonserver --model-repository=/models" in readme
-    assert "perf_analyzer -m classifier" in readme
+    assert "perf_analyzer -m classifier" in readme and "-b 8 " in readme
+    assert "tritonserver:26.10-py3 " in readme and "tritonserver:26.10-py3-sdk" in readme
 
 
 def export_cli(*args) -> tuple[int, str]:
@@ -183,6 +187,8 @@ def test_usage_errors_are_one_line_and_exit_2(run, tmp_path):
     empty.mkdir()
     code, out = export_cli(empty, tmp_path / "r1")
     assert code == 2 and "not a dali-train run folder with a checkpoint" in out
+    code, out = export_cli(run, tmp_path / "r0", "--triton-release", "latest")
+    assert code == 2 and "--triton-release must be a container release such as 26.10, got 'latest'" in out
     only_last = tmp_path / "only-last"
     only_last.mkdir()
     shutil.copy(run / checkpoint.LAST, only_last / checkpoint.LAST)

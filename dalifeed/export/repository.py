@@ -107,7 +107,7 @@ def write_models(root: Path, cfg: ExportConfig, found: RunWeights, augment: Augm
         (folder / "1").mkdir(parents=True)  # an ensemble too needs a version folder, empty
     write_atomic(dali_dir / "1" / "model.dali",
                  serialized_pipeline(augment, cfg.device, cfg.max_batch_size, cfg.dali_threads))
-    write_atomic(dali_dir / "config.pbtxt", triton.dali_config(tensors).encode())
+    write_atomic(dali_dir / "config.pbtxt", triton.dali_config(tensors, cfg.dali_threads).encode())
     write_onnx(found.model(), augment.image_size, onnx_dir / "1" / "model.onnx")
     write_atomic(onnx_dir / "config.pbtxt", triton.onnx_config(tensors).encode())
     write_atomic(onnx_dir / triton.LABELS, labels)
