@@ -223,6 +223,15 @@ def test_the_skew_bench_measures_both_paths_and_gives_the_exports_top1(shards, r
     assert "| dalifeed export (DALI + onnxruntime) |" in table and "images/s at batch 4" in table
 
 
+def test_the_skew_bench_refuses_a_folder_without_a_run_and_bad_batches_in_one_line(tmp_path):
+    from dalifeed.bench.serving_skew import main as skew
+
+    result = CliRunner().invoke(skew, ["--run", str(tmp_path)])
+    assert result.exit_code == 2 and "not a dali-train run folder with a checkpoint" in result.output
+    result = CliRunner().invoke(skew, ["--run", str(tmp_path), "--batches", "8,0"])
+    assert result.exit_code == 2 and "batch sizes >= 1" in result.output
+
+
 SERVE_PYTHON = os.environ.get("DALIFEED_SERVE_PYTHON")  # a Python with nvidia-pytriton, nvidia-dali, onnxruntime
 
 CLIENT = """
