@@ -130,8 +130,8 @@ docker run --rm {gpus}-p 8000:8000 -p 8001:8001 -p 8002:8002 -v "$PWD":/models \
   nvcr.io/nvidia/tritonserver:{triton}-py3 tritonserver --model-repository=/models
 ```
 
-Measure it with `perf_analyzer`, from a folder holding one of your JPEGs as `photo.jpg`: it reads an input's
-bytes from a file named after the input.
+Measure it with `perf_analyzer`, from a folder outside this one (Triton would take any folder here for a model)
+that holds one of your JPEGs as `photo.jpg`: it reads an input's bytes from a file named after the input.
 
 ```
 mkdir -p perf-data && cp photo.jpg perf-data/{ENSEMBLE_INPUT}
