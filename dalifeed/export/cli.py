@@ -42,7 +42,7 @@ def export(run_dir: Path, repo: Path, debug: bool, **options) -> None:
     REPO/NAME_preprocess/1/model.dali   the run's validation graph (decode, resize, centre crop, normalise),
                                         fed the request's encoded image bytes (JPEG, PNG, ...)
     REPO/NAME_onnx/1/model.onnx         the classifier, dynamic batch, with labels.txt of the run's classes
-    REPO/NAME/config.pbtxt              the ensemble clients call: IMAGE (bytes) -> LOGITS
+    REPO/NAME/config.pbtxt              the ensemble clients call: IMAGE (UINT8 [-1]) -> LOGITS
     REPO/README.md                      the docker run and perf_analyzer commands; REPO/export.json
 
     Exit codes: 0 done; 2 usage (a folder that is not a run with a checkpoint, weights it does not have, a
