@@ -211,6 +211,14 @@ def test_usage_errors_are_one_line_and_exit_2(run, tmp_path):
     assert (foreign / "notes.txt").read_text() == "mine"
 
 
+def test_an_install_without_onnx_is_told_the_extra_in_one_line(run, tmp_path):
+    script = ("import sys; sys.modules['onnx'] = None; from dalifeed.cli import main; "  # onnx not installed
+              f"main(['export', {str(run)!r}, {str(tmp_path / 'repo')!r}, '--device', 'cpu'])")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 2 and "pip install 'dalifeed[export]'" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "repo").exists()
+
+
 def test_the_skew_bench_measures_both_paths_and_gives_the_exports_top1(shards, run, tmp_path):
     from dalifeed.bench.serving_skew import markdown, measure
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from dalifeed.cliutil import default, run_command
+from dalifeed.entry import dali_import_error, exit_without_dali
 from dalifeed.runtime import DiskFull
 
 from .config import DEVICES, WEIGHTS, ExportConfig, ExportError
@@ -51,6 +52,8 @@ def export(run_dir: Path, repo: Path, debug: bool, **options) -> None:
     cfg = ExportConfig(run=str(run_dir), repo=str(repo), **options)
 
     def body() -> None:
+        if (error := dali_import_error()) is not None:
+            exit_without_dali(error)
         from .repository import export_repository
 
         export_repository(cfg, log=click.echo)

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from dalifeed.cliutil import run_command
+from dalifeed.entry import dali_import_error, exit_without_dali
 from dalifeed.runtime import DiskFull
 
 from .config import WEIGHTS, ExportConfig, ExportError
@@ -40,6 +41,8 @@ def serve(run_dir: Path, python: Path, weights: str | None, max_batch_size: int,
                            max_batch_size=max_batch_size)
 
         def body() -> None:
+            if (error := dali_import_error()) is not None:
+                exit_without_dali(error)
             from .repository import export_repository
 
             export_repository(cfg, log=click.echo)
