@@ -240,6 +240,17 @@ def test_the_skew_bench_refuses_a_folder_without_a_run_and_bad_batches_in_one_li
     assert result.exit_code == 2 and "batch sizes >= 1" in result.output
 
 
+def test_the_serving_environment_is_given_dalifeed_alone_on_its_path(tmp_path):
+    from dalifeed.export.serve import package_path
+
+    folder = Path(package_path(tmp_path))
+    assert [p.name for p in folder.iterdir()] == ["dalifeed"]  # not the site-packages dalifeed may stand in
+    script = "import dalifeed.export.triton as t; print(t.__file__)"
+    result = subprocess.run([sys.executable, "-S", "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                            env={"PYTHONPATH": str(folder)})  # -S: no site-packages, as a foreign Python has
+    assert result.returncode == 0 and result.stdout.startswith(str(folder)), result.stderr
+
+
 SERVE_PYTHON = os.environ.get("DALIFEED_SERVE_PYTHON")  # a Python with nvidia-pytriton, nvidia-dali, onnxruntime
 
 CLIENT = """
