@@ -34,7 +34,8 @@ def d(name: str):
 @click.option("--dali-threads", type=int, default=d("dali_threads"), show_default=True,
               help="CPU threads of the DALI model.")
 @click.option("--triton-release", default=d("triton_release"), show_default=True, metavar="YY.MM",
-              help="The release of nvcr.io/nvidia/tritonserver that REPO/README.md's commands name.")
+              help="The release of nvcr.io/nvidia/tritonserver that REPO/README.md's commands name; its DALI backend "
+                   "must run this DALI's version or newer (the README says how to see which it runs).")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def export(run_dir: Path, repo: Path, debug: bool, **options) -> None:
     """Write a Triton model repository REPO from the dali-train run in RUN_DIR.
