@@ -126,6 +126,9 @@ def test_every_config_parses_as_tritons_model_config_and_they_agree(shards, repo
 
     image, logits = (pb.TYPE_FP32, [3, 16, 16]), (pb.TYPE_FP32, [3])
     assert tensors(dali.input) == {"DALI_INPUT_0": (pb.TYPE_UINT8, [-1])}
+    # requests of one image each, of different lengths, are batched by the DALI model only with a ragged input
+    assert dali.input[0].allow_ragged_batch and not model.input[0].allow_ragged_batch
+    assert dali.parameters["num_threads"].string_value == "4"  # --dali-threads, read by the DALI backend
     assert tensors(ensemble.input) == {"IMAGE": (pb.TYPE_UINT8, [-1])}
     assert tensors(dali.output) == {"DALI_OUTPUT_0": image}
     assert tensors(model.input) == {"images": image} and tensors(model.output) == {"logits": logits}
@@ -170,7 +173,8 @@ def test_a_gpu_export_decodes_on_the_gpu_and_asks_for_gpu_instances(run, tmp_pat
         assert "kind: KIND_GPU" in (tmp_path / "gpu" / name / "config.pbtxt").read_text()
     readme = (tmp_path / "gpu" / "README.md").read_text()
     assert "docker run --rm --gpus all" in readme and "tritonserver --model-repository=/models" in readme
-    assert "perf_analyzer -m classifier" in readme
+    assert "perf_analyzer -m classifier" in readme and "-b 8 " in readme
+    assert "tritonserver:26.10-py3 " in readme and "tritonserver:26.10-py3-sdk" in readme
 
 
 def export_cli(*args) -> tuple[int, str]:
@@ -183,6 +187,8 @@ def test_usage_errors_are_one_line_and_exit_2(run, tmp_path):
     empty.mkdir()
     code, out = export_cli(empty, tmp_path / "r1")
     assert code == 2 and "not a dali-train run folder with a checkpoint" in out
+    code, out = export_cli(run, tmp_path / "r0", "--triton-release", "latest")
+    assert code == 2 and "--triton-release must be a container release such as 26.10, got 'latest'" in out
     only_last = tmp_path / "only-last"
     only_last.mkdir()
     shutil.copy(run / checkpoint.LAST, only_last / checkpoint.LAST)
@@ -205,6 +211,14 @@ def test_usage_errors_are_one_line_and_exit_2(run, tmp_path):
     assert (foreign / "notes.txt").read_text() == "mine"
 
 
+def test_an_install_without_onnx_is_told_the_extra_in_one_line(run, tmp_path):
+    script = ("import sys; sys.modules['onnx'] = None; from dalifeed.cli import main; "  # onnx not installed
+              f"main(['export', {str(run)!r}, {str(tmp_path / 'repo')!r}, '--device', 'cpu'])")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 2 and "pip install 'dalifeed[export]'" in result.stderr.splitlines()[-1]
+    assert not (tmp_path / "repo").exists()
+
+
 def test_the_skew_bench_measures_both_paths_and_gives_the_exports_top1(shards, run, tmp_path):
     from dalifeed.bench.serving_skew import markdown, measure
 
@@ -215,6 +229,26 @@ def test_the_skew_bench_measures_both_paths_and_gives_the_exports_top1(shards, r
     assert 0 < record["mean_abs_pixel_difference"] < 0.1  # PIL's and DALI's decoders and resizers differ a little
     table = markdown(record)
     assert "| dalifeed export (DALI + onnxruntime) |" in table and "images/s at batch 4" in table
+
+
+def test_the_skew_bench_refuses_a_folder_without_a_run_and_bad_batches_in_one_line(tmp_path):
+    from dalifeed.bench.serving_skew import main as skew
+
+    result = CliRunner().invoke(skew, ["--run", str(tmp_path)])
+    assert result.exit_code == 2 and "not a dali-train run folder with a checkpoint" in result.output
+    result = CliRunner().invoke(skew, ["--run", str(tmp_path), "--batches", "8,0"])
+    assert result.exit_code == 2 and "batch sizes >= 1" in result.output
+
+
+def test_the_serving_environment_is_given_dalifeed_alone_on_its_path(tmp_path):
+    from dalifeed.export.serve import package_path
+
+    folder = Path(package_path(tmp_path))
+    assert [p.name for p in folder.iterdir()] == ["dalifeed"]  # not the site-packages dalifeed may stand in
+    script = "import dalifeed.export.triton as t; print(t.__file__)"
+    result = subprocess.run([sys.executable, "-S", "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                            env={"PYTHONPATH": str(folder)})  # -S: no site-packages, as a foreign Python has
+    assert result.returncode == 0 and result.stdout.startswith(str(folder)), result.stderr
 
 
 SERVE_PYTHON = os.environ.get("DALIFEED_SERVE_PYTHON")  # a Python with nvidia-pytriton, nvidia-dali, onnxruntime

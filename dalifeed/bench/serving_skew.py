@@ -25,7 +25,8 @@ from pathlib import Path
 import click
 import numpy as np
 
-from dalifeed.runtime import usable_cores
+from dalifeed.cliutil import run_command
+from dalifeed.runtime import DiskFull, usable_cores
 
 
 def torchvision_preprocess(augment, threads: int):
@@ -121,22 +122,41 @@ def markdown(record: dict) -> str:
 @click.option("--data", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="Its shard folder (default: the run's --data).")
 @click.option("--split", default="val", show_default=True)
-@click.option("--batches", default="1,8,32", show_default=True, help="Batch sizes, comma-separated.")
-@click.option("--repeats", type=int, default=5, show_default=True, help="Timed passes over the split per batch size.")
-@click.option("--threads", type=int, default=None, help="Cores for each path (default: every usable core).")
+@click.option("--batches", default="1,8,32", show_default=True, callback=lambda ctx, param, value: batch_sizes(value),
+              help="Batch sizes, comma-separated.")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True,
+              help="Timed passes over the split per batch size.")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Cores for each path (default: every usable core).")
 @click.option("--workdir", type=click.Path(path_type=Path), default=None,
               help="Where the export and serving-skew.json go (default: a temporary folder).")
-def main(run: Path, data: Path | None, split: str, batches: str, repeats: int, threads: int | None,
-         workdir: Path | None) -> None:
+@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
+def main(run: Path, data: Path | None, split: str, batches: list[int], repeats: int, threads: int | None,
+         workdir: Path | None, debug: bool) -> None:
     """Print the skew table of RUN's export against PIL + torchvision preprocessing (the module docstring)."""
-    sizes = [int(b) for b in batches.split(",")]
-    with tempfile.TemporaryDirectory(prefix="serving-skew-") as tmp:
-        folder = workdir or Path(tmp)
-        folder.mkdir(parents=True, exist_ok=True)
-        record = measure(run, data, split, sizes, repeats, threads or usable_cores(), folder,
-                         log=lambda line: click.echo(line, err=True))
-        (folder / "serving-skew.json").write_text(json.dumps(record, indent=2) + "\n")
-        click.echo(markdown(record))
+    from dalifeed.export import ExportError
+
+    def body() -> None:
+        with tempfile.TemporaryDirectory(prefix="serving-skew-") as tmp:
+            folder = workdir or Path(tmp)
+            folder.mkdir(parents=True, exist_ok=True)
+            record = measure(run, data, split, batches, repeats, threads or usable_cores(), folder,
+                             log=lambda line: click.echo(line, err=True))
+            (folder / "serving-skew.json").write_text(json.dumps(record, indent=2) + "\n")
+            click.echo(markdown(record))
+
+    run_command(body, debug=debug, usage_errors=(ExportError,), runtime_errors=(DiskFull,))
+
+
+def batch_sizes(value: str) -> list[int]:
+    """--batches' comma-separated sizes, each >= 1 (click.BadParameter otherwise)."""
+    try:
+        sizes = [int(b) for b in value.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter(f"batch sizes >= 1, comma-separated, such as 1,8,32; got {value!r}")
+    return sizes
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from dalifeed.cliutil import default, run_command
+from dalifeed.entry import dali_import_error, exit_without_dali
 from dalifeed.runtime import DiskFull
 
 from .config import DEVICES, WEIGHTS, ExportConfig, ExportError
@@ -33,7 +34,8 @@ def d(name: str):
 @click.option("--dali-threads", type=int, default=d("dali_threads"), show_default=True,
               help="CPU threads of the DALI model.")
 @click.option("--triton-release", default=d("triton_release"), show_default=True, metavar="YY.MM",
-              help="The release of nvcr.io/nvidia/tritonserver that REPO/README.md's commands name.")
+              help="The release of nvcr.io/nvidia/tritonserver that REPO/README.md's commands name; its DALI backend "
+                   "must run this DALI's version or newer (the README says how to see which it runs).")
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def export(run_dir: Path, repo: Path, debug: bool, **options) -> None:
     """Write a Triton model repository REPO from the dali-train run in RUN_DIR.
@@ -42,7 +44,7 @@ def export(run_dir: Path, repo: Path, debug: bool, **options) -> None:
     REPO/NAME_preprocess/1/model.dali   the run's validation graph (decode, resize, centre crop, normalise),
                                         fed the request's encoded image bytes (JPEG, PNG, ...)
     REPO/NAME_onnx/1/model.onnx         the classifier, dynamic batch, with labels.txt of the run's classes
-    REPO/NAME/config.pbtxt              the ensemble clients call: IMAGE (bytes) -> LOGITS
+    REPO/NAME/config.pbtxt              the ensemble clients call: IMAGE (UINT8 [-1]) -> LOGITS
     REPO/README.md                      the docker run and perf_analyzer commands; REPO/export.json
 
     Exit codes: 0 done; 2 usage (a folder that is not a run with a checkpoint, weights it does not have, a
@@ -51,6 +53,8 @@ def export(run_dir: Path, repo: Path, debug: bool, **options) -> None:
     cfg = ExportConfig(run=str(run_dir), repo=str(repo), **options)
 
     def body() -> None:
+        if (error := dali_import_error()) is not None:
+            exit_without_dali(error)
         from .repository import export_repository
 
         export_repository(cfg, log=click.echo)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,7 @@ class ExportConfig:
     name: str = "classifier"
     max_batch_size: int = 32
     dali_threads: int = 4
-    triton_release: str = "25.11"
+    triton_release: str = "26.10"
 
     def validate(self) -> None:
         """Each option checked, naming the bad value (ExportError)."""
@@ -52,6 +53,8 @@ class ExportConfig:
             (self.dali_threads >= 1, f"--dali-threads must be >= 1, got {self.dali_threads}"),
             (bool(self.name) and all(c.isalnum() or c in "_-" for c in self.name),
              f"--name must be letters, digits, _ and -, got {self.name!r}"),
+            (re.fullmatch(r"\d\d\.\d\d(\.\d+)?", self.triton_release) is not None,
+             f"--triton-release must be a container release such as 26.10, got {self.triton_release!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -21,7 +21,7 @@ from dalifeed.pipelines.graphs import Output, val_transform
 from dalifeed.pipelines.serialized import without_origins
 
 from . import triton
-from .config import EXPORT_RECORD, ExportConfig
+from .config import EXPORT_RECORD, ExportConfig, ExportError
 from .weights import RunWeights, load_run_weights
 
 ONNX_OPSET = 17
@@ -59,6 +59,11 @@ def export_repository(cfg: ExportConfig, log=print) -> dict:
     record saved as REPO/export.json. The repository is written beside REPO and renamed into place, so that
     REPO is the earlier export or this one, never a mix."""
     cfg.validate()
+    try:  # torch.onnx.export needs it, and says so only once the graph is traced
+        import onnx  # noqa: F401
+    except ImportError:
+        raise ExportError("dalifeed export writes the classifier with torch.onnx, which needs the onnx package: "
+                          "pip install 'dalifeed[export]' (or pip install onnx)") from None
     found = load_run_weights(cfg.run, cfg.weights)
     log(f"dalifeed export config: {json.dumps(asdict(cfg))}")
     run_cfg = found.config
@@ -107,7 +112,7 @@ def write_models(root: Path, cfg: ExportConfig, found: RunWeights, augment: Augm
         (folder / "1").mkdir(parents=True)  # an ensemble too needs a version folder, empty
     write_atomic(dali_dir / "1" / "model.dali",
                  serialized_pipeline(augment, cfg.device, cfg.max_batch_size, cfg.dali_threads))
-    write_atomic(dali_dir / "config.pbtxt", triton.dali_config(tensors).encode())
+    write_atomic(dali_dir / "config.pbtxt", triton.dali_config(tensors, cfg.dali_threads).encode())
     write_onnx(found.model(), augment.image_size, onnx_dir / "1" / "model.onnx")
     write_atomic(onnx_dir / "config.pbtxt", triton.onnx_config(tensors).encode())
     write_atomic(onnx_dir / triton.LABELS, labels)

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from dalifeed.cliutil import run_command
+from dalifeed.entry import dali_import_error, exit_without_dali
 from dalifeed.runtime import DiskFull
 
 from .config import WEIGHTS, ExportConfig, ExportError
@@ -40,13 +41,15 @@ def serve(run_dir: Path, python: Path, weights: str | None, max_batch_size: int,
                            max_batch_size=max_batch_size)
 
         def body() -> None:
+            if (error := dali_import_error()) is not None:
+                exit_without_dali(error)
             from .repository import export_repository
 
             export_repository(cfg, log=click.echo)
 
         run_command(body, debug=debug, usage_errors=(ExportError,), runtime_errors=(DiskFull,))
-        checkout = str(Path(__file__).resolve().parents[2])  # the serving environment has no dalifeed installed
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [checkout, os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_path(Path(tmp)),
+                                                                         os.environ.get("PYTHONPATH")]))}
         command = [str(python), "-m", "dalifeed.export.pytriton_server", str(repo), "--http-port", str(http_port),
                    "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port)]
         server = subprocess.Popen(command, env=env, preexec_fn=default_signals)
@@ -59,6 +62,16 @@ def serve(run_dir: Path, python: Path, weights: str | None, max_batch_size: int,
             for number, handler in previous.items():
                 signal.signal(number, handler)
     sys.exit(code)
+
+
+def package_path(tmp: Path) -> str:
+    """A folder in `tmp` that holds dalifeed alone (a link to this package), for the serving environment's
+    PYTHONPATH: it has no dalifeed installed, and the folder this package stands in may be the training
+    environment's site-packages, whose numpy 2 and torch must not shadow its own."""
+    folder = tmp / "path"
+    folder.mkdir()
+    (folder / "dalifeed").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
+    return str(folder)
 
 
 def default_signals() -> None:

@@ -47,8 +47,9 @@ class Tensors:
         return [3, self.size, self.size]
 
 
-def _tensor(name: str, dtype: str, dims: list[int], label_filename: str | None = None) -> str:
+def _tensor(name: str, dtype: str, dims: list[int], label_filename: str | None = None, ragged: bool = False) -> str:
     label = f' label_filename: "{label_filename}"' if label_filename else ""
+    label += " allow_ragged_batch: true" if ragged else ""
     return f'  {{ name: "{name}" data_type: {dtype} dims: [ {", ".join(map(str, dims))} ]{label} }}'
 
 
@@ -56,11 +57,14 @@ def _instances(t: Tensors) -> str:
     return f"instance_group [ {{ count: 1 kind: {'KIND_GPU' if t.gpu else 'KIND_CPU'} }} ]\n"
 
 
-def dali_config(t: Tensors) -> str:
-    """config.pbtxt of the DALI model: encoded image bytes in, the validation graph's float32 CHW image out."""
+def dali_config(t: Tensors, threads: int) -> str:
+    """config.pbtxt of the DALI model: encoded image bytes in, the validation graph's float32 CHW image out, on
+    `threads` CPU threads. The input allows ragged batches, as the DALI backend's own configs do, so that the dynamic
+    batcher joins requests whose images differ in length (else it joins only those of equal byte counts)."""
     return (f'name: "{t.preprocess}"\nbackend: "dali"\nmax_batch_size: {t.max_batch_size}\n'
-            f"input [\n{_tensor(DALI_INPUT, 'TYPE_UINT8', [-1])}\n]\n"
+            f"input [\n{_tensor(DALI_INPUT, 'TYPE_UINT8', [-1], ragged=True)}\n]\n"
             f"output [\n{_tensor(DALI_OUTPUT, 'TYPE_FP32', t.image_dims)}\n]\n"
+            f'parameters [ {{ key: "num_threads" value: {{ string_value: "{threads}" }} }} ]\n'
             f"{_instances(t)}dynamic_batching {{ }}\n")
 
 
@@ -107,22 +111,32 @@ normalise), serialized by DALI {dali_version} |
 | `{t.classifier}/1/model.onnx` | the classifier, batch dimension dynamic, {t.classes} classes named in `{LABELS}` |
 
 Every model runs on the {device} (`instance_group`), in batches of up to {t.max_batch_size} (`dynamic_batching`).
-The DALI backend of the container must run DALI {dali_version} or newer (NVIDIA's frameworks support matrix
-lists the DALI version of each release).
+Send one image per request, `{ENSEMBLE_INPUT}` of shape [1, its byte count]: the DALI model's input allows ragged
+batches, so Triton batches requests whose images differ in length. A request of several images needs them of one
+length (a tensor is rectangular).
 
-Serve it with NVIDIA's container (ports 8000 HTTP, 8001 gRPC, 8002 metrics):
+The DALI backend of the container must run DALI {dali_version} or newer (an older one may refuse the pipeline).
+Print the DALI version a release carries:
+
+```
+docker run --rm nvcr.io/nvidia/tritonserver:{triton}-py3 \\
+  find /opt/tritonserver/backends/dali -path '*nvidia/dali/__init__.py' -exec grep -h '^__version__' {{}} +
+```
+
+Serve it with NVIDIA's container, from this folder (ports 8000 HTTP, 8001 gRPC, 8002 metrics):
 
 ```
 docker run --rm {gpus}-p 8000:8000 -p 8001:8001 -p 8002:8002 -v "$PWD":/models \\
   nvcr.io/nvidia/tritonserver:{triton}-py3 tritonserver --model-repository=/models
 ```
 
-Measure it with `perf_analyzer` (in the `nvcr.io/nvidia/tritonserver:{triton}-py3-sdk` container): it reads an
-input's bytes from a file named after the input, here one of your JPEGs:
+Measure it with `perf_analyzer`, from a folder outside this one (Triton would take any folder here for a model)
+that holds one of your JPEGs as `photo.jpg`: it reads an input's bytes from a file named after the input.
 
 ```
 mkdir -p perf-data && cp photo.jpg perf-data/{ENSEMBLE_INPUT}
-perf_analyzer -m {t.name} --input-data perf-data --shape {ENSEMBLE_INPUT}:$(stat -c %s photo.jpg) \\
-  -b 8 --concurrency-range 1:4
+docker run --rm --net=host -v "$PWD":/work -w /work nvcr.io/nvidia/tritonserver:{triton}-py3-sdk \\
+  perf_analyzer -m {t.name} --input-data perf-data --shape {ENSEMBLE_INPUT}:$(stat -c %s photo.jpg) \\
+  -b {min(8, t.max_batch_size)} --concurrency-range 1:4
 ```
 """
