@@ -128,7 +128,9 @@ def markdown(record: dict) -> str:
               help="Where the export and serving-skew.json go (default: a temporary folder).")
 def main(run: Path, data: Path | None, split: str, batches: str, repeats: int, threads: int | None,
          workdir: Path | None) -> None:
-    """Print the skew table of RUN's export against PIL + torchvision preprocessing (the module docstring)."""
+    """Print the skew table of RUN's export against PIL + torchvision preprocessing: per batch size, images a
+    second through preprocessing + model (median of --repeats passes), each path's top-1, the predictions that
+    differ, and the mean absolute difference of the preprocessed pixels."""
     sizes = [int(b) for b in batches.split(",")]
     with tempfile.TemporaryDirectory(prefix="serving-skew-") as tmp:
         folder = workdir or Path(tmp)
