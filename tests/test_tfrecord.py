@@ -363,6 +363,11 @@ def test_a_tensorflow_datasets_folder_converts_to_its_splits_with_its_class_name
         assert int(sample["cls"]) == meta["label"] == label and meta["class"] == TFDS_NAMES[label]
         assert sample["jpg"] == images[meta["path"]][meta["record"]]
         assert meta["path"].startswith(f"test_photos-{Path(sample['__url__']).name.split('-')[0]}.tfrecord-")
+    assert "Features read: image and label (TensorFlow Datasets' features.json)" in result.stdout
+    info = CliRunner().invoke(shard_convert, ["info", str(out)]).stdout
+    assert "image-feature image, label-feature label," in info and "image/encoded" not in info
+    as_json = json.loads(CliRunner().invoke(shard_convert, ["info", str(out), "--json"]).stdout)
+    assert (as_json["options"]["image_feature"], as_json["options"]["label_feature"]) == ("image", "label")
 
     merged = helpers.shard_convert("tfrecord", src, tmp_path / "merged", "--split", "train")
     assert merged.returncode == 2 and not (tmp_path / "merged" / "manifest.json").exists()
