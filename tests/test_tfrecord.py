@@ -385,6 +385,47 @@ def test_a_tensorflow_datasets_folder_converts_to_its_splits_with_its_class_name
         "split train: 1 of its 2 files are not here (shards 1; 4 records per dataset_info.json)"]
 
 
+def test_two_splits_of_one_meaning_are_refused_not_merged(tmp_path):
+    """TFDS's `validation` and `dev` (or ImageNet-style `train-*` and `training-*`) are both one split here:
+    the run stops naming the two files, with or without --split; each converts from a folder of its own."""
+    src = tmp_path / "test_photos" / "1.0.0"
+    files = {"test_photos-train.tfrecord-00000-of-00001": [0, 1, 2],
+             "test_photos-validation.tfrecord-00000-of-00001": [2, 1],
+             "test_photos-dev.tfrecord-00000-of-00001": [0, 2, 1]}
+    write_tfds_folder(src, files)
+
+    def stderr_of(*args):
+        result = CliRunner().invoke(shard_convert, ["tfrecord", str(src), str(tmp_path / "out"), "--quiet", *args])
+        assert result.exit_code == 2 and not (tmp_path / "out" / "manifest.json").exists(), result.output
+        (line,) = [x for x in result.stderr.splitlines() if x.startswith("Error")]
+        return line
+
+    assert stderr_of().startswith(
+        "Error: test_photos-dev.tfrecord-00000-of-00001 is split dev and test_photos-validation.tfrecord-00000-of-"
+        "00001 is split validation, both val here: their records would be merged; keep one of the two splits' files "
+        "in SRC, or convert each into its own OUT")
+    assert ("--split val would merge the files of 3 splits (test_photos-dev.tfrecord-00000-of-00001 is dev, "
+            "test_photos-train.tfrecord-00000-of-00001 is train, test_photos-validation.tfrecord-00000-of-00001 is "
+            "validation)") in stderr_of("--split", "val")
+    (src / "test_photos-train.tfrecord-00000-of-00001").unlink()
+    assert "would merge the files of 2 splits" in stderr_of("--split", "val")
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("test_photos-dev.tfrecord-00000-of-00001", "features.json", "label.labels.txt", "dataset_info.json"):
+        (src / name).rename(dev / name)
+    manifest = convert_tfrecord(TFRecordConfig(src=dev, out=tmp_path / "dev-out", workers=1, progress=False))
+    assert {name: s.samples for name, s in manifest.splits.items()} == {"val": 3} and manifest.warnings == []
+
+    imagenet = tmp_path / "imagenet"
+    imagenet.mkdir()
+    for name in ("train-00000-of-00001", "training-00000-of-00001"):
+        write_records(imagenet / name, [example(image__encoded=b"x", image__class__label=1)])
+    result = CliRunner().invoke(shard_convert, ["tfrecord", str(imagenet), str(tmp_path / "out"), "--quiet"])
+    assert result.exit_code == 2 and ("Error: train-00000-of-00001 is split train and training-00000-of-00001 is "
+                                      "split training, both train here") in result.stderr
+
+
 @pytest.fixture
 def own_tmpdir(tmp_path, monkeypatch) -> Path:
     """$TMPDIR for this test alone: where compressed input is inflated."""
