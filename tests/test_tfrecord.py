@@ -523,6 +523,34 @@ def test_a_missing_first_class_never_shifts_every_label(tmp_path):
     assert ShardManifest.load(tmp_path / "out").classes == SORTED[1:]
 
 
+def test_a_0_based_file_whose_first_class_was_lost_to_damage_is_warned_of(tmp_path):
+    """0-based labels with the first synset's one record damaged read as ImageNet's 1-based labels (offset 1):
+    the damaged record, carrying label 0, is the one sign; the manifest says it, and --synsets-file corrects it."""
+    rng = np.random.default_rng(11)
+    images = [helpers.jpeg_bytes(helpers.random_image(rng, (19, 23), i)) for i in range(5)]
+    synsets = [SORTED[1], SORTED[2], SORTED[1], SORTED[2], SORTED[0]]
+    path = write_records(tmp_path / "train-00000-of-00001", [
+        example(image__encoded=img, image__class__label=SORTED.index(s), image__class__synset=s)
+        for img, s in zip(images, synsets)])
+    data = bytearray(path.read_bytes())
+    data[data.rfind(images[4]) + len(images[4]) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    manifest = convert_tfrecord(TFRecordConfig(src=path, out=tmp_path / "out", workers=1, progress=False))
+    assert manifest.classes == SORTED[1:] and manifest.extra["tfrecord"]["label_offset"] == -1
+    assert manifest.warnings == [
+        f"train-00000-of-00001 record 4 ({SORTED[0]}: data CRC mismatch (corrupt record)), damaged, carries a class "
+        f"before {SORTED[1]} (the first synset with a record, image/class/label 1): if the labels are 0-based, that "
+        f"class was lost to damage and every class index here is one below the file's label; then give "
+        f"--synsets-file FILE (every synset, one a line) or --synset-feature '' --label-offset 0"]
+    listed = tmp_path / "synsets.txt"
+    listed.write_text("\n".join(SORTED) + "\n")
+    fixed = convert_tfrecord(TFRecordConfig(src=path, out=tmp_path / "fixed", synsets_file=listed, workers=1,
+                                            progress=False))
+    assert fixed.classes == SORTED and fixed.extra["tfrecord"]["label_offset"] == 0
+    assert {json.loads(s["json"])["class"]: int(s["cls"]) for s in samples_of(tmp_path / "fixed")} == {
+        SORTED[1]: 1, SORTED[2]: 2}
+
+
 def test_the_small_edges_each_have_their_line(tmp_path):
     """A 0-byte file beside a good one, a text file whose first two bytes ("x^") are a zlib header, an Example
     whose image is empty: each a skipped entry saying what it is; --quiet leaves stderr empty."""
