@@ -425,6 +425,11 @@ def test_two_splits_of_one_meaning_are_refused_not_merged(tmp_path):
     assert result.exit_code == 2 and ("Error: train-00000-of-00001 is split train and training-00000-of-00001 is "
                                       "split training, both train here") in result.stderr
 
+    (imagenet / "training-00000-of-00001").unlink()
+    (imagenet / "train_labels.txt").write_text("n01440764\n")  # a note beside the records names no split's records
+    result = CliRunner().invoke(shard_convert, ["tfrecord", str(imagenet), str(tmp_path / "out2"), "--quiet"])
+    assert "both train here" not in result.stderr and "would be merged" not in result.stderr
+
 
 @pytest.fixture
 def own_tmpdir(tmp_path, monkeypatch) -> Path:

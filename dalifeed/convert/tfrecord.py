@@ -218,6 +218,10 @@ def find_files(src: Path) -> list[Path]:
     return found
 
 
+# Files beside the records that are plainly not records: they are listed as skipped, never taken as a split's files
+NOT_RECORDS = (".txt", ".json", ".csv", ".tsv", ".md", ".py", ".sh", ".yaml", ".yml", ".pbtxt", ".html")
+
+
 def said_split(name: str) -> tuple[str, str] | None:
     """The split a file's name says, as the name spells it (lower case) and as dalifeed's split. TensorFlow
     Datasets' `<dataset>-<split>.tfrecord-00000-of-00004`: the part after the dataset's name (`validation` ->
@@ -457,7 +461,7 @@ def list_files(cfg: TFRecordConfig) -> Listing:
     for path in find_files(cfg.src):
         source = stat_source(path)
         said = said_split(path.name)
-        if said is not None:
+        if said is not None and not path.name.lower().endswith(NOT_RECORDS):  # val_labels.txt names no split's records
             named.setdefault(said[0], (said[1], path.relative_to(root).as_posix()))
         split = cfg.split or (said[1] if said is not None else None)
         problem = source.problem or ("empty file (0 bytes)" if source.size == 0 else None)
