@@ -363,6 +363,11 @@ def test_a_tensorflow_datasets_folder_converts_to_its_splits_with_its_class_name
         assert int(sample["cls"]) == meta["label"] == label and meta["class"] == TFDS_NAMES[label]
         assert sample["jpg"] == images[meta["path"]][meta["record"]]
         assert meta["path"].startswith(f"test_photos-{Path(sample['__url__']).name.split('-')[0]}.tfrecord-")
+    assert "Features read: image and label (TensorFlow Datasets' features.json)" in result.stdout
+    info = CliRunner().invoke(shard_convert, ["info", str(out)]).stdout
+    assert "image-feature image, label-feature label," in info and "image/encoded" not in info
+    as_json = json.loads(CliRunner().invoke(shard_convert, ["info", str(out), "--json"]).stdout)
+    assert (as_json["options"]["image_feature"], as_json["options"]["label_feature"]) == ("image", "label")
 
     merged = helpers.shard_convert("tfrecord", src, tmp_path / "merged", "--split", "train")
     assert merged.returncode == 2 and not (tmp_path / "merged" / "manifest.json").exists()
@@ -378,6 +383,52 @@ def test_a_tensorflow_datasets_folder_converts_to_its_splits_with_its_class_name
     assert ShardManifest.load(tmp_path / "counted").warnings == [
         "test_photos-test.tfrecord-00000-of-00001: 3 records, dataset_info.json says 4",
         "split train: 1 of its 2 files are not here (shards 1; 4 records per dataset_info.json)"]
+
+
+def test_two_splits_of_one_meaning_are_refused_not_merged(tmp_path):
+    """TFDS's `validation` and `dev` (or ImageNet-style `train-*` and `training-*`) are both one split here:
+    the run stops naming the two files, with or without --split; each converts from a folder of its own."""
+    src = tmp_path / "test_photos" / "1.0.0"
+    files = {"test_photos-train.tfrecord-00000-of-00001": [0, 1, 2],
+             "test_photos-validation.tfrecord-00000-of-00001": [2, 1],
+             "test_photos-dev.tfrecord-00000-of-00001": [0, 2, 1]}
+    write_tfds_folder(src, files)
+
+    def stderr_of(*args):
+        result = CliRunner().invoke(shard_convert, ["tfrecord", str(src), str(tmp_path / "out"), "--quiet", *args])
+        assert result.exit_code == 2 and not (tmp_path / "out" / "manifest.json").exists(), result.output
+        (line,) = [x for x in result.stderr.splitlines() if x.startswith("Error")]
+        return line
+
+    assert stderr_of().startswith(
+        "Error: test_photos-dev.tfrecord-00000-of-00001 is split dev and test_photos-validation.tfrecord-00000-of-"
+        "00001 is split validation, both val here: their records would be merged; keep one of the two splits' files "
+        "in SRC, or convert each into its own OUT")
+    assert ("--split val would merge the files of 3 splits (test_photos-dev.tfrecord-00000-of-00001 is dev, "
+            "test_photos-train.tfrecord-00000-of-00001 is train, test_photos-validation.tfrecord-00000-of-00001 is "
+            "validation)") in stderr_of("--split", "val")
+    (src / "test_photos-train.tfrecord-00000-of-00001").unlink()
+    assert "would merge the files of 2 splits" in stderr_of("--split", "val")
+
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("test_photos-dev.tfrecord-00000-of-00001", "features.json", "label.labels.txt", "dataset_info.json"):
+        (src / name).rename(dev / name)
+    manifest = convert_tfrecord(TFRecordConfig(src=dev, out=tmp_path / "dev-out", workers=1, progress=False))
+    assert {name: s.samples for name, s in manifest.splits.items()} == {"val": 3} and manifest.warnings == []
+
+    imagenet = tmp_path / "imagenet"
+    imagenet.mkdir()
+    for name in ("train-00000-of-00001", "training-00000-of-00001"):
+        write_records(imagenet / name, [example(image__encoded=b"x", image__class__label=1)])
+    result = CliRunner().invoke(shard_convert, ["tfrecord", str(imagenet), str(tmp_path / "out"), "--quiet"])
+    assert result.exit_code == 2 and ("Error: train-00000-of-00001 is split train and training-00000-of-00001 is "
+                                      "split training, both train here") in result.stderr
+
+    (imagenet / "training-00000-of-00001").unlink()
+    (imagenet / "train_labels.txt").write_text("n01440764\n")  # a note beside the records names no split's records
+    result = CliRunner().invoke(shard_convert, ["tfrecord", str(imagenet), str(tmp_path / "out2"), "--quiet"])
+    assert "both train here" not in result.stderr and "would be merged" not in result.stderr
 
 
 @pytest.fixture
@@ -475,6 +526,34 @@ def test_a_missing_first_class_never_shifts_every_label(tmp_path):
     assert "--label-offset -2 to number them from 0 anyway" in result.stderr
     convert_tfrecord(TFRecordConfig(src=src, out=tmp_path / "out", label_offset=-2, workers=1, progress=False))
     assert ShardManifest.load(tmp_path / "out").classes == SORTED[1:]
+
+
+def test_a_0_based_file_whose_first_class_was_lost_to_damage_is_warned_of(tmp_path):
+    """0-based labels with the first synset's one record damaged read as ImageNet's 1-based labels (offset 1):
+    the damaged record, carrying label 0, is the one sign; the manifest says it, and --synsets-file corrects it."""
+    rng = np.random.default_rng(11)
+    images = [helpers.jpeg_bytes(helpers.random_image(rng, (19, 23), i)) for i in range(5)]
+    synsets = [SORTED[1], SORTED[2], SORTED[1], SORTED[2], SORTED[0]]
+    path = write_records(tmp_path / "train-00000-of-00001", [
+        example(image__encoded=img, image__class__label=SORTED.index(s), image__class__synset=s)
+        for img, s in zip(images, synsets)])
+    data = bytearray(path.read_bytes())
+    data[data.rfind(images[4]) + len(images[4]) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    manifest = convert_tfrecord(TFRecordConfig(src=path, out=tmp_path / "out", workers=1, progress=False))
+    assert manifest.classes == SORTED[1:] and manifest.extra["tfrecord"]["label_offset"] == -1
+    assert manifest.warnings == [
+        f"train-00000-of-00001 record 4 ({SORTED[0]}: data CRC mismatch (corrupt record)), damaged, carries a class "
+        f"before {SORTED[1]} (the first synset with a record, image/class/label 1): if the labels are 0-based, that "
+        f"class was lost to damage and every class index here is one below the file's label; then give "
+        f"--synsets-file FILE (every synset, one a line) or --synset-feature '' --label-offset 0"]
+    listed = tmp_path / "synsets.txt"
+    listed.write_text("\n".join(SORTED) + "\n")
+    fixed = convert_tfrecord(TFRecordConfig(src=path, out=tmp_path / "fixed", synsets_file=listed, workers=1,
+                                            progress=False))
+    assert fixed.classes == SORTED and fixed.extra["tfrecord"]["label_offset"] == 0
+    assert {json.loads(s["json"])["class"]: int(s["cls"]) for s in samples_of(tmp_path / "fixed")} == {
+        SORTED[1]: 1, SORTED[2]: 2}
 
 
 def test_the_small_edges_each_have_their_line(tmp_path):

@@ -68,38 +68,42 @@ def measure(run: Path, data: Path | None, split: str, batches: list[int], repeat
     from dalifeed.export import ExportConfig, export_repository, load_run_weights
     from dalifeed.export.local import LocalRepository, split_images
 
+    previous = torch.get_num_threads()  # the caller's, given back: a test process trains after this
     torch.set_num_threads(threads)
-    found = load_run_weights(run)
-    data = data or Path(found.config.data if isinstance(found.config.data, str) else found.config.data[0])
-    repo = workdir / "repo"
-    export_repository(ExportConfig(run=str(run), repo=str(repo), device="cpu", max_batch_size=max(batches),
-                                   dali_threads=threads), log=log)
-    local = LocalRepository(repo, num_threads=threads, intra_op_threads=threads)
-    samples = list(split_images(data, split))
-    encoded, labels = [s[1] for s in samples], np.array([s[2] for s in samples])
-    reference = torchvision_preprocess(found.config.val_augment(), threads)
-    paths = {"dalifeed export (DALI + onnxruntime)": local.preprocess,
-             "PIL + torchvision (+ onnxruntime)": reference}
-    rows = []
-    for name, preprocess in paths.items():
-        images = np.concatenate([preprocess(encoded[i:i + max(batches)])
-                                 for i in range(0, len(encoded), max(batches))])
-        predictions = local.classify(images).argmax(1)
-        rates = {b: images_per_s(preprocess, local.classify, encoded, b, repeats) for b in batches}
-        rows.append({"path": name, "top1": float((predictions == labels).mean()), "images_per_s": rates,
-                     "images": images, "predictions": predictions})
-        log(f"{name}: top-1 {rows[-1]['top1']:.4f}, " + ", ".join(f"batch {b} {r:.0f} images/s"
-                                                                  for b, r in rates.items()))
-    ours, theirs = rows
-    record = {
-        "run": str(run), "weights": found.weights, "model": found.config.model, "data": str(data), "split": split,
-        "images": len(encoded), "threads": threads, "repeats": repeats, "recorded_top1": found.top1,
-        "paths": [{k: v for k, v in row.items() if k not in ("images", "predictions")} for row in rows],
-        "predictions_differing": int((ours["predictions"] != theirs["predictions"]).sum()),
-        "mean_abs_pixel_difference": float(np.abs(ours["images"] - theirs["images"]).mean()),
-        "environment": environment(),
-    }
-    return record
+    try:
+        found = load_run_weights(run)
+        data = data or Path(found.config.data if isinstance(found.config.data, str) else found.config.data[0])
+        repo = workdir / "repo"
+        export_repository(ExportConfig(run=str(run), repo=str(repo), device="cpu", max_batch_size=max(batches),
+                                       dali_threads=threads), log=log)
+        local = LocalRepository(repo, num_threads=threads, intra_op_threads=threads)
+        samples = list(split_images(data, split))
+        encoded, labels = [s[1] for s in samples], np.array([s[2] for s in samples])
+        reference = torchvision_preprocess(found.config.val_augment(), threads)
+        paths = {"dalifeed export (DALI + onnxruntime)": local.preprocess,
+                 "PIL + torchvision (+ onnxruntime)": reference}
+        rows = []
+        for name, preprocess in paths.items():
+            images = np.concatenate([preprocess(encoded[i:i + max(batches)])
+                                     for i in range(0, len(encoded), max(batches))])
+            predictions = local.classify(images).argmax(1)
+            rates = {b: images_per_s(preprocess, local.classify, encoded, b, repeats) for b in batches}
+            rows.append({"path": name, "top1": float((predictions == labels).mean()), "images_per_s": rates,
+                         "images": images, "predictions": predictions})
+            log(f"{name}: top-1 {rows[-1]['top1']:.4f}, " + ", ".join(f"batch {b} {r:.0f} images/s"
+                                                                      for b, r in rates.items()))
+        ours, theirs = rows
+        record = {
+            "run": str(run), "weights": found.weights, "model": found.config.model, "data": str(data), "split": split,
+            "images": len(encoded), "threads": threads, "repeats": repeats, "recorded_top1": found.top1,
+            "paths": [{k: v for k, v in row.items() if k not in ("images", "predictions")} for row in rows],
+            "predictions_differing": int((ours["predictions"] != theirs["predictions"]).sum()),
+            "mean_abs_pixel_difference": float(np.abs(ours["images"] - theirs["images"]).mean()),
+            "environment": environment(),
+        }
+        return record
+    finally:
+        torch.set_num_threads(previous)
 
 
 def markdown(record: dict) -> str:
@@ -133,7 +137,9 @@ def markdown(record: dict) -> str:
 @click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
 def main(run: Path, data: Path | None, split: str, batches: list[int], repeats: int, threads: int | None,
          workdir: Path | None, debug: bool) -> None:
-    """Print the skew table of RUN's export against PIL + torchvision preprocessing (the module docstring)."""
+    """Print the skew table of RUN's export against PIL + torchvision preprocessing: per batch size, images a
+    second through preprocessing + model (median of --repeats passes), each path's top-1, the predictions that
+    differ, and the mean absolute difference of the preprocessed pixels."""
     from dalifeed.export import ExportError
 
     def body() -> None:

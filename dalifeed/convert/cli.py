@@ -338,11 +338,16 @@ def describe_result(manifest: ShardManifest) -> str:
     skipped = "; ".join(f"{n} {r}" for r, n in skip_reasons(manifest.skipped).items()) or "none"
     resumed = " (resumed)" if s.status == "resume" else ""
     warnings = f" {len(manifest.warnings)} warning(s): see shard-convert info." if manifest.warnings else ""
+    used = manifest.extra.get("tfrecord", {}) if manifest.kind == "tfrecord" else {}
+    features = [used[k] for k in ("image_feature", "label_feature") if k in used]
+    read = (f" Features read: {' and '.join(features)} (TensorFlow Datasets' features.json), not those of the config "
+            f"line." if features and features != [manifest.options.get(k) for k in ("image_feature", "label_feature")]
+            else "")
     found = {"coco": "image records", "tfrecord": "records"}.get(manifest.kind, "files")
     return (f"Converted {s.samples} of {manifest.found} {found} into {s.shards} shards ({splits}), "
             f"{s.bytes / 2**20:.1f} MiB, {len(manifest.classes)} classes, {s.reencoded} re-encoded, "
             f"skipped {s.skipped} ({skipped}), in {s.seconds:.1f} s = {s.images_per_s:.0f} images/s{resumed}. "
-            f"Manifest: {manifest.location}/manifest.json; run log: {manifest.location}/convert.json.{warnings}")
+            f"Manifest: {manifest.location}/manifest.json; run log: {manifest.location}/convert.json.{read}{warnings}")
 
 
 @main.command("merge", context_settings=CONTEXT)

@@ -23,14 +23,21 @@ def folder_info(manifest: ShardManifest) -> dict:
         }
     skipped = Counter(entry["reason"].split(":")[0] for entry in manifest.skipped)
     return {
-        "folder": manifest.location, "kind": manifest.kind, "source": manifest.source, "options": manifest.options,
-        "found": manifest.found, "classes": len(manifest.classes), "splits": splits,
+        "folder": manifest.location, "kind": manifest.kind, "source": manifest.source,
+        "options": options_used(manifest), "found": manifest.found, "classes": len(manifest.classes), "splits": splits,
         "reencoded": manifest.reencoded.get("by_reason", {}), "skipped": dict(sorted(skipped.items())),
         "warnings": manifest.warnings, "counts": manifest.extra.get("counts", {}),
         "category_ids": manifest.extra.get("coco", {}).get("category_ids"),
         "split_folders": manifest.extra.get("split_folders"),
         "tars": str(manifest.tar_root) if manifest.tar_root is not None else None,
     }
+
+
+def options_used(manifest: ShardManifest) -> dict:
+    """The options a folder was made with, the features a TFRecord conversion read in place of those given
+    (a TensorFlow Datasets folder's `image` and `label` for the defaults, which its features.json lacks)."""
+    used = manifest.extra.get("tfrecord", {}) if manifest.kind == "tfrecord" else {}
+    return {k: used.get(k, v) if k in ("image_feature", "label_feature") else v for k, v in manifest.options.items()}
 
 
 def describe_folder(info: dict) -> str:

@@ -218,20 +218,23 @@ def find_files(src: Path) -> list[Path]:
     return found
 
 
-def split_of(name: str) -> str | None:
-    """The split a file's name says. TensorFlow Datasets' `<dataset>-<split>.tfrecord-00000-of-00004`: the
-    part after the dataset's name (`validation` -> val; a split of another name keeps it). Else, as
-    build_imagenet_data.py's `train-00000-of-01024`: the part before the first '-', '_' or '.', looked up as
-    split folders are (SPLIT_NAMES)."""
+# Files beside the records that are plainly not records: they are listed as skipped, never taken as a split's files
+NOT_RECORDS = (".txt", ".json", ".csv", ".tsv", ".md", ".py", ".sh", ".yaml", ".yml", ".pbtxt", ".html")
+
+
+def said_split(name: str) -> tuple[str, str] | None:
+    """The split a file's name says, as the name spells it (lower case) and as dalifeed's split. TensorFlow
+    Datasets' `<dataset>-<split>.tfrecord-00000-of-00004`: the part after the dataset's name (`validation` ->
+    val; a split of another name keeps it). Else, as build_imagenet_data.py's `train-00000-of-01024`: the part
+    before the first '-', '_' or '.', looked up as split folders are (SPLIT_NAMES)."""
     tfds = tfds_name(name)
     if tfds is not None:
-        split = SPLIT_NAMES.get(tfds[0].lower(), tfds[0])
         try:
-            return check_split_name(split)
+            return tfds[0].lower(), check_split_name(SPLIT_NAMES.get(tfds[0].lower(), tfds[0]))
         except ValueError:
             return None
     stem = name.replace("_", "-").replace(".", "-").split("-", 1)[0].lower()
-    return SPLIT_NAMES.get(stem)
+    return (stem, SPLIT_NAMES[stem]) if stem in SPLIT_NAMES else None
 
 
 def inflated_path(path: Path, out: str, job: int) -> Path:
@@ -452,15 +455,15 @@ class Listing:
 
 def list_files(cfg: TFRecordConfig) -> Listing:
     files: dict[str, list[Path]] = {}
-    skipped, named = [], {}  # named: the split a file's name says -> the first such file
+    skipped, named = [], {}  # named: the split a file's name says, as it spells it -> (dalifeed's split, a file)
     root = cfg.root
     check_file_format(cfg.src)
     for path in find_files(cfg.src):
         source = stat_source(path)
-        said = split_of(path.name)
-        if said is not None:
-            named.setdefault(said, path.relative_to(root).as_posix())
-        split = cfg.split or said
+        said = said_split(path.name)
+        if said is not None and not path.name.lower().endswith(NOT_RECORDS):  # val_labels.txt names no split's records
+            named.setdefault(said[0], (said[1], path.relative_to(root).as_posix()))
+        split = cfg.split or (said[1] if said is not None else None)
         problem = source.problem or ("empty file (0 bytes)" if source.size == 0 else None)
         if problem or split is None:
             reason = problem or ("not named like a split's file (train-*, validation-*, test-*, or TensorFlow "
@@ -469,14 +472,29 @@ def list_files(cfg: TFRecordConfig) -> Listing:
             continue
         files.setdefault(split, []).append(path)
     if cfg.split is not None and len(named) > 1:
-        said = ", ".join(f"{path} is {split}" for split, path in named.items())
+        said = ", ".join(f"{path} is {name}" for name, (_, path) in sorted(named.items()))
         raise UsageError(f"--split {cfg.split} would merge the files of {len(named)} splits ({said}): leave --split "
                          f"out to convert each into its own, or give SRC one split's file")
+    check_one_name_a_split(named)
     if not files:
         raise UsageError(f"{cfg.src}: no file named like a split's TFRecord file (train-*, validation-*, test-*); "
                          f"give --split NAME to convert them all into one split")
     order = {name: i for i, name in enumerate(SPLIT_ORDER)}
     return Listing(dict(sorted(files.items(), key=lambda kv: (order.get(kv[0], 9), kv[0]))), skipped)
+
+
+def check_one_name_a_split(named: dict[str, tuple[str, str]]) -> None:
+    """Refuse (`UsageError`) files whose names say two splits that are one split here (TFDS's `validation`
+    and `dev`, `test` and `testing`): their records would be merged without a word."""
+    by_split: dict[str, list[str]] = {}
+    for name, (split, _) in sorted(named.items()):
+        by_split.setdefault(split, []).append(name)
+    for split, names in by_split.items():
+        if len(names) > 1:
+            said = " and ".join(f"{named[name][1]} is split {name}" for name in names[:2])
+            raise UsageError(f"{said}, both {split} here: their records would be merged; keep one of the two splits' "
+                             f"files in SRC, or convert each into its own OUT from a folder holding its files alone "
+                             f"(with TensorFlow Datasets' metadata files copied beside them)")
 
 
 def tfds_of(cfg: TFRecordConfig, listing: Listing) -> TfdsInfo | None:
@@ -584,7 +602,8 @@ def convert_tfrecord(cfg: TFRecordConfig) -> ShardManifest:
 
     Raises:
         UsageError: An option is out of range, `src` is missing or holds no TFRecord file named like a split,
-            or `split` would merge files whose names say two splits.
+            or files whose names say two splits would be merged (by `split`, or as two names of one split:
+            TFDS's `validation` and `dev`).
         ConversionFailed: Labels that disagree with the synsets or `label_offset`, a class no record has, or
             with `on_error="fail"` the first corrupt record (bad framing or CRC) or image that cannot be read;
             with `"skip"` those are listed in the manifest's `skipped`.

@@ -86,6 +86,7 @@ def by_synset(found: dict, good: list, cfg, label_feature: str) -> Labelling:
                 raise ConversionFailed(f"{where} record {r.number}: {label_feature} {r.label} for synset {r.synset}, "
                                        f"which {first[1]} labels {first[0]}: one synset, two labels")
     ordered = sorted(label_of, key=index.__getitem__)
+    warnings: list[str] = []
     offsets = {s: label_of[s][0] - index[s] for s in ordered}
     offset = offsets[ordered[0]] if ordered else None
     if offset is not None and cfg.synsets_file is None:
@@ -112,17 +113,33 @@ def by_synset(found: dict, good: list, cfg, label_feature: str) -> Labelling:
             f"has a label below it{damaged(found, set(range(offset)), set(present))}; numbering the synsets "
             f"present from 0 would move every label: give --synsets-file FILE (every synset, one a line: an "
             f"absent class keeps its index), or --label-offset {-offset} to number them from 0 anyway")
+    lost = lost_before(found, ordered[0], set(present)) if offset == 1 and cfg.synsets_file is None else None
+    if lost is not None:  # offset 1 is also ImageNet's 1-based labels: only a damaged record tells the two apart
+        warnings.append(f"{lost}, damaged, carries a class before {ordered[0]} (the first synset with a record, "
+                        f"{label_feature} 1): if the labels are 0-based, that class was lost to damage and every "
+                        f"class index here is one below the file's label; then give --synsets-file FILE (every "
+                        f"synset, one a line) or --synset-feature '' --label-offset 0")
     if cfg.label_offset is not None and offset is not None and -offset != cfg.label_offset:
         raise ConversionFailed(f"--label-offset {cfg.label_offset}, but the labels are the sorted synsets' indices "
                                f"{offset:+d} (drop --label-offset: with synsets the labels come from them)")
     absent = [s for s in classes if s not in set(present)]
-    warnings = []
     if absent:
         warnings.append(f"{len(absent)} of the {len(classes)} synsets of {cfg.synsets_file} have no record: "
                         f"{', '.join(absent[:10])}{', ...' if len(absent) > 10 else ''}"
                         f"{damaged(found, set(), set(present))}")
     source = str(cfg.synsets_file) if cfg.synsets_file is not None else cfg.synset_feature
     return Labelling(classes, None if offset is None else -offset, True, source, warnings)
+
+
+def lost_before(found: dict, first: str, present: set[str]) -> str | None:
+    """The first damaged record whose synset sorts before `first` or whose label is 0 (with no synset of a
+    class present): where it is, its class and its damage; None if there is none."""
+    for where, records in found.items():
+        for r in records:
+            if r.problem is not None and ((r.synset is not None and r.synset < first)
+                                          or (r.label == 0 and r.synset not in present)):
+                return f"{where} record {r.number} ({r.synset or r.label}: {r.problem})"
+    return None
 
 
 def damaged(found: dict, labels: set[int], synsets: set[str]) -> str:
