@@ -420,11 +420,11 @@ def declared() -> dict:
 def test_the_base_install_brings_no_dali_and_each_cuda_extra_one_dali_of_its_major():
     deps = declared()
     dali = {name: [r.name for r in reqs if r.name.startswith("nvidia-dali")] for name, reqs in deps.items()}
-    assert dali == {"base": [], "dev": [], "peers": [], "cuda12": ["nvidia-dali-cuda120"],
+    assert dali == {"base": [], "dev": [], "peers": [], "export": [], "cuda12": ["nvidia-dali-cuda120"],
                     "cuda13": ["nvidia-dali-cuda130"]}
     torch = {name: [str(r.specifier) for r in reqs if r.name == "torch"] for name, reqs in deps.items()}
     # PyPI's torch is built for CUDA 13.0 from 2.11 on (2.10: CUDA 12.8), measured: the cuda13 extra asks for it
-    assert torch == {"base": [">=2.5"], "dev": [], "peers": [], "cuda12": [], "cuda13": [">=2.11"]}
+    assert torch == {"base": [">=2.5"], "dev": [], "peers": [], "export": [], "cuda12": [], "cuda13": [">=2.11"]}
 
 
 def test_the_installs_named_by_the_check_are_the_extras():
