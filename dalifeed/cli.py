@@ -12,7 +12,8 @@ from .export.serve import serve
 
 @click.group()
 def main() -> None:
-    """dalifeed's own commands. The work is done by shard-convert, dali-train and dali-bench (each --help)."""
+    """dalifeed's own commands: check a node's stack, export a trained run to Triton, serve it. Data and training
+    are shard-convert, dali-train and dali-bench (each --help)."""
 
 
 main.add_command(doctor)
