@@ -211,9 +211,9 @@ def test_mixed_datasets_share_one_thread_budget(make_shards):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# docs/development/gpu-evidence.md's memory table: its numbers are these functions' (issue 19 review, item 3)
+# docs/development/gpu-evidence.md's memory table: its numbers are these functions', so the page cannot drift
 
-OLD_DEVICE_PADDING, OLD_HOST_PADDING = 211025920, 140544512  # before issue 19: DALI's old ResNet-50 numbers
+OLD_DEVICE_PADDING, OLD_HOST_PADDING = 211025920, 140544512  # the "before" columns: DALI's earlier paddings
 
 
 def size(n_bytes: float) -> str:
