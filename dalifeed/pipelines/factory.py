@@ -71,8 +71,9 @@ def make_loader(data: str | os.PathLike | list | ShardData, split: str, batch_si
         int64 class indices (multi-hot float32 for `task="multilabel"` data).
 
     Raises:
-        ValueError: An unknown or bad option, or `rank`/`world_size` that disagree with an initialized
-            process group.
+        TypeError: An option `LoaderOptions` does not have.
+        ValueError: A bad option value, or `rank`/`world_size` that disagree with an initialized process
+            group.
         ManifestError: No finished shard folder at `data`.
         DatasetError: No such split, an empty one, a batch larger than a rank's share of the split, or data
             opened for detection (read it with `make_detection_loader`).
