@@ -3,8 +3,8 @@ configuration, GET / PUT / HEAD / list / delete / multipart upload, and every fa
 says what to do. Nothing here knows about shard folders: `shardfolder` reads them, `convert/remote` writes
 them.
 
-DALI reads the tars straight from the store (`fn.readers.webdataset(paths=["s3://..."])`, with its own
-AWS SDK and one ranged GET per member); everything else goes through boto3 here.
+Every request goes through boto3 here, the loaders' too: a loader fetches each tar whole into the node's
+shard cache and DALI reads the local copy.
 
 Why boto3 for this part: it resolves endpoint, credentials and region exactly as every AWS tool does
 (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, AWS_PROFILE,

@@ -61,7 +61,8 @@ def parse_image_sizes(ctx, param, value: str) -> list[int]:
               help="--task detection: the instances file the COCO shards were made from.")
 @click.option("--shards", type=LOCATION, required=True,
               help="The shard folder shard-convert made from the same images (checked: see below), or "
-                   "s3://bucket/prefix: DALI then reads the tars from the store (docs/storage.md).")
+                   "s3://bucket/prefix: each tar is then fetched whole into the node's shard cache and DALI reads it "
+                   "there (docs/storage.md).")
 @click.option("--loaders", default=",".join(d("loaders")), show_default=True,
               help="Comma-separated subset to run. dali-hybrid and dali-gpu are skipped without a GPU (exit 2 "
                    "when no loader given can run here). Also: the peers spdl, streaming, litdata (not run unless "

@@ -23,8 +23,8 @@ Files = Callable[[ShardManifest, list[ShardInfo]], tuple[list[str], list[str]]]
 
 
 def epoch_files(manifest: ShardManifest, shards: list[ShardInfo]) -> tuple[list[str], list[str]]:
-    """Where DALI reads `shards` from, in order: the tars (paths, or s3:// URLs: DALI reads those from the
-    store) and their indexes (local paths: a store's indexes are in the cache, `check_files` fetched them)."""
+    """Where DALI reads `shards` of a local folder from, in order: the tars and their indexes (a store's
+    folder reads through its shard cache instead)."""
     return [manifest.shard_location(s) for s in shards], [str(manifest.root / s.index) for s in shards]
 
 

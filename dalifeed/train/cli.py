@@ -80,10 +80,10 @@ def parse_progressive_resize(ctx, param, value: str | None) -> str | None:
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--data", multiple=True, callback=lambda ctx, param, value: parse_data(value),
               help="Shard folder made by shard-convert or adopted by shard-convert index (its train split trains, "
-                   "its val split evaluates), or s3://bucket/prefix (DALI reads the tars from the store; "
-                   "docs/storage.md). Repeat it to mix datasets: every batch draws from each in the "
-                   "--data-weights proportions, the classes are the union of theirs, and each is evaluated "
-                   "and reported apart (NAME/top1 ...).")
+                   "its val split evaluates), or s3://bucket/prefix (each tar is fetched whole into the shard "
+                   "cache, --cache-dir, and DALI reads it there; docs/storage.md). Repeat it to mix datasets: "
+                   "every batch draws from each in the --data-weights proportions, the classes are the union of "
+                   "theirs, and each is evaluated and reported apart (NAME/top1 ...).")
 @click.option("--data-weights", default=None, callback=lambda ctx, param, value: parse_weights(value),
               metavar="W1,W2,...", help="With several --data: each one's share of every batch, e.g. 3,1 "
                                         "(default: equal).")
