@@ -202,7 +202,8 @@ def coco_cmd(out, quiet, debug, **options):
                    "as skipped.")
 @click.option("--label-offset", type=int, default=None,
               help="Without synsets: added to every label (-1 for ImageNet's 1-based labels, where 0 is background). "
-                   "With synsets the labels are the sorted synsets' indices and this, if given, is checked.")
+                   "With synsets the labels are the sorted synsets' indices and this, if given, is checked "
+                   "against the file's labels (it lets a run whose first classes have no record go on).")
 @click.option("--image-feature", default="image/encoded", show_default=True,
               help="The bytes feature holding the image.")
 @click.option("--label-feature", default="image/class/label", show_default=True,
