@@ -74,8 +74,8 @@ test-gpu: $(GPU_CHECK_DEPS)
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 # Every DALI graph dalifeed builds for `gpu` and `hybrid`, checked without a GPU (tests/test_gpu_graphs.py,
-# docs/development/gpu-evidence.md): each operator has a backend for its device and a GPU kernel for the dtype
-# and layout it receives (tests/gpu_kernels.py), every argument is in its schema and current, and the graph equals the cpu
+# docs/development/gpu-evidence.md): each operator has a backend for its device and a GPU kernel for the dtype and
+# layout it receives (tests/gpu_kernels.py), every argument is in its schema and current, and the graph equals the cpu
 # graph but for device strings and the mixed decoders' hints. `make test` runs it too.
 gpu-lint: venv
 	$(PY) -m pytest -q tests/test_gpu_graphs.py $(PYTEST_ARGS)
