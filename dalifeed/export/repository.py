@@ -55,9 +55,23 @@ def write_onnx(model: torch.nn.Module, size: int, path: Path) -> None:
 
 
 def export_repository(cfg: ExportConfig, log=print) -> dict:
-    """Write the model repository `cfg.repo` from the run `cfg.run` (ExportConfig's docstring); returns the
-    record saved as REPO/export.json. The repository is written beside REPO and renamed into place, so that
-    REPO is the earlier export or this one, never a mix."""
+    """Write the Triton model repository `cfg.repo` from the dali-train run `cfg.run`.
+
+    The repository is written beside REPO and renamed into place, so that REPO is the earlier export or this
+    one, never a mix.
+
+    Args:
+        cfg: What to export and how: the run, the repository, the weights, the device, the names and sizes.
+        log: Called with each line of progress. Default `print`.
+
+    Returns:
+        The record saved as REPO/export.json: the options, the weights and checkpoint exported, the top-1 the
+        run recorded for them, the versions.
+
+    Raises:
+        ExportError: A folder that is not a run with a checkpoint, weights it does not have, a multilabel
+            run, a REPO holding other files, or no `onnx` package.
+    """
     cfg.validate()
     try:  # torch.onnx.export needs it, and says so only once the graph is traced
         import onnx  # noqa: F401
