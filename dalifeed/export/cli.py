@@ -23,7 +23,8 @@ def d(name: str):
 @click.argument("repo", type=click.Path(path_type=Path))
 @click.option("--weights", type=click.Choice(WEIGHTS), default=None,
               help="Which weights: best (best.pt), last (last.pt), ema (last.pt's EMA average), swa (swa.pt). "
-                   "Default: what the run reports as its result, swa.pt if the run finished with SWA, else best.pt.")
+                   "Default: what the run reports as its result, swa.pt if the run finished with SWA, else best.pt "
+                   "(last.pt when the run has no best.pt yet).")
 @click.option("--device", type=click.Choice(DEVICES), default=d("device"), show_default=True,
               help="Where Triton runs the models: gpu (the DALI model decodes with nvJPEG; KIND_GPU) or cpu "
                    "(KIND_CPU).")

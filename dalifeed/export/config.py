@@ -26,7 +26,7 @@ class ExportConfig:
     Attributes:
         run: The dali-train run folder.
         repo: The model repository to write (made, or replaced when it holds an earlier export).
-        weights: best, last, ema or swa; None: what the run reports as its result (swa after SWA, else best).
+        weights: best, last, ema or swa; None: what the run reports as its result (swa after SWA, else best, else last).
         device: Where Triton runs the models: gpu (nvJPEG decoding, KIND_GPU) or cpu (KIND_CPU).
         name: The ensemble's name; the DALI model is `{name}_preprocess`, the classifier `{name}_onnx`.
         max_batch_size: Triton's largest batch for each model (also the batch the DALI pipeline is built for).
