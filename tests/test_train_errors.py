@@ -137,11 +137,11 @@ def test_dali_train_usage_errors_are_one_line_and_exit_2(shards, mini_coco_shard
 
 
 def test_make_loader_refuses_classification_on_coco_shards_in_one_line(mini_coco_shards):
-    """Without multilabel=True, COCO shards would reach DALI's reader, which finds no one-class label member
+    """Not opened with task="multilabel", COCO shards would reach DALI's reader, which finds no one-class label member
     and fails while building the pipeline ("Underful sample detected ... please report it")."""
     from dalifeed.pipelines import make_loader
 
-    with pytest.raises(ValueError, match=r"holds COCO shards .*make_loader\(\.\.\., multilabel=True\)"
+    with pytest.raises(ValueError, match=r"holds COCO shards .*open_dataset\(path, task='multilabel'\)"
                                          r".*make_detection_loader"):
         make_loader(mini_coco_shards, "mini", 2, augment=AugmentConfig(image_size=16), device="cpu", num_threads=1)
 

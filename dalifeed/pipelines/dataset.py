@@ -287,7 +287,7 @@ def refuse_kind(location: str, manifest: ShardManifest, task: str, mixed: bool) 
         raise MixError(f"{location}: COCO shards cannot be mixed (one class label per sample is needed)")
     if task == "classify" and manifest.kind == "coco":  # DALI would fail on the missing one-class label member
         raise DatasetError(f"{location} holds COCO shards (label lists, not one class a sample): read them as "
-                           f"multi-label targets (dali-train --task multilabel, make_loader(..., multilabel=True)) "
+                           f"multi-label targets (dali-train --task multilabel, open_dataset(path, task='multilabel')) "
                            f"or for detection (dali-bench --task detection, make_detection_loader)")
     if task in ("multilabel", "detection") and manifest.kind != "coco":
         raise DatasetError(f"{location} holds {manifest.kind} shards: {task} needs COCO shards (shard-convert coco)")
