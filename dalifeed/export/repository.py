@@ -9,11 +9,13 @@ import json
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from nvidia.dali import fn, pipeline_def, types
+from nvidia.dali.data_node import DataNode
 
 from dalifeed.atomic import write_atomic, write_json_atomic
 from dalifeed.pipelines.augment import AugmentConfig
@@ -28,9 +30,20 @@ ONNX_OPSET = 17
 
 
 @pipeline_def(enable_conditionals=False)
-def serving_pipeline(augment: AugmentConfig, device: str):
-    """The validation graph on encoded images fed by name (`triton.DALI_INPUT`), as DALI's Triton backend feeds
-    them: float32 CHW out, the evaluation loader's dtype and layout."""
+def serving_pipeline(augment: AugmentConfig, device: str) -> DataNode:
+    """The validation graph on encoded images fed by name (`DALI_INPUT_0`), as DALI's Triton backend feeds
+    them: float32 CHW out, the evaluation loader's dtype and layout.
+
+    A `@pipeline_def`: call it with DALI's `Pipeline` keywords (`batch_size`, `num_threads`, `device_id`) too.
+
+    Args:
+        augment: The run's validation preprocessing (resize, crop, mean and std, size).
+        device: `"cpu"`, or `"gpu"` for nvJPEG decoding and GPU operators.
+
+    Returns:
+        The graph's one output, the images, float32 (3, H, W); called, the `@pipeline_def` gives a DALI
+        `Pipeline` of that output.
+    """
     encoded = fn.external_source(name=triton.DALI_INPUT, dtype=types.UINT8, ndim=1, device="cpu")
     return val_transform(encoded, augment, device, Output())
 
@@ -38,7 +51,17 @@ def serving_pipeline(augment: AugmentConfig, device: str):
 def serialized_pipeline(augment: AugmentConfig, device: str, batch_size: int, num_threads: int) -> bytes:
     """`serving_pipeline` serialized (DALI's protobuf), without the Python lines it was defined at. Made with no
     device_id, so that a GPU graph serializes on a machine without one: the backend builds it with its own
-    batch size, threads and GPU."""
+    batch size, threads and GPU.
+
+    Args:
+        augment: The run's validation preprocessing.
+        device: `"cpu"` or `"gpu"`.
+        batch_size: The largest batch, Triton's `max_batch_size`.
+        num_threads: DALI's CPU threads.
+
+    Returns:
+        The bytes of `model.dali`.
+    """
     pipe = serving_pipeline(augment, device, batch_size=batch_size, num_threads=num_threads, device_id=None)
     return without_origins(pipe.serialize())
 
@@ -54,7 +77,7 @@ def write_onnx(model: torch.nn.Module, size: int, path: Path) -> None:
                           dynamic_axes={triton.ONNX_INPUT: {0: "batch"}, triton.ONNX_OUTPUT: {0: "batch"}})
 
 
-def export_repository(cfg: ExportConfig, log=print) -> dict:
+def export_repository(cfg: ExportConfig, log: Callable[[str], object] = print) -> dict:
     """Write the Triton model repository `cfg.repo` from the dali-train run `cfg.run`.
 
     The repository is written beside REPO and renamed into place, so that REPO is the earlier export or this

@@ -60,8 +60,19 @@ def default_weights(run: Path) -> str:
 
 
 def load_run_weights(run: str | Path, weights: str | None = None) -> RunWeights:
-    """`weights` (None: `default_weights`) of the dali-train run in folder `run`. ExportError, naming the folder,
-    for a folder that holds no checkpoint, weights it does not have, and a multilabel run."""
+    """One set of weights of a dali-train run, with what the run recorded for them.
+
+    Args:
+        run: The run folder (dali-train's `--out`).
+        weights: `"best"`, `"last"`, `"ema"` or `"swa"`; None: what the run reports as its result (swa.pt when
+            it finished with SWA, else best.pt, else last.pt). Default None.
+
+    Returns:
+        A `RunWeights`: the model's state_dict, the run's config and classes, and the recorded top-1.
+
+    Raises:
+        ExportError: The folder holds no checkpoint or not these weights, or the run is multilabel.
+    """
     run = Path(run)
     if not run.is_dir():
         raise ExportError(f"RUN_DIR {run}: {'is a file, not' if run.exists() else 'no such'} run folder")
