@@ -143,10 +143,16 @@ def _read_features(feature: dict, prefix: str, info: TfdsInfo) -> None:
     form older TFDS wrote, before the proto: `{"type": <class>, "content": ...}`."""
     if not isinstance(feature, dict):
         return
-    if isinstance(feature.get("type"), str):
-        _read_legacy_feature(feature, prefix, info)
-        return
-    children = feature.get("featuresDict", {}).get("features")
+    if isinstance(feature.get("type"), str):  # older TFDS
+        kind, content = feature["type"].rsplit(".", 1)[-1], feature.get("content")
+        children = content if kind == "FeaturesDict" else None
+        classes = content.get("num_classes") if kind == "ClassLabel" and isinstance(content, dict) else None
+        classes = classes if isinstance(classes, int) else None
+    else:
+        children = feature.get("featuresDict", {}).get("features")
+        kind = str(feature.get("pythonClassName", "")).rsplit(".", 1)[-1]
+        label = feature.get("classLabel")
+        classes = label.get("numClasses") if isinstance(label, dict) else None
     if isinstance(children, dict):
         for name, child in children.items():
             _read_features(child, f"{prefix}{name}/", info)
@@ -154,24 +160,9 @@ def _read_features(feature: dict, prefix: str, info: TfdsInfo) -> None:
     name = prefix.rstrip("/")
     if not name:
         return
-    info.kinds[name] = str(feature.get("pythonClassName", "")).rsplit(".", 1)[-1]
-    label = feature.get("classLabel")
-    if isinstance(label, dict) and "numClasses" in label:
-        info.num_classes[name] = int(label["numClasses"])
-
-
-def _read_legacy_feature(feature: dict, prefix: str, info: TfdsInfo) -> None:
-    kind, content = feature["type"].rsplit(".", 1)[-1], feature.get("content")
-    if kind == "FeaturesDict" and isinstance(content, dict):
-        for name, child in content.items():
-            _read_features(child, f"{prefix}{name}/", info)
-        return
-    name = prefix.rstrip("/")
-    if not name:
-        return
     info.kinds[name] = kind
-    if kind == "ClassLabel" and isinstance(content, dict) and isinstance(content.get("num_classes"), int):
-        info.num_classes[name] = content["num_classes"]
+    if classes is not None:
+        info.num_classes[name] = int(classes)
 
 
 def count_warnings(info: TfdsInfo, counted: dict[str, tuple[str, int, int, int]]) -> list[str]:
