@@ -425,6 +425,31 @@ def test_leaving_the_map_early_kills_a_busy_worker_instead_of_waiting_for_it():
     wait_for(lambda: gone([worker]), timeout=10, what="the busy workers to die")
 
 
+LEAVE_DURING_A_SEND = """import sys
+from dalifeed.convert.shards import ordered_map
+
+def result_of(item):
+    return b"x" * (64 << 20) if item else b""
+
+if __name__ == "__main__":
+    results = ordered_map(result_of, list(range(8)), workers=2, chunk=1)
+    next(results), next(results)  # the other worker is now sending 64 MB through the result pipe
+    results.close()
+    print("closed")
+"""
+
+
+def test_leaving_the_map_while_a_worker_sends_its_result_returns(tmp_path):
+    """A worker killed halfway through sending its result left half a message that the pool's thread waited
+    on forever, and `close`, `shutdown` and Python's exit with it: a SIGTERM'd conversion printed its stop line
+    and never exited. In a process of its own, so that a hang fails this test, not the whole suite's exit."""
+    script = tmp_path / "leave_early.py"
+    script.write_text(LEAVE_DURING_A_SEND)
+    ran = subprocess.run([PY, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert ran.returncode == 0 and ran.stdout == "closed\n", ran.stderr
+
+
 @pytest.fixture
 def shards(small_imagefolder, tmp_path) -> Path:
     convert(small_imagefolder, tmp_path / "v", samples_per_shard=8)

@@ -10,6 +10,7 @@ bytes are the same for any worker count.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -299,9 +300,18 @@ def ordered_map(fn: Callable, items: Sequence, workers: int, chunk: int = 64) ->
 
 def _kill_workers(pool: ProcessPoolExecutor) -> None:
     # ProcessPoolExecutor has no public way to stop a running task before Python 3.14's kill_workers();
-    # `_processes` (pid -> Process) is there from 3.8 to 3.14
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
+    # `_processes` (pid -> Process) and `_result_queue` are there from 3.8 to 3.14
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    for process in processes:
         process.kill()
+    for process in processes:
+        process.join(timeout=10)
+    # a worker killed halfway through sending a result leaves half a message that the pool's thread would
+    # wait on forever (and `shutdown` and the interpreter's exit with it); with our end of the result pipe
+    # closed too, nothing can write the rest, so that thread reads end-of-file and stops
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+    if writer is not None:
+        writer.close()
 
 
 # What a worker runs, imported once by the fork server rather than by every worker it starts
@@ -529,15 +539,16 @@ def write_split(
     work = [(position, plan[position]) for position in range(start, positions.stop)]
     with ShardWriter(out_dir, prefix, max_bytes=max_shard_bytes, max_samples=samples_per_shard, progress=progress,
                      progress_key=prefix, first_number=len(done), first_record=len(done)) as writer:
-        results = ordered_map(functools.partial(_encode_and_pack, encode), work, workers)
-        for position, result in enumerate(results, start=start):
-            on_items(1)
-            if isinstance(result, Skip):
-                if on_error == "fail":
-                    raise ConversionFailed(f"{describe(plan[position])}: {result.reason}")
-                writer.skip({"path": describe(plan[position]), "reason": result.reason})
-            else:
-                writer.write(result, position)
+        # closed as soon as the loop is left, so a stop or an error ends the workers before it is reported
+        with contextlib.closing(ordered_map(functools.partial(_encode_and_pack, encode), work, workers)) as results:
+            for position, result in enumerate(results, start=start):
+                on_items(1)
+                if isinstance(result, Skip):
+                    if on_error == "fail":
+                        raise ConversionFailed(f"{describe(plan[position])}: {result.reason}")
+                    writer.skip({"path": describe(plan[position]), "reason": result.reason})
+                else:
+                    writer.write(result, position)
         trailing_skips = writer.finish(positions.stop)
     return Totals.sum([*(record.totals for record in done + writer.records), Totals(skipped=trailing_skips)])
 
